@@ -1,0 +1,78 @@
+"""Typed errors of fastckpt.
+
+Every error derives from :class:`FastCkptError` and, where one fits, from the
+matching built-in exception, so callers can catch either. Messages name the
+file, the tensor and the numbers involved, and say how to fix the problem.
+"""
+
+from __future__ import annotations
+
+
+class FastCkptError(Exception):
+    """Base class of every error raised by fastckpt."""
+
+
+class CheckpointNotFoundError(FastCkptError, FileNotFoundError):
+    """No committed checkpoint exists where one was asked for."""
+
+
+class CheckpointExistsError(FastCkptError, FileExistsError):
+    """The target checkpoint folder or step already exists (pass ``overwrite=True``)."""
+
+
+class CorruptCheckpointError(FastCkptError, ValueError):
+    """A file's bytes do not match its header, index, manifest or checksum.
+
+    Attributes:
+        path: the file at fault (``str`` or ``None``).
+        tensor: the tensor at fault, when one is known (``str`` or ``None``).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, tensor: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.tensor = tensor
+
+
+class HeaderError(CorruptCheckpointError):
+    """A safetensors header is malformed, hostile or inconsistent with its file."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """A tensor's or file's bytes do not match the checksum in the manifest."""
+
+
+class UnsupportedValueError(FastCkptError, TypeError):
+    """A value in the state cannot be saved (names its key path and type)."""
+
+
+class UnsupportedDtypeError(UnsupportedValueError):
+    """A tensor dtype has no safetensors encoding, or a file names an unknown dtype."""
+
+
+class InsufficientSpaceError(FastCkptError, OSError):
+    """The target file system has fewer free bytes than the checkpoint needs."""
+
+
+class SaveFailedError(FastCkptError, RuntimeError):
+    """A save failed; raised only where the original error cannot be re-raised as is."""
+
+
+class UnsafePathError(FastCkptError, ValueError):
+    """A file name taken from an index or manifest leaves the checkpoint folder."""
+
+
+class CheckpointLockedError(FastCkptError, RuntimeError):
+    """Another live writer holds the lock of a checkpoint root."""
+
+
+class DistributedSaveError(FastCkptError, RuntimeError):
+    """One or more ranks failed a collective save.
+
+    Attributes:
+        failures: ``dict[int, str]`` mapping each failed rank to its error text.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str]):
+        super().__init__(message)
+        self.failures = dict(failures)

@@ -1,0 +1,318 @@
+"""safetensors headers and HF index files: encode, parse, validate.
+
+Format source: https://github.com/huggingface/safetensors#format ::
+
+    [8 bytes: N, little-endian u64][N bytes: UTF-8 JSON header][data]
+
+The header maps tensor names to ``{"dtype", "shape", "data_offsets": [begin, end]}``
+(offsets relative to the start of the data region) plus an optional
+``"__metadata__"`` map of ``str -> str``. Non-empty tensors tile the data region
+exactly (no overlaps, no holes); the header may be padded with spaces.
+
+Everything here is validated before any allocation sized by the file and before
+any read past the end of the file (cases C1-C5 of ``shared/cases``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+
+from .dtypes import itemsize, str_to_dtype
+from .errors import HeaderError, UnsafePathError, UnsupportedValueError
+
+#: Largest header accepted, in bytes (the safetensors package uses the same 100 MB cap).
+MAX_HEADER_BYTES = 100_000_000
+METADATA_KEY = "__metadata__"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a safetensors file.
+
+    Attributes:
+        name: tensor name in the file.
+        dtype: safetensors dtype string (``"BF16"``...).
+        shape: tuple of non-negative ints (``()`` for a 0-dim scalar).
+        start: first byte, relative to the data region.
+        end: one past the last byte, relative to the data region.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        """Byte length of the tensor's data."""
+        return self.end - self.start
+
+
+@dataclass
+class Header:
+    """A parsed and validated safetensors header.
+
+    Attributes:
+        path: the file it came from.
+        data_offset: absolute byte offset of the data region (``8 + N``).
+        tensors: name -> :class:`TensorInfo`, in file order of ``start``.
+        metadata: the ``__metadata__`` map (``None`` when absent).
+        file_size: size of the file in bytes.
+    """
+
+    path: str
+    data_offset: int
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str] | None = None
+    file_size: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def check_metadata(metadata: dict | None, *, path: str = "?") -> dict[str, str] | None:
+    """Validate a ``__metadata__`` map: keys and values must be ``str``.
+
+    Raises:
+        UnsupportedValueError: a key or value is not a string (names the key); convert
+            values with ``json.dumps`` first if they are not text.
+    """
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise UnsupportedValueError(f"{path}: metadata must be a dict of str -> str, got {type(metadata).__name__}")
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise UnsupportedValueError(
+                f"{path}: metadata key {k!r} has a {type(v).__name__} value {v!r}; safetensors metadata "
+                "values must be strings (encode them, e.g. json.dumps(value))"
+            )
+    return metadata
+
+
+def encode_header(
+    entries: list[tuple[str, str, tuple[int, ...], int]],
+    metadata: dict[str, str] | None = None,
+    *,
+    align: int = 8,
+) -> tuple[bytes, list[TensorInfo]]:
+    """Build a safetensors header for tensors laid out back to back in ``entries`` order.
+
+    Args:
+        entries: ``(name, dtype_str, shape, nbytes)`` per tensor; ``nbytes`` must equal
+            ``prod(shape) * itemsize(dtype)``.
+        metadata: optional ``str -> str`` map stored as ``__metadata__``.
+        align: the returned prefix (8-byte length + JSON + space padding) is padded to a
+            multiple of ``align`` bytes (8 by default, 4096 for O_DIRECT-friendly files).
+
+    Returns:
+        ``(prefix_bytes, infos)``: the bytes to write at offset 0 and each tensor's range.
+
+    Raises:
+        UnsupportedValueError: a name is ``__metadata__`` or repeated, metadata is not
+            ``str -> str``, or ``nbytes`` disagrees with the shape.
+    """
+    check_metadata(metadata)
+    header: dict = {}
+    if metadata is not None:
+        header[METADATA_KEY] = metadata
+    infos: list[TensorInfo] = []
+    cursor = 0
+    for name, dtype, shape, nbytes in entries:
+        if name == METADATA_KEY:
+            raise UnsupportedValueError(f"tensor name {METADATA_KEY!r} is reserved by the safetensors format; rename it")
+        if name in header:
+            raise UnsupportedValueError(f"tensor name {name!r} appears twice in one file")
+        want = math.prod(shape) * itemsize(str_to_dtype(dtype, tensor=name))
+        if want != nbytes:
+            raise UnsupportedValueError(f"tensor {name!r}: shape {list(shape)} {dtype} needs {want} bytes, got {nbytes}")
+        info = TensorInfo(name, dtype, tuple(int(s) for s in shape), cursor, cursor + nbytes)
+        header[name] = {"dtype": dtype, "shape": list(info.shape), "data_offsets": [info.start, info.end]}
+        infos.append(info)
+        cursor += nbytes
+    body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    total = 8 + len(body)
+    padded = -(-total // align) * align
+    body += b" " * (padded - total)
+    return struct.pack("<Q", len(body)) + body, infos
+
+
+def _dup_check(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _parse_entry(name: str, raw: object, path: str) -> TensorInfo:
+    if not isinstance(raw, dict):
+        raise HeaderError(f"{path}: entry {name!r} is not an object", path=path, tensor=name)
+    dtype, shape, offs = raw.get("dtype"), raw.get("shape"), raw.get("data_offsets")
+    dt = str_to_dtype(dtype, tensor=name, path=path)
+    if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
+        raise HeaderError(f"{path}: tensor {name!r} has invalid shape {shape!r}", path=path, tensor=name)
+    if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) and o >= 0 for o in offs)):
+        raise HeaderError(f"{path}: tensor {name!r} has invalid data_offsets {offs!r}", path=path, tensor=name)
+    start, end = offs
+    if end < start:
+        raise HeaderError(f"{path}: tensor {name!r} has data_offsets [{start}, {end}] with end < begin",
+                          path=path, tensor=name)
+    want = math.prod(shape) * itemsize(dt)
+    if end - start != want:
+        raise HeaderError(
+            f"{path}: tensor {name!r} is {dtype} {shape} = {want} bytes but data_offsets "
+            f"[{start}, {end}] span {end - start} bytes", path=path, tensor=name)
+    return TensorInfo(name, dtype, tuple(shape), start, end)
+
+
+def _check_layout(infos: list[TensorInfo], data_len: int, path: str) -> None:
+    """Non-empty ranges must tile ``[0, data_len)``; empty ones must lie inside it."""
+    cursor, prev = 0, None
+    for t in sorted((i for i in infos if i.nbytes), key=lambda i: i.start):
+        if t.start < cursor:
+            raise HeaderError(f"{path}: tensor {t.name!r} [{t.start}, {t.end}] overlaps {prev!r} "
+                              f"which ends at {cursor}", path=path, tensor=t.name)
+        if t.start > cursor:
+            raise HeaderError(f"{path}: {t.start - cursor} unindexed bytes [{cursor}, {t.start}) before tensor "
+                              f"{t.name!r}", path=path, tensor=t.name)
+        cursor, prev = t.end, t.name
+    for t in infos:
+        if t.end > data_len:
+            raise HeaderError(f"{path}: tensor {t.name!r} ends at data byte {t.end} but the file holds only "
+                              f"{data_len} data bytes (truncated?)", path=path, tensor=t.name)
+    if cursor != data_len:
+        raise HeaderError(f"{path}: tensors end at data byte {cursor} but the file holds {data_len} data bytes "
+                          f"({data_len - cursor} trailing bytes)", path=path)
+
+
+def parse_header(body: bytes, file_size: int, *, path: str = "?") -> Header:
+    """Parse and validate the JSON header ``body`` (without its 8-byte length).
+
+    Args:
+        body: the N header bytes.
+        file_size: total file size in bytes, to check that every tensor lies inside it.
+        path: file name used in error messages.
+
+    Raises:
+        HeaderError: not UTF-8, not a JSON object, duplicate keys, bad entries, overlapping
+            or unindexed ranges, ranges past the end of the file, bad ``__metadata__``.
+        UnsupportedDtypeError: an entry names an unknown dtype.
+    """
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HeaderError(f"{path}: header is not valid UTF-8 ({e})", path=path) from None
+    try:
+        raw = json.loads(text, object_pairs_hook=_dup_check)
+    except ValueError as e:
+        raise HeaderError(f"{path}: header is not valid JSON: {e}", path=path) from None
+    if not isinstance(raw, dict):
+        raise HeaderError(f"{path}: header is a JSON {type(raw).__name__}, not an object", path=path)
+    meta = raw.pop(METADATA_KEY, None)
+    if meta is not None:
+        if not isinstance(meta, dict):
+            raise HeaderError(f"{path}: __metadata__ is not an object", path=path)
+        for k, v in meta.items():
+            if not isinstance(v, str):
+                raise HeaderError(f"{path}: __metadata__ key {k!r} has a non-string value {v!r}", path=path)
+    infos = [_parse_entry(name, entry, path) for name, entry in raw.items()]
+    data_offset = 8 + len(body)
+    _check_layout(infos, file_size - data_offset, path)
+    infos.sort(key=lambda i: (i.start, i.end))
+    return Header(path, data_offset, {i.name: i for i in infos}, meta, file_size)
+
+
+def read_header_fd(fd: int, path: str) -> Header:
+    """Read and validate the header of the open safetensors file ``fd``.
+
+    The length field is checked against the file size before the header is read,
+    so a hostile length (e.g. 2**63) never sizes an allocation.
+
+    Raises:
+        HeaderError: see :func:`parse_header`; also a file shorter than 8 bytes or a
+            length field larger than the file or than ``MAX_HEADER_BYTES``.
+    """
+    size = os.fstat(fd).st_size
+    if size < 8:
+        raise HeaderError(f"{path}: file is {size} bytes, shorter than the 8-byte header length", path=path)
+    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    if n > size - 8:
+        raise HeaderError(f"{path}: header length field says {n} bytes but the file has only {size - 8} "
+                          "bytes after it (truncated or not a safetensors file)", path=path)
+    if n > MAX_HEADER_BYTES:
+        raise HeaderError(f"{path}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit", path=path)
+    body = os.pread(fd, n, 8)
+    if len(body) != n:
+        raise HeaderError(f"{path}: short read of header ({len(body)} of {n} bytes)", path=path)
+    return parse_header(body, size, path=path)
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """Open ``path`` and return its validated :class:`Header` (see :func:`read_header_fd`)."""
+    path = os.fspath(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return read_header_fd(fd, path)
+    finally:
+        os.close(fd)
+
+
+def safe_join(folder: str | os.PathLike, name: str) -> str:
+    """Join a file ``name`` taken from an index or manifest onto ``folder``, safely.
+
+    Raises:
+        UnsafePathError: ``name`` is absolute, contains ``..`` or a NUL, or (through a
+            symlink) resolves outside ``folder``.
+    """
+    folder = os.fspath(folder)
+    if not isinstance(name, str) or not name or "\x00" in name or os.path.isabs(name) \
+            or ".." in name.replace("\\", "/").split("/"):
+        raise UnsafePathError(f"{folder}: file name {name!r} from an index or manifest leaves the folder")
+    full = os.path.join(folder, name)
+    real_folder = os.path.realpath(folder)
+    real = os.path.realpath(full)
+    if os.path.commonpath([real_folder, real]) != real_folder:
+        raise UnsafePathError(f"{folder}: {name!r} resolves to {real}, outside the folder (symlink?)")
+    return full
+
+
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def read_index(index_path: str | os.PathLike) -> dict[str, str]:
+    """Read an HF ``*.safetensors.index.json`` and return its ``weight_map`` (tensor -> shard).
+
+    Raises:
+        HeaderError: not JSON, no ``weight_map`` object, or a non-string entry.
+        UnsafePathError: a shard name leaves the folder.
+        FileNotFoundError: a shard named by the index does not exist (names it).
+    """
+    index_path = os.fspath(index_path)
+    try:
+        with open(index_path, "rb") as f:
+            raw = json.loads(f.read().decode("utf-8"), object_pairs_hook=_dup_check)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HeaderError(f"{index_path}: not a valid JSON index: {e}", path=index_path) from None
+    wm = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise HeaderError(f"{index_path}: no valid 'weight_map' object", path=index_path)
+    folder = os.path.dirname(index_path)
+    for shard in set(wm.values()):
+        if not os.path.exists(safe_join(folder, shard)):
+            raise HeaderError(f"{index_path}: names shard {shard!r}, which does not exist", path=index_path)
+    return wm
+
+
+def write_index(entries: dict[str, str], total_bytes: int) -> bytes:
+    """Encode an HF index (``{"metadata": {"total_size": N}, "weight_map": {...}}``) as JSON bytes."""
+    doc = {"metadata": {"total_size": int(total_bytes)}, "weight_map": dict(sorted(entries.items()))}
+    return json.dumps(doc, indent=2).encode("utf-8")
