@@ -1,0 +1,99 @@
+"""fastckpt: fast, safe checkpoint and weight I/O on one storage tier.
+
+Public API::
+
+    fastckpt.save(state, path, **options) -> Path            # durable + committed on return
+    fastckpt.async_save(state, path, **options) -> SaveFuture  # returns once staged
+    fastckpt.load(path, *, device="cpu", keys=None) -> dict
+    fastckpt.CheckpointManager(root, keep_last=None, prefix="step-")
+    fastckpt.verify(path) -> VerifyReport
+    fastckpt.is_committed(path) -> bool
+
+See docs/FORMAT.md for the on-disk format and README.md for figures.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from . import errors
+from .commit import is_committed, read_manifest
+from .errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError,
+                     CorruptCheckpointError, FastCkptError, HeaderError, InsufficientSpaceError,
+                     UnsupportedDtypeError, UnsupportedValueError)
+from .loader import load, open_checkpoint
+from .manager import CheckpointManager
+from .saver import SaveFuture, SaveOptions, Saver
+from .verify import VerifyReport, verify
+
+__version__ = "0.1.0"
+
+_default_saver: Saver | None = None
+
+
+def _saver() -> Saver:
+    global _default_saver
+    if _default_saver is None:
+        _default_saver = Saver()
+    return _default_saver
+
+
+def async_save(state: Any, path: str | os.PathLike, **options: Any) -> SaveFuture:
+    """Stage ``state`` into host memory and write it to ``path`` in the background.
+
+    Returns as soon as every tensor is copied into the staging buffer: the checkpoint holds
+    the values the tensors had at the call even if they change right after. A second call
+    waits for the previous save of the same process (staging memory stays bounded) and
+    raises its failure if nobody collected it.
+
+    Args:
+        state: nested dict/list/tuple of tensors (any device, any strides), NumPy arrays and
+            JSON-able values (see :func:`fastckpt.tree.flatten`).
+        path: checkpoint folder to create; its parent is created if needed.
+        **options: see :class:`fastckpt.saver.SaveOptions` (``overwrite``, ``weights``,
+            ``extra_files``, ``metadata``, ``step``, ``max_shard_bytes``, ``chunk_bytes``,
+            ``threads``, ``staging_bytes``, ``o_direct``, ``io_backend``, ...).
+
+    Returns:
+        A :class:`SaveFuture`; ``result()`` returns the path once durable and committed.
+
+    Raises:
+        CheckpointExistsError: ``path`` exists and ``overwrite`` is false.
+        UnsupportedValueError / UnsupportedDtypeError: a value cannot be stored (names its key
+            path); raised before any file is created.
+        InsufficientSpaceError: not enough free space for the checkpoint.
+        ValueError: a bad option.
+
+    Example::
+
+        fut = fastckpt.async_save({"model": model.state_dict(), "step": 10}, "ckpt/step-10")
+        ...                      # keep training
+        fut.result()             # durable
+    """
+    return _saver().async_save(state, path, **options)
+
+
+def save(state: Any, path: str | os.PathLike, **options: Any) -> Path:
+    """Write ``state`` to ``path`` and return once every byte is durable and committed.
+
+    Same as ``async_save(state, path, **options).result()``; the folder appears only
+    complete (written to a hidden sibling, fsynced, renamed).
+
+    Raises:
+        The errors of :func:`async_save`, and any I/O failure (``OSError`` with its errno,
+        e.g. ENOSPC, EIO) of the background writers, with nothing committed.
+    """
+    return async_save(state, path, **options).result()
+
+
+def wait() -> None:
+    """Wait for the pending :func:`async_save` of this process; re-raise an uncollected failure."""
+    _saver().wait()
+
+
+__all__ = ["save", "async_save", "load", "wait", "verify", "is_committed", "read_manifest", "open_checkpoint",
+           "CheckpointManager", "SaveFuture", "SaveOptions", "VerifyReport", "errors", "FastCkptError",
+           "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError", "HeaderError",
+           "ChecksumMismatchError", "UnsupportedValueError", "UnsupportedDtypeError", "InsufficientSpaceError"]

@@ -1,0 +1,140 @@
+"""Turn a nested state into what the planner needs: specs, sources, manifest entries.
+
+Validation happens here, before any file exists: value types (named by key path),
+dtypes, sparse/quantized/meta tensors, NumPy dtypes. Tensors that share storage are
+stored once: identical views become ``alias`` entries, different views of one storage
+become ``view`` entries over one byte blob, and are rebuilt sharing storage on load.
+Zero-element tensors never share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .dtypes import dtype_to_str
+from .errors import UnsupportedDtypeError, UnsupportedValueError
+from .planner import ArraySpec
+from .tree import flatten, join
+
+#: Key-path prefix of storage blobs; ``%s`` can never come out of :func:`fastckpt.tree.encode_segment`.
+BLOB_PREFIX = "%storage/"
+STATE_GROUP = "state"
+
+
+@dataclass
+class Collected:
+    """A validated state ready to plan.
+
+    Attributes:
+        skeleton: JSON skeleton of the state (see :mod:`fastckpt.tree`).
+        specs: one :class:`ArraySpec` per stored array, in state order.
+        sources: key path -> tensor whose bytes are stored (any device, maybe non-contiguous).
+        entries: key path -> manifest entry for arrays not stored under their own key
+            (``{"alias": key}`` or ``{"view": blob, "offset", "dtype", "shape", "stride"}``),
+            plus ``{"ndarray": True}`` markers.
+    """
+
+    skeleton: Any
+    specs: list[ArraySpec] = field(default_factory=list)
+    sources: dict[str, torch.Tensor] = field(default_factory=dict)
+    entries: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of array data to write."""
+        return sum(s.nbytes for s in self.specs)
+
+
+def _as_tensor(key: str, v: Any) -> torch.Tensor:
+    if isinstance(v, np.ndarray):
+        try:
+            return torch.from_numpy(np.ascontiguousarray(v))
+        except TypeError:
+            raise UnsupportedDtypeError(f"array at key path {key!r} has NumPy dtype {v.dtype}, "
+                                        "which has no torch/safetensors equivalent") from None
+    if v.is_sparse or v.layout != torch.strided:
+        raise UnsupportedValueError(f"tensor at key path {key!r} has layout {v.layout}; call .to_dense() first")
+    if v.is_quantized:
+        raise UnsupportedValueError(f"tensor at key path {key!r} is quantized; store int_repr() and scales instead")
+    if v.device.type == "meta":
+        raise UnsupportedValueError(f"tensor at key path {key!r} is on the meta device and has no data")
+    return v.detach()
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    return (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def collect(state: Any, weights: dict[str, str]) -> Collected:
+    """Validate ``state`` and describe every array to write.
+
+    Args:
+        state: nested state (see :func:`fastckpt.tree.flatten`).
+        weights: top-level key -> HF file stem; tensors directly under ``state[key]`` keep their
+            raw dict key as tensor name and go to that stem's files; all others go to
+            ``state-0000k-of-0000n.safetensors`` under their key path.
+
+    Raises:
+        UnsupportedValueError, UnsupportedDtypeError: naming the key path.
+    """
+    arrays: list[tuple[str, Any]] = []
+    skeleton = flatten(state, lambda k, v: arrays.append((k, v)))
+    names: dict[str, tuple[str, str]] = {}
+    if isinstance(state, dict):
+        for top, stem in weights.items():
+            sub = state.get(top)
+            if isinstance(sub, dict):
+                for rk in sub:
+                    if isinstance(rk, str):
+                        names[join(join("", top), rk)] = (rk, stem)
+    out = Collected(skeleton)
+    groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    for key, v in arrays:
+        t = _as_tensor(key, v)
+        dtype_to_str(t.dtype, tensor=key)
+        if isinstance(v, np.ndarray):
+            out.entries[key] = {"ndarray": True}
+            _add(out, key, t, names)
+        elif t.numel() == 0:
+            _add(out, key, t, names)
+        else:
+            sid = (t.device, t.untyped_storage().data_ptr())
+            groups.setdefault(sid, []).append((key, t))
+    for members in groups.values():
+        _add_group(out, members, names)
+    order = {k: i for i, (k, _) in enumerate(arrays)}
+    out.specs.sort(key=lambda s: order.get(s.key, len(order)))
+    return out
+
+
+def _add(out: Collected, key: str, t: torch.Tensor, names: dict[str, tuple[str, str]]) -> None:
+    name, group = names.get(key, (key, STATE_GROUP))
+    out.specs.append(ArraySpec(key, name, group, dtype_to_str(t.dtype, tensor=key), tuple(t.shape),
+                               t.numel() * t.element_size()))
+    out.sources[key] = t
+
+
+def _add_group(out: Collected, members: list[tuple[str, torch.Tensor]], names: dict) -> None:
+    views = {_view_key(t) for _, t in members}
+    first_key, first = members[0]
+    if len(views) == 1:
+        _add(out, first_key, first, names)
+        for key, _ in members[1:]:
+            out.entries[key] = {"alias": first_key}
+        return
+    spans = []
+    for _, t in members:
+        last = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+        spans.append((t.storage_offset() * t.element_size(), (last + 1) * t.element_size()))
+    lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+    blob_key = BLOB_PREFIX + str(len([k for k in out.sources if k.startswith(BLOB_PREFIX)]))
+    blob = torch.empty(0, dtype=torch.uint8, device=first.device)
+    blob.set_(first.untyped_storage(), lo, (hi - lo,))
+    _add(out, blob_key, blob, {})
+    for (key, t), (s, _) in zip(members, spans):
+        out.entries[key] = {"view": blob_key, "offset": s - lo, "dtype": dtype_to_str(t.dtype, tensor=key),
+                            "shape": list(t.shape), "stride": list(t.stride())}

@@ -1,0 +1,184 @@
+"""Atomic commit: hidden temporary folder, fsync, one rename, manifest.
+
+A fastckpt checkpoint exists if and only if a folder without a leading ``.`` holds a
+``manifest.json`` that parses and names format ``fastckpt``. Writers fill a hidden
+sibling ``.{name}.fastckpt-tmp-{pid}-{rand}`` (same file system, so the commit is one
+``rename``), fsync every file and the folder, write the manifest last, then rename.
+Replacing an existing checkpoint swaps the two folders with ``renameat2(RENAME_EXCHANGE)``
+where the kernel offers it, so the path never lacks a committed checkpoint.
+(Same idea as Orbax's atomicity module and DCP's ``FileSystemWriter.finish``.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import secrets
+import shutil
+import socket
+import time
+
+from .errors import CorruptCheckpointError
+from .io import fsync_dir
+
+MANIFEST = "manifest.json"
+STATE_JSON = "state.json"
+OWNER = ".owner.json"
+FORMAT_NAME = "fastckpt"
+FORMAT_VERSION = 1
+TMP_MARK = ".fastckpt-tmp-"
+
+
+def temp_dir_for(path: str) -> str:
+    """Hidden sibling folder name for a save into ``path`` (does not create it)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(parent, f".{name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def make_temp_dir(path: str) -> str:
+    """Create the temporary folder for ``path`` with an owner record (pid, host, time)."""
+    tmp = temp_dir_for(path)
+    os.makedirs(tmp)
+    owner = {"pid": os.getpid(), "host": socket.gethostname(), "started_unix_s": time.time()}
+    write_small_file(os.path.join(tmp, OWNER), json.dumps(owner).encode())
+    return tmp
+
+
+def write_small_file(path: str, data: bytes, *, fsync: bool = True) -> None:
+    """Create ``path`` with ``data`` and fsync it (used for JSON and extra files)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths with renameat2; False when the kernel/libc lacks it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    rc = fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0
+
+
+def commit_dir(tmp: str, path: str, *, overwrite: bool) -> None:
+    """Make ``tmp`` visible as ``path`` with one rename, then fsync the parent folder.
+
+    With ``overwrite`` an existing ``path`` is swapped out atomically and removed only after
+    the new folder is in place.
+
+    Raises:
+        FileExistsError: ``path`` exists and ``overwrite`` is false.
+    """
+    parent = os.path.dirname(os.path.abspath(path))
+    fsync_dir(tmp)
+    if os.path.lexists(path):
+        if not overwrite:
+            raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it")
+        if _exchange(tmp, path):
+            fsync_dir(parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        old = temp_dir_for(path) + ".old"
+        os.rename(path, old)
+        os.rename(tmp, path)
+        fsync_dir(parent)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    os.rename(tmp, path)
+    fsync_dir(parent)
+
+
+def read_manifest(path: str) -> dict:
+    """Read and check the manifest of the checkpoint folder ``path``.
+
+    Raises:
+        FileNotFoundError: no manifest (the folder is not a committed checkpoint).
+        CorruptCheckpointError: the manifest is not valid JSON or not a fastckpt manifest,
+            or its format version is newer than this library understands.
+    """
+    mpath = os.path.join(path, MANIFEST)
+    with open(mpath, "rb") as f:
+        raw = f.read()
+    try:
+        m = json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{mpath}: manifest is not valid JSON: {e}", path=mpath) from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{mpath}: not a fastckpt manifest", path=mpath)
+    if not isinstance(m.get("format_version"), int) or m["format_version"] > FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"{mpath}: format_version {m.get('format_version')!r} is newer than this fastckpt "
+            f"understands ({FORMAT_VERSION}); upgrade fastckpt", path=mpath)
+    for key in ("files", "tensors"):
+        if not isinstance(m.get(key), dict):
+            raise CorruptCheckpointError(f"{mpath}: manifest lacks a {key!r} object", path=mpath)
+    return m
+
+
+def is_committed(path: str | os.PathLike) -> bool:
+    """True if ``path`` is a committed fastckpt checkpoint folder (visible name + valid manifest)."""
+    path = os.fspath(path)
+    if os.path.basename(os.path.normpath(path)).startswith("."):
+        return False
+    try:
+        read_manifest(path)
+        return True
+    except (OSError, CorruptCheckpointError):
+        return False
+
+
+def owner_alive(tmp: str) -> bool:
+    """True if the writer that created temporary folder ``tmp`` may still be running.
+
+    A folder whose owner record names this host and a pid that no longer exists is dead;
+    a folder of another host, or without a readable record younger than a day, counts
+    as alive (never delete another live writer's files).
+    """
+    try:
+        with open(os.path.join(tmp, OWNER)) as f:
+            owner = json.load(f)
+        pid, host = int(owner["pid"]), owner["host"]
+    except (OSError, ValueError, KeyError, TypeError):
+        try:
+            return time.time() - os.stat(tmp).st_mtime < 86400
+        except OSError:
+            return False
+    if host != socket.gethostname():
+        return True
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_temps(root: str) -> list[str]:
+    """Remove temporary folders in ``root`` whose writer is dead; return the removed names."""
+    removed = []
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return removed
+    for n in names:
+        full = os.path.join(root, n)
+        if n.startswith(".") and TMP_MARK in n and os.path.isdir(full) and not owner_alive(full):
+            shutil.rmtree(full, ignore_errors=True)
+            removed.append(n)
+    return removed

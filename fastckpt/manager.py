@@ -1,0 +1,172 @@
+"""CheckpointManager: one folder per step under a root, ``latest`` pointer, retention."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from . import commit as cm
+from .errors import CheckpointExistsError, CheckpointNotFoundError
+from .loader import load
+from .saver import SaveFuture, Saver
+
+LATEST = "latest"
+
+
+class CheckpointManager:
+    """Checkpoints of one run: ``{root}/{prefix}{step}`` folders, committed atomically.
+
+    Args:
+        root: folder holding the step folders (created on first save).
+        keep_last: keep at most this many committed steps (``None``: keep all). Pruning runs
+            only after a commit, so the newest committed checkpoint is never removed before a
+            newer one is committed.
+        prefix: step folder prefix (default ``"step-"``; the Trainer integration uses
+            ``"checkpoint-"``).
+
+    A ``latest`` text file in ``root`` names the newest committed step; it is replaced
+    atomically after each commit. Readers trust the scan of committed folders over it
+    (a crash between commit and pointer update leaves the pointer one step behind).
+
+    Example::
+
+        mgr = CheckpointManager("runs/a", keep_last=2)
+        mgr.async_save(100, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+        ...
+        state = mgr.load()          # newest committed step
+    """
+
+    def __init__(self, root: str | os.PathLike, keep_last: int | None = None, prefix: str = "step-"):
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
+        if not prefix or "/" in prefix or prefix.startswith("."):
+            raise ValueError(f"prefix {prefix!r} must be a non-empty plain name not starting with '.'")
+        self.root = Path(os.path.abspath(os.fspath(root)))
+        self.keep_last = keep_last
+        self.prefix = prefix
+        self._saver = Saver()
+        self._pattern = re.compile(re.escape(prefix) + r"(\d+)$")
+
+    def path(self, step: int) -> Path:
+        """Folder of ``step`` (whether or not it exists)."""
+        return self.root / f"{self.prefix}{int(step)}"
+
+    def _scan(self) -> tuple[list[int], list[tuple[str, str]]]:
+        steps, skipped = [], []
+        try:
+            names = sorted(os.listdir(self.root))
+        except FileNotFoundError:
+            return [], []
+        for n in names:
+            full = self.root / n
+            if n.startswith(".") and cm.TMP_MARK in n:
+                state = "live writer" if cm.owner_alive(str(full)) else "dead writer, removed on next save/prune"
+                skipped.append((n, f"temporary folder of an unfinished save ({state})"))
+                continue
+            m = self._pattern.match(n)
+            if not m or not full.is_dir():
+                continue
+            if cm.is_committed(full):
+                steps.append(int(m.group(1)))
+            else:
+                skipped.append((n, "no valid manifest.json: never committed (crashed save or not fastckpt)"))
+        return sorted(steps), skipped
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return self._scan()[0]
+
+    def skipped(self) -> list[tuple[str, str]]:
+        """``(folder name, reason)`` for every folder under ``root`` that looks like a step but is not committed."""
+        return self._scan()[1]
+
+    def latest(self) -> int | None:
+        """Highest committed step, or ``None``."""
+        s = self.steps()
+        return s[-1] if s else None
+
+    def async_save(self, step: int, state: Any, **options: Any) -> SaveFuture:
+        """Start saving ``state`` as ``step``; returns once staged (see :func:`fastckpt.async_save`).
+
+        Raises:
+            CheckpointExistsError: ``step`` exists and ``overwrite`` is not true.
+            (other errors as :func:`fastckpt.async_save`)
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        target = self.path(step)
+        if target.exists() and not options.get("overwrite"):
+            raise CheckpointExistsError(f"{target}: step {step} exists; pass overwrite=True to replace it")
+        user_hook = options.pop("on_commit", None)
+
+        def after_commit(p: Path) -> None:
+            self._write_latest()
+            if self.keep_last is not None:
+                self.prune(self.keep_last)
+            if user_hook is not None:
+                user_hook(p)
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        cm.clean_stale_temps(str(self.root))
+        return self._saver.async_save(state, target, step=step, on_commit=after_commit, **options)
+
+    def save(self, step: int, state: Any, **options: Any) -> Path:
+        """Save ``state`` as ``step`` and return its folder once durable and committed."""
+        return self.async_save(step, state, **options).result()
+
+    def wait(self) -> None:
+        """Wait for the pending save; re-raise its failure if nobody collected it."""
+        self._saver.wait()
+
+    def load(self, step: int | None = None, **options: Any) -> dict:
+        """Load ``step`` (default: the newest committed) with :func:`fastckpt.load` options.
+
+        Raises:
+            CheckpointNotFoundError: no committed checkpoint (or not that step).
+        """
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise CheckpointNotFoundError(f"{self.root}: no committed checkpoint")
+        elif step not in self.steps():
+            raise CheckpointNotFoundError(f"{self.root}: step {step} is not committed (have {self.steps()})")
+        return load(self.path(step), **options)
+
+    def _write_latest(self) -> None:
+        step = self.latest()
+        if step is None:
+            return
+        tmp = self.root / f".{LATEST}.{os.getpid()}.tmp"
+        if tmp.exists():
+            tmp.unlink()
+        cm.write_small_file(str(tmp), f"{step}\n".encode())
+        os.replace(tmp, self.root / LATEST)
+        cm.fsync_dir(str(self.root))
+
+    def prune(self, keep: int, protect: tuple[int, ...] = ()) -> list[int]:
+        """Remove the oldest committed steps so that ``keep`` remain, and dead temporaries.
+
+        The newest committed step and the steps in ``protect`` are never removed. A folder is
+        first renamed to a hidden name (so it stops being a checkpoint at once), then deleted.
+
+        Returns:
+            The removed steps.
+        """
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        cm.clean_stale_temps(str(self.root))
+        steps = self.steps()
+        victims = [s for s in steps[:-keep] if s not in protect] if len(steps) > keep else []
+        for s in victims:
+            doomed = cm.temp_dir_for(str(self.path(s))) + ".del"
+            try:
+                os.rename(self.path(s), doomed)
+            except FileNotFoundError:
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
+        if victims:
+            cm.fsync_dir(str(self.root))
+        return victims

@@ -1,0 +1,169 @@
+"""Save planning: which tensor goes to which shard file at which byte range. Pure, no I/O.
+
+The plan lays out the data regions of all files one after another in a virtual
+*stream* (each region starting at a multiple of ``chunk_bytes``), which is how the
+staging buffer is addressed, and cuts every region into *write units* of at most
+``chunk_bytes``: the unit of parallel ``pwrite``. Small tensors are packed into the
+same unit, so many small tensors cost one large write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .dtypes import itemsize, str_to_dtype
+from .format import encode_header
+
+#: Header prefixes are padded to this many bytes so every data region is O_DIRECT aligned.
+HEADER_ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One array to write.
+
+    Attributes:
+        key: key path in the state (see :mod:`fastckpt.tree`).
+        name: tensor name inside the safetensors file.
+        group: file stem: ``"model"`` -> ``model-0000k-of-0000n.safetensors``; a stem
+            ending in ``.safetensors`` -> exactly that single file.
+        dtype: safetensors dtype string.
+        shape: tuple of ints.
+        nbytes: data bytes.
+    """
+
+    key: str
+    name: str
+    group: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """An :class:`ArraySpec` placed in a file: absolute file offset and stream offset (bytes)."""
+
+    spec: ArraySpec
+    file: str
+    file_offset: int
+    stream_offset: int
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """One safetensors file: its name, header prefix bytes, total size and data region."""
+
+    name: str
+    prefix: bytes
+    size: int
+    data_offset: int
+    stream_offset: int
+    tensors: tuple[PlannedTensor, ...]
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of the data region."""
+        return self.size - self.data_offset
+
+
+@dataclass(frozen=True)
+class WriteUnit:
+    """A contiguous byte range of one file written by one ``pwrite`` (at most ``chunk_bytes``)."""
+
+    file_index: int
+    file_offset: int
+    stream_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """The whole write plan.
+
+    Attributes:
+        files: every safetensors file, in write order.
+        units: every write unit, in stream order.
+        stream_bytes: size of the stream (staging bytes needed to hold it all at once).
+        data_bytes: bytes of tensor data (excluding headers and stream padding).
+        chunk_bytes: unit size in bytes.
+        index: HF index per sharded group stem: ``stem -> {tensor name: file name}``.
+    """
+
+    files: tuple[FilePlan, ...]
+    units: tuple[WriteUnit, ...]
+    stream_bytes: int
+    data_bytes: int
+    chunk_bytes: int
+    index: dict[str, dict[str, str]]
+
+    @property
+    def file_bytes(self) -> int:
+        """Total bytes of all safetensors files (headers included)."""
+        return sum(f.size for f in self.files)
+
+
+def _shard(specs: list[ArraySpec], max_shard_bytes: int) -> list[list[ArraySpec]]:
+    order = sorted(specs, key=lambda s: -itemsize(str_to_dtype(s.dtype, tensor=s.name)))
+    shards: list[list[ArraySpec]] = [[]]
+    used = 0
+    for s in order:
+        if shards[-1] and used + s.nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(s)
+        used += s.nbytes
+    return shards
+
+
+def _file_names(stem: str, n: int) -> list[str]:
+    if stem.endswith(".safetensors"):
+        return [stem]
+    return [f"{stem}-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+
+
+def plan_save(specs: list[ArraySpec], *, max_shard_bytes: int, chunk_bytes: int,
+              metadata: dict[str, str] | None = None) -> SavePlan:
+    """Plan the files, byte ranges and write units for ``specs``.
+
+    Args:
+        specs: arrays to write; names must be unique within a group.
+        max_shard_bytes: data bytes per shard file before a new shard starts (a larger
+            tensor gets a shard of its own). Groups whose stem ends in ``.safetensors``
+            are never split.
+        chunk_bytes: write-unit size in bytes (a multiple of 4096).
+        metadata: ``__metadata__`` for every file (``str -> str``).
+
+    Returns:
+        A frozen :class:`SavePlan`; deterministic for equal inputs.
+    """
+    if chunk_bytes % HEADER_ALIGN:
+        raise ValueError(f"chunk_bytes={chunk_bytes} must be a multiple of {HEADER_ALIGN}")
+    groups: dict[str, list[ArraySpec]] = {}
+    for s in specs:
+        groups.setdefault(s.group, []).append(s)
+    files: list[FilePlan] = []
+    units: list[WriteUnit] = []
+    index: dict[str, dict[str, str]] = {}
+    stream = 0
+    for stem, group in groups.items():
+        shards = [group] if stem.endswith(".safetensors") else _shard(group, max_shard_bytes)
+        names = _file_names(stem, len(shards))
+        if not stem.endswith(".safetensors"):
+            index[stem] = {}
+        for fname, shard in zip(names, shards):
+            prefix, infos = encode_header([(s.name, s.dtype, s.shape, s.nbytes) for s in shard],
+                                          metadata, align=HEADER_ALIGN)
+            data_off = len(prefix)
+            placed = tuple(PlannedTensor(s, fname, data_off + i.start, stream + i.start)
+                           for s, i in zip(shard, infos))
+            data = infos[-1].end if infos else 0
+            fi = len(files)
+            files.append(FilePlan(fname, prefix, data_off + data, data_off, stream, placed))
+            for off in range(0, data, chunk_bytes):
+                n = min(chunk_bytes, data - off)
+                units.append(WriteUnit(fi, data_off + off, stream + off, n))
+            if stem in index:
+                index[stem].update({s.name: fname for s in shard})
+            stream += -(-data // chunk_bytes) * chunk_bytes
+    return SavePlan(tuple(files), tuple(units), stream, sum(s.nbytes for s in specs), chunk_bytes, index)

@@ -1,0 +1,130 @@
+"""Resolve what a path holds before reading a byte of tensor data.
+
+A path is one of: a committed fastckpt checkpoint folder (``manifest.json``), a foreign
+HF model folder (``*.safetensors.index.json`` or ``*.safetensors`` files), or a single
+safetensors file. Every header is parsed and validated, every manifest/index entry is
+checked against the headers and file sizes, and no tensor may appear in two files.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+
+from . import commit as cm
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, HeaderError
+from .format import INDEX_SUFFIX, Header, TensorInfo, read_header, read_index, safe_join
+
+
+@dataclass
+class Resolved:
+    """A validated view of a checkpoint.
+
+    Attributes:
+        root: folder (or the file itself for a single safetensors file).
+        headers: file name -> validated :class:`~fastckpt.format.Header`.
+        tensors: key -> ``(file name, TensorInfo)`` for every stored tensor (key paths for
+            fastckpt checkpoints, tensor names for foreign files).
+        manifest: the fastckpt manifest, or ``None`` for foreign files.
+        skeleton: the state skeleton (``state.json``), or ``None`` for foreign files.
+    """
+
+    root: str
+    headers: dict[str, Header] = field(default_factory=dict)
+    tensors: dict[str, tuple[str, TensorInfo]] = field(default_factory=dict)
+    manifest: dict | None = None
+    skeleton: object = None
+
+    def file_path(self, name: str) -> str:
+        """Absolute path of file ``name``."""
+        return self.root if os.path.isfile(self.root) else os.path.join(self.root, name)
+
+
+def resolve(path: str | os.PathLike) -> Resolved:
+    """Validate ``path`` and describe every tensor in it (see module docstring).
+
+    Raises:
+        CheckpointNotFoundError: nothing loadable there, or an uncommitted fastckpt folder.
+        HeaderError / CorruptCheckpointError: any header, index or manifest problem.
+        UnsafePathError: a file name leaves the folder.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isfile(path):
+        h = read_header(path)
+        r = Resolved(path, {os.path.basename(path): h})
+        r.tensors = {n: (os.path.basename(path), t) for n, t in h.tensors.items()}
+        return r
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"{path}: no such checkpoint, folder or safetensors file")
+    if os.path.exists(os.path.join(path, cm.MANIFEST)):
+        return _resolve_fastckpt(path)
+    if os.path.exists(os.path.join(path, cm.STATE_JSON)):
+        raise CheckpointNotFoundError(f"{path}: fastckpt folder without manifest.json: the save never "
+                                      "committed (crashed or still running); it is not a checkpoint")
+    return _resolve_foreign(path)
+
+
+def _resolve_fastckpt(path: str) -> Resolved:
+    if os.path.basename(path).startswith("."):
+        raise CheckpointNotFoundError(f"{path}: hidden folders are uncommitted temporaries, not checkpoints")
+    m = cm.read_manifest(path)
+    r = Resolved(path, manifest=m)
+    for name, info in m["files"].items():
+        full = safe_join(path, name)
+        try:
+            size = os.stat(full).st_size
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path}: manifest lists {name!r}, which is missing", path=full) from None
+        if size != info.get("bytes"):
+            raise CorruptCheckpointError(f"{full}: {size} bytes on disk, manifest says {info.get('bytes')} "
+                                         "(truncated or replaced)", path=full)
+        if name.endswith(".safetensors"):
+            r.headers[name] = read_header(full)
+    for key, e in m["tensors"].items():
+        if "file" not in e:
+            continue
+        h = r.headers.get(e["file"])
+        t = h.tensors.get(e["name"]) if h else None
+        if t is None or t.dtype != e["dtype"] or list(t.shape) != e["shape"] \
+                or [h.data_offset + t.start, h.data_offset + t.end] != e["offsets"]:
+            raise CorruptCheckpointError(f"{path}: tensor {key!r} in manifest does not match the header of "
+                                         f"{e['file']!r}", path=os.path.join(path, e["file"]), tensor=key)
+        r.tensors[key] = (e["file"], t)
+    with open(os.path.join(path, cm.STATE_JSON), "rb") as f:
+        r.skeleton = json.loads(f.read())
+    return r
+
+
+def _resolve_foreign(path: str) -> Resolved:
+    r = Resolved(path)
+    indexes = sorted(glob.glob(os.path.join(glob.escape(path), "*" + INDEX_SUFFIX)))
+    if indexes:
+        wanted: dict[str, str] = {}
+        for ix in indexes:
+            for name, shard in read_index(ix).items():
+                if name in wanted and wanted[name] != shard:
+                    raise HeaderError(f"{ix}: tensor {name!r} is mapped to {shard!r} and {wanted[name]!r}",
+                                      path=ix, tensor=name)
+                wanted[name] = shard
+        files = sorted(set(wanted.values()))
+    else:
+        wanted = {}
+        files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
+    if not files:
+        raise CheckpointNotFoundError(f"{path}: no manifest.json, no *.safetensors.index.json and no "
+                                      "*.safetensors files: nothing to load")
+    for name in files:
+        h = read_header(safe_join(path, name))
+        r.headers[name] = h
+        for tname, t in h.tensors.items():
+            if tname in r.tensors:
+                raise HeaderError(f"{path}: tensor {tname!r} is stored in both {r.tensors[tname][0]!r} and "
+                                  f"{name!r}; refusing to pick one", path=os.path.join(path, name), tensor=tname)
+            r.tensors[tname] = (name, t)
+    for tname, shard in wanted.items():
+        if tname not in r.tensors or r.tensors[tname][0] != shard:
+            raise HeaderError(f"{path}: index maps {tname!r} to {shard!r} but that shard's header lacks it",
+                              path=os.path.join(path, shard), tensor=tname)
+    return r

@@ -1,0 +1,389 @@
+"""save / async_save: stage, write in parallel, commit atomically.
+
+One save path: :func:`save` is ``async_save(...).result()``. Call order of one save:
+
+1. caller thread: validate the state and options, plan (pure), check free space,
+   create the hidden temporary folder and the files, copy every tensor into the staging
+   buffer (this is all the caller waits for, unless the staging budget is smaller than
+   the state, in which case writes stream out of a ring of slots while copying);
+2. background thread: parallel ``pwrite`` of write units + per-tensor xxh3 checksums on a
+   thread pool, headers, fsync of every file, JSON files, ``manifest.json`` last, fsync of
+   the folder, one ``rename`` (the commit), retention hooks;
+3. ``SaveFuture.result()`` returns the path or raises the background error itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import threading
+import time
+import warnings
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import xxhash
+
+from . import commit as cm
+from .collect import STATE_GROUP, collect
+from .errors import CheckpointExistsError, InsufficientSpaceError
+from .format import check_metadata, write_index
+from .io import FileWriter, PosixBackend, get_backend, write_all
+from .planner import SavePlan, plan_save
+from .staging import StagingPool, copy_into, copy_pieces
+
+DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
+DEFAULT_CHUNK_BYTES = 8 << 20
+
+
+def default_threads() -> int:
+    """Default I/O thread count: 8 on small machines, up to 16 with more cores."""
+    return min(16, max(8, os.cpu_count() or 1))
+
+
+@dataclass
+class SaveOptions:
+    """Options of :func:`save` / :func:`async_save` (all keyword-only there).
+
+    Attributes:
+        overwrite: replace an existing ``path`` atomically (default ``False``: refuse).
+        weights: top-level state key -> HF file stem (default ``{"model": "model"}``). Tensors
+            directly under that key are written with their own names as
+            ``{stem}-0000k-of-0000n.safetensors`` + ``{stem}.safetensors.index.json``; a stem
+            ending in ``.safetensors`` is one file of exactly that name.
+        extra_files: file name -> bytes, small files committed with the checkpoint.
+        metadata: ``str -> str`` stored in every shard's ``__metadata__``.
+        step: training step recorded in the manifest (``int`` or ``None``).
+        max_shard_bytes: data bytes per shard file (default 5e9, as HF).
+        chunk_bytes: bytes per write request (default 8 MiB; multiple of 4096).
+        threads: parallel I/O threads (default :func:`default_threads`).
+        staging_bytes: staging memory budget in bytes (default: the whole state, so the
+            caller is released after one memory copy); smaller budgets stream.
+        o_direct: write with O_DIRECT where the file system supports it (default ``False``).
+        io_backend: name in :data:`fastckpt.io.BACKENDS` or a backend instance.
+        min_free_bytes: extra free bytes required beyond the checkpoint (default 0).
+        on_commit: optional callback ``(path)`` run in the writer thread after the commit.
+    """
+
+    overwrite: bool = False
+    weights: dict[str, str] | None = None
+    extra_files: dict[str, bytes] | None = None
+    metadata: dict[str, str] | None = None
+    step: int | None = None
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    threads: int | None = None
+    staging_bytes: int | None = None
+    o_direct: bool = False
+    io_backend: str | PosixBackend | None = None
+    min_free_bytes: int = 0
+    on_commit: Callable[[Path], None] | None = field(default=None, repr=False)
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first bad option."""
+        for name in ("max_shard_bytes", "chunk_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int of bytes, got {v!r}")
+        if self.chunk_bytes % 4096:
+            raise ValueError(f"chunk_bytes must be a multiple of 4096, got {self.chunk_bytes}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"threads must be a positive int, got {self.threads!r}")
+        if self.staging_bytes is not None and (not isinstance(self.staging_bytes, int) or self.staging_bytes <= 0):
+            raise ValueError(f"staging_bytes must be a positive int of bytes, got {self.staging_bytes!r}")
+        for n in self.extra_files or {}:
+            if "/" in n or n.startswith(".") or n in (cm.MANIFEST, cm.STATE_JSON):
+                raise ValueError(f"extra file name {n!r} is reserved or not a plain file name")
+        check_metadata(self.metadata)
+
+
+_UNCOLLECTED: "weakref.WeakSet[SaveFuture]" = weakref.WeakSet()
+
+
+class SaveFuture:
+    """Handle of one asynchronous save.
+
+    Attributes:
+        path: the checkpoint folder it commits (``pathlib.Path``).
+        blocking_s: seconds the ``async_save`` call blocked (validation + staging).
+        total_s: seconds from the call until the commit (``None`` while pending).
+        bytes_written: bytes of all files written (set when done).
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.blocking_s = 0.0
+        self.total_s: float | None = None
+        self.bytes_written = 0
+        self._event = threading.Event()
+        self._exc: BaseException | None = None
+        self._collected = False
+
+    def done(self) -> bool:
+        """True once the save committed or failed."""
+        return self._event.is_set()
+
+    def result(self, timeout_s: float | None = None) -> Path:
+        """Wait for the commit and return the checkpoint path.
+
+        Args:
+            timeout_s: seconds to wait (default: forever).
+
+        Raises:
+            TimeoutError: not done within ``timeout_s``.
+            BaseException: the background failure itself (same object, errno kept), on every call.
+        """
+        if not self._event.wait(timeout_s):
+            raise TimeoutError(f"save of {self.path} not finished after {timeout_s} s")
+        if self._exc is not None:
+            self._collected = True
+            _UNCOLLECTED.discard(self)
+            raise self._exc
+        return self.path
+
+    def exception(self) -> BaseException | None:
+        """The background failure, or ``None`` (waits for completion)."""
+        self._event.wait()
+        return self._exc
+
+    def _finish(self, exc: BaseException | None) -> None:
+        self._exc = exc
+        if exc is not None:
+            _UNCOLLECTED.add(self)
+        self._event.set()
+
+
+@atexit.register
+def _warn_uncollected() -> None:
+    for fut in list(_UNCOLLECTED):
+        if not fut._collected:
+            warnings.warn(f"fastckpt: a background save of {fut.path} failed and nobody called result(): "
+                          f"{type(fut._exc).__name__}: {fut._exc}", RuntimeWarning, stacklevel=1)
+
+
+class _Job:
+    """One save in flight: files, staging buffer, writer pool."""
+
+    def __init__(self, plan: SavePlan, tmp: str, opts: SaveOptions, pool: StagingPool):
+        self.plan, self.tmp, self.opts, self.pool = plan, tmp, opts, pool
+        self.be = get_backend(opts.io_backend)
+        self.writers: list[FileWriter] = []
+        self.exec = ThreadPoolExecutor(opts.threads or default_threads(), thread_name_prefix="fastckpt-io")
+        self.unit_futs: dict[int, Future] = {}
+        self.hashes: dict[str, Any] = {}
+        self.buf = self.view = None
+        self.streaming = False
+
+    def open_files(self) -> None:
+        for f in self.plan.files:
+            self.writers.append(FileWriter(self.be, os.path.join(self.tmp, f.name), f.size, self.opts.o_direct))
+
+    def _write_unit(self, i: int, slot_off: int) -> None:
+        u = self.plan.units[i]
+        self.writers[u.file_index].write(self.view[slot_off:slot_off + u.nbytes], u.file_offset)
+
+    def stage(self, sources: dict) -> None:
+        """Copy every tensor into the staging buffer (the caller's blocking part)."""
+        p, chunk = self.plan, self.plan.chunk_bytes
+        budget = self.opts.staging_bytes
+        self.streaming = budget is not None and budget < p.stream_bytes
+        size = max(2, budget // chunk) * chunk if self.streaming else p.stream_bytes
+        self.buf, self.view = self.pool.acquire(size)
+        tensors = sorted((t for f in p.files for t in f.tensors), key=lambda t: t.stream_offset)
+        if not self.streaming:
+            for t in tensors:
+                n = t.spec.nbytes
+                copy_into(self.buf[t.stream_offset:t.stream_offset + n], sources[t.spec.key])
+            _sync_devices(sources)
+            return
+        self._stage_streaming(tensors, sources, size // chunk)
+
+    def _stage_streaming(self, tensors: list, sources: dict, n_slots: int) -> None:
+        chunk = self.plan.chunk_bytes
+        grid = {u.stream_offset // chunk: i for i, u in enumerate(self.plan.units)}
+        next_unit = 0
+
+        def slot_of(g: int):
+            submit_ready(g * chunk)  # everything before grid line g is staged
+            old = grid.get(g - n_slots)
+            if old is not None and old in self.unit_futs:
+                self.unit_futs[old].result()
+            s = (g % n_slots) * chunk
+            return self.buf[s:s + chunk]
+
+        def submit_ready(cursor: int) -> int:
+            nonlocal next_unit
+            while next_unit < len(self.plan.units):
+                u = self.plan.units[next_unit]
+                if u.stream_offset + u.nbytes > cursor:
+                    break
+                slot = ((u.stream_offset // chunk) % n_slots) * chunk
+                self.unit_futs[next_unit] = self.exec.submit(self._write_unit, next_unit, slot)
+                next_unit += 1
+            return next_unit
+
+        for t in tensors:
+            h = xxhash.xxh3_64()
+            copy_pieces(sources[t.spec.key], t.stream_offset, chunk, slot_of, h)
+            _sync_devices({0: sources[t.spec.key]})
+            self.hashes[t.spec.key] = h.hexdigest()
+            submit_ready(t.stream_offset + t.spec.nbytes)
+        submit_ready(self.plan.stream_bytes)
+
+    def write_all(self) -> None:
+        """Background part: remaining writes, checksums, headers, fsync."""
+        if not self.streaming:
+            for i, u in enumerate(self.plan.units):
+                self.unit_futs[i] = self.exec.submit(self._write_unit, i, u.stream_offset)
+            for f in self.plan.files:
+                for t in f.tensors:
+                    s, n = t.stream_offset, t.spec.nbytes
+                    self.hashes[t.spec.key] = self.exec.submit(lambda a=s, b=n: xxhash.xxh3_64(self.view[a:a + b]).hexdigest())
+        for fut in self.unit_futs.values():
+            fut.result()
+        self.hashes = {k: (v.result() if isinstance(v, Future) else v) for k, v in self.hashes.items()}
+        self.pool.release()
+        self.buf = self.view = None
+        for w, f in zip(self.writers, self.plan.files):
+            write_all(self.be, w.fd, memoryview(f.prefix), 0)  # buffered fd: bytes are not page aligned
+        list(self.exec.map(lambda w: w.sync(), self.writers))
+
+    def close(self) -> None:
+        """Close files and threads; safe on any path."""
+        for w in self.writers:
+            try:
+                w.close()
+            except OSError:
+                pass
+        self.exec.shutdown(wait=True, cancel_futures=True)
+        if self.buf is not None:
+            self.buf = self.view = None
+            self.pool.release()
+
+
+def _sync_devices(sources: dict) -> None:
+    for t in sources.values():
+        if t.device.type == "cuda":
+            import torch
+            torch.cuda.synchronize()
+            return
+
+
+class Saver:
+    """Owns a staging pool and runs at most one save at a time (bounded staging memory).
+
+    :func:`fastckpt.async_save` uses a process-wide default ``Saver``; a
+    :class:`~fastckpt.CheckpointManager` owns its own.
+    """
+
+    def __init__(self) -> None:
+        self.pool = StagingPool()
+        self._pending: SaveFuture | None = None
+        self._lock = threading.Lock()
+
+    def wait(self) -> None:
+        """Wait for the pending save; re-raise its failure if nobody collected it yet."""
+        fut = self._pending
+        if fut is None:
+            return
+        fut._event.wait()
+        self._pending = None
+        if fut._exc is not None and not fut._collected:
+            fut.result()
+
+    def async_save(self, state: Any, path: str | os.PathLike, **options: Any) -> SaveFuture:
+        """See :func:`fastckpt.async_save`."""
+        opts = SaveOptions(**options)
+        opts.check()
+        with self._lock:
+            self.wait()
+            return self._start(state, Path(os.path.abspath(os.fspath(path))), opts)
+
+    def _start(self, state: Any, path: Path, opts: SaveOptions) -> SaveFuture:
+        t0 = time.perf_counter()
+        if path.exists() and not opts.overwrite:
+            raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it atomically")
+        col = collect(state, opts.weights if opts.weights is not None else {"model": "model"})
+        plan = plan_save(col.specs, max_shard_bytes=opts.max_shard_bytes, chunk_bytes=opts.chunk_bytes,
+                         metadata=opts.metadata)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _check_space(path.parent, plan.file_bytes + opts.min_free_bytes)
+        tmp = cm.make_temp_dir(str(path))
+        job = _Job(plan, tmp, opts, self.pool)
+        fut = SaveFuture(path)
+        try:
+            job.open_files()
+            job.stage(col.sources)
+        except BaseException:
+            job.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        fut.blocking_s = time.perf_counter() - t0
+        self._pending = fut
+        th = threading.Thread(target=_finish, args=(job, col, path, opts, fut, t0),
+                              name="fastckpt-commit", daemon=False)
+        th.start()
+        return fut
+
+
+def _finish(job: _Job, col, path: Path, opts: SaveOptions, fut: SaveFuture, t0: float) -> None:
+    exc: BaseException | None = None
+    try:
+        job.write_all()
+        job.close()
+        fut.bytes_written = _write_metadata(job, col, opts)
+        os.unlink(os.path.join(job.tmp, cm.OWNER))
+        cm.commit_dir(job.tmp, str(path), overwrite=opts.overwrite)
+        fut.total_s = time.perf_counter() - t0
+        if opts.on_commit is not None:
+            opts.on_commit(path)
+    except BaseException as e:  # re-raised by result(), never swallowed
+        exc = e
+        job.close()
+        shutil.rmtree(job.tmp, ignore_errors=True)
+    fut._finish(exc)
+
+
+def _write_metadata(job: _Job, col, opts: SaveOptions) -> int:
+    """Write state.json, HF index files, extra files and (last) the manifest. Returns bytes of all files."""
+    plan, tmp = job.plan, job.tmp
+    files: dict[str, dict] = {f.name: {"bytes": f.size} for f in plan.files}
+    small: dict[str, bytes] = {cm.STATE_JSON: json.dumps(col.skeleton, separators=(",", ":")).encode()}
+    for stem, wm in plan.index.items():
+        if stem == STATE_GROUP:
+            continue
+        total = sum(t.spec.nbytes for f in plan.files for t in f.tensors if f.name in wm.values())
+        small[f"{stem}.safetensors.index.json"] = write_index(wm, total)
+    small.update(opts.extra_files or {})
+    for name, data in small.items():
+        cm.write_small_file(os.path.join(tmp, name), data)
+        files[name] = {"bytes": len(data), "xxh3": xxhash.xxh3_64(data).hexdigest()}
+    tensors: dict[str, dict] = {}
+    for f in plan.files:
+        for t in f.tensors:
+            s = t.spec
+            tensors[s.key] = {"file": f.name, "name": s.name, "dtype": s.dtype, "shape": list(s.shape),
+                              "offsets": [t.file_offset, t.file_offset + s.nbytes],
+                              "xxh3": job.hashes[s.key]}
+    for k, e in col.entries.items():
+        tensors[k] = {**tensors.get(k, {}), **e}
+    manifest = {"format": cm.FORMAT_NAME, "format_version": cm.FORMAT_VERSION, "checksum": "xxh3_64",
+                "created_unix_s": time.time(), "step": opts.step, "world_size": 1,
+                "weights": opts.weights if opts.weights is not None else {"model": "model"},
+                "bytes_total": sum(v["bytes"] for v in files.values()), "files": files, "tensors": tensors}
+    data = json.dumps(manifest, indent=1).encode()
+    cm.write_small_file(os.path.join(tmp, cm.MANIFEST), data)
+    return manifest["bytes_total"] + len(data)
+
+
+def _check_space(folder: Path, need: int) -> None:
+    st = os.statvfs(folder)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise InsufficientSpaceError(
+            f"{folder}: {free} bytes free, the checkpoint needs {need} bytes; free space or save elsewhere")

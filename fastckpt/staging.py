@@ -1,0 +1,94 @@
+"""Staging: device/host tensors -> one reusable host buffer laid out like the save stream.
+
+The pool keeps its buffer between saves (page-locked when CUDA is present, huge-page
+backed otherwise), so a repeated save copies into memory that is already faulted in.
+When the budget (``staging_bytes``) is smaller than the state, the buffer is a ring of
+``chunk_bytes`` slots: the copier waits only for the oldest slot's write to finish.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+
+from .memory import host_buffer, pin_if_possible
+
+
+class StagingPool:
+    """A reusable host buffer; one save holds it at a time.
+
+    Call order: ``acquire(nbytes)`` (by the saving thread) -> copies -> ``release()``
+    (by the background writer when every byte is written).
+    """
+
+    def __init__(self) -> None:
+        self._tensor: torch.Tensor | None = None
+        self._view: memoryview | None = None
+        self._busy = threading.Lock()
+
+    @property
+    def capacity(self) -> int:
+        """Bytes currently allocated."""
+        return 0 if self._tensor is None else self._tensor.numel()
+
+    def acquire(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
+        """Block until the pool is free, then return ``(uint8 tensor, memoryview)`` of >= ``nbytes``."""
+        self._busy.acquire()
+        try:
+            if self.capacity < nbytes:
+                self._tensor = self._view = None
+                t, v = host_buffer(nbytes)
+                pinned = pin_if_possible(t)
+                if pinned is not t:
+                    t, v = pinned, memoryview(pinned.numpy())
+                self._tensor, self._view = t, v
+            return self._tensor, self._view
+        except BaseException:
+            self._busy.release()
+            raise
+
+    def release(self) -> None:
+        """Hand the buffer back for the next save."""
+        self._busy.release()
+
+    def free(self) -> None:
+        """Drop the buffer (memory is returned once no save holds it)."""
+        with self._busy:
+            self._tensor = self._view = None
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` (any device, any strides) into the contiguous ``uint8`` range ``dst``.
+
+    ``dst`` must hold exactly ``src.numel() * src.element_size()`` bytes.
+    """
+    if src.numel() == 0:
+        return
+    dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=src.device.type != "cpu")
+
+
+def copy_pieces(src: torch.Tensor, start: int, chunk: int, slot_of: Callable[[int], torch.Tensor],
+                hasher=None) -> None:
+    """Copy ``src``'s bytes to stream position ``start`` piece by piece across ring slots.
+
+    Args:
+        src: tensor to copy (made contiguous first if it is not).
+        start: stream byte offset of the tensor.
+        chunk: slot size in bytes.
+        slot_of: grid index -> the slot's ``uint8`` tensor (waits until the slot is free).
+        hasher: optional object with ``update(buffer)``, fed the staged bytes in order.
+    """
+    flat = src.reshape(-1).contiguous().view(torch.uint8) if src.numel() else None
+    n = 0 if flat is None else flat.numel()
+    a = 0
+    while a < n:
+        pos = start + a
+        off = pos % chunk
+        m = min(n - a, chunk - off)
+        piece = slot_of(pos // chunk)[off:off + m]
+        piece.copy_(flat[a:a + m])
+        if hasher is not None:
+            hasher.update(piece.numpy())
+        a += m

@@ -1,0 +1,173 @@
+"""Nested state <-> (JSON skeleton, flat table of arrays), exact and unambiguous.
+
+A state is a nested ``dict`` / ``list`` / ``tuple`` of tensors, NumPy arrays and
+plain values. :func:`flatten` turns it into a JSON-able skeleton in which every
+tensor or array is replaced by a reference to its *key path*, plus the list of
+those arrays. :func:`unflatten` is the exact inverse (key types, tuples, NaN/inf,
+NumPy scalars, ``torch.dtype`` values all come back as they were).
+
+Key paths join segments with ``/``. In a segment, ``%`` and ``/`` are
+percent-encoded; a ``str`` key that looks like a decimal integer has its first
+character percent-encoded so that it cannot be confused with an ``int`` key or a
+list index. So ``{"a.b": t}`` is ``a.b`` while ``{"a": {"b": t}}`` is ``a/b``,
+and ``{0: t}`` is ``0`` while ``{"0": t}`` is ``%30``. See docs/FORMAT.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .errors import UnsupportedValueError
+
+_TAGS = ("__tensor__", "__ndarray__", "__dict__", "__tuple__", "__float__", "__dtype__",
+         "__np__", "__bytes__", "__device__")
+
+
+def encode_segment(key: str | int) -> str:
+    """Encode one dict key or list index as a key-path segment (see module docstring)."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return str(key)
+    s = key.replace("%", "%25").replace("/", "%2F")
+    if s and (s.isdigit() or (s[0] == "-" and s[1:].isdigit())):
+        s = "%{:02X}".format(ord(s[0])) + s[1:]
+    return s
+
+
+def join(prefix: str, key: str | int) -> str:
+    """Key path of ``key`` under ``prefix`` (``""`` at the root)."""
+    seg = encode_segment(key)
+    return f"{prefix}/{seg}" if prefix else seg
+
+
+def _float(x: float) -> Any:
+    if math.isfinite(x):
+        return x
+    return {"__float__": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
+
+
+def flatten(state: Any, on_array: Callable[[str, Any], None]) -> Any:
+    """Return the JSON skeleton of ``state``; call ``on_array(key_path, value)`` per tensor/ndarray.
+
+    Args:
+        state: nested dict (``str``/``int`` keys) / list / tuple of ``torch.Tensor``,
+            ``numpy.ndarray``, NumPy scalars, ``None``, ``bool``, ``int``, ``float``, ``str``,
+            ``bytes``, ``torch.dtype``, ``torch.device``.
+        on_array: callback receiving each tensor or array with its key path.
+
+    Raises:
+        UnsupportedValueError: a value or dict key of another type (names its key path).
+    """
+    return _enc(state, "", on_array)
+
+
+def _enc(v: Any, path: str, on_array: Callable[[str, Any], None]) -> Any:
+    if isinstance(v, torch.Tensor):
+        on_array(path, v)
+        return {"__tensor__": path}
+    if isinstance(v, np.ndarray):
+        on_array(path, v)
+        return {"__ndarray__": path}
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, np.generic):
+        return {"__np__": v.dtype.str, "v": _enc(v.item(), path, on_array)}
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float):
+        return _float(v)
+    if isinstance(v, dict):
+        return _enc_dict(v, path, on_array)
+    if isinstance(v, list):
+        return [_enc(x, join(path, i), on_array) for i, x in enumerate(v)]
+    if isinstance(v, tuple):
+        return {"__tuple__": [_enc(x, join(path, i), on_array) for i, x in enumerate(v)]}
+    if isinstance(v, torch.dtype):
+        return {"__dtype__": str(v).replace("torch.", "")}
+    if isinstance(v, torch.device):
+        return {"__device__": str(v)}
+    if isinstance(v, (bytes, bytearray)):
+        return {"__bytes__": base64.b64encode(bytes(v)).decode("ascii")}
+    raise UnsupportedValueError(
+        f"state value at key path {path or '<root>'!r} has type {type(v).__module__}.{type(v).__qualname__}, "
+        "which fastckpt cannot store without pickle; convert it to tensors, arrays or JSON-able values")
+
+
+def _enc_dict(d: dict, path: str, on_array: Callable[[str, Any], None]) -> Any:
+    for k in d:
+        if not (isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool))):
+            raise UnsupportedValueError(
+                f"dict at key path {path or '<root>'!r} has a key {k!r} of type {type(k).__name__}; "
+                "only str and int keys are supported")
+    plain = all(isinstance(k, str) and not k.startswith("__") for k in d)
+    if plain:
+        return {k: _enc(x, join(path, k), on_array) for k, x in d.items()}
+    return {"__dict__": [[k, _enc(x, join(path, k), on_array)] for k, x in d.items()]}
+
+
+def unflatten(skel: Any, get_array: Callable[[str, str], Any], keep: Callable[[str], bool] | None = None) -> Any:
+    """Rebuild the state from its skeleton.
+
+    Args:
+        skel: the JSON skeleton written by :func:`flatten`.
+        get_array: ``(key_path, kind)`` -> the tensor (``kind="tensor"``) or ndarray.
+        keep: optional predicate on key paths; subtrees for which it is false are left out
+            (used for ``load(keys=...)``). Ancestors of kept paths are kept.
+    """
+    return _dec(skel, "", get_array, keep)
+
+
+_DROP = object()
+
+
+def _dec(v: Any, path: str, get: Callable[[str, str], Any], keep: Callable[[str], bool] | None) -> Any:
+    if keep is not None and path and not keep(path):
+        return _DROP
+    if isinstance(v, list):
+        out = [_dec(x, join(path, i), get, keep) for i, x in enumerate(v)]
+        return [x for x in out if x is not _DROP]
+    if not isinstance(v, dict):
+        return v
+    if "__tensor__" in v:
+        return get(v["__tensor__"], "tensor")
+    if "__ndarray__" in v:
+        return get(v["__ndarray__"], "ndarray")
+    if "__float__" in v:
+        return float(v["__float__"])
+    if "__dtype__" in v:
+        return getattr(torch, v["__dtype__"])
+    if "__device__" in v:
+        return torch.device(v["__device__"])
+    if "__bytes__" in v:
+        return base64.b64decode(v["__bytes__"])
+    if "__np__" in v:
+        return np.dtype(v["__np__"]).type(_dec(v["v"], path, get, None))
+    if "__tuple__" in v:
+        out = [_dec(x, join(path, i), get, keep) for i, x in enumerate(v["__tuple__"])]
+        return tuple(x for x in out if x is not _DROP)
+    items = v["__dict__"] if "__dict__" in v else list(v.items())
+    res = {}
+    for k, x in items:
+        y = _dec(x, join(path, k), get, keep)
+        if y is not _DROP:
+            res[k] = y
+    return res
+
+
+def key_filter(keys: list[str] | tuple[str, ...] | str | None) -> Callable[[str], bool] | None:
+    """Predicate for ``load(keys=...)``: a path is kept if it equals a key, lies under one
+    (``keys=["optimizer"]`` keeps ``optimizer/state/0/exp_avg``) or is an ancestor of one."""
+    if keys is None:
+        return None
+    if isinstance(keys, str):
+        keys = [keys]
+    ks = [k.rstrip("/") for k in keys]
+
+    def keep(path: str) -> bool:
+        return any(path == k or path.startswith(k + "/") or k.startswith(path + "/") for k in ks)
+
+    return keep
