@@ -21,7 +21,6 @@ import shutil
 import threading
 import time
 import warnings
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,7 +101,8 @@ class SaveOptions:
         check_metadata(self.metadata)
 
 
-_UNCOLLECTED: "weakref.WeakSet[SaveFuture]" = weakref.WeakSet()
+#: Failed saves whose error nobody collected yet (warned about at interpreter exit).
+_UNCOLLECTED: "set[SaveFuture]" = set()
 
 
 class SaveFuture:
