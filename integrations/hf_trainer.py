@@ -1,0 +1,546 @@
+"""Hugging Face ``Trainer`` integration: asynchronous, atomic, pickle-free checkpoints.
+
+Usage (saving and exact resume)::
+
+    from fastckpt.integrations.hf_trainer import FastCkptCallback, FastCkptTrainerMixin
+
+    class MyTrainer(FastCkptTrainerMixin, Trainer):   # optional, see "Resume" below
+        pass
+
+    trainer = MyTrainer(model=..., args=args, train_dataset=..., callbacks=[FastCkptCallback()])
+    trainer.train()                                   # writes output_dir/checkpoint-N via fastckpt
+    trainer.train(resume_from_checkpoint=True)        # newest *committed* checkpoint
+
+Saving: the callback intercepts every save the Trainer decides on (``save_strategy`` "steps",
+"epoch" or "best"), sets ``control.should_save = False`` so the Trainer's own pickle save never
+runs, and starts :func:`fastckpt.async_save` of a whole snapshot into ``checkpoint-N``: model
+weights in HF layout (``model-0000k-of-0000n.safetensors`` + index + ``config.json``), for a
+``PeftModel`` also ``adapter_model.safetensors`` + ``adapter_config.json``, the optimizer, the
+scheduler, Python/NumPy/torch/CUDA RNG states, the RNG state at the start of the epoch (data
+position) and ``trainer_state.json``. Training blocks only while the state is staged. A pending
+save is awaited before the next one, at the end of training and on SIGTERM; its failure is
+re-raised in the training process with its original type.
+
+Resume: ``trainer.train(resume_from_checkpoint=...)`` loads the model through the Trainer's
+own (safetensors) loader; the callback restores optimizer and scheduler in ``on_train_begin``
+and the RNG states exactly where the Trainer would restore ``rng_state.pth``. Without the mixin
+the callback finds the checkpoint as ``output_dir/checkpoint-{global_step}``; the one-line mixin
+tells it the exact folder and makes ``resume_from_checkpoint=True`` pick the newest committed
+checkpoint (:func:`get_last_checkpoint`).
+
+``push_to_hub=True`` is refused with ``ValueError`` (upload a committed folder yourself).
+Multi-process training: the main process saves model/optimizer/RNG of rank 0 only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import fastckpt
+
+logger = logging.getLogger(__name__)
+
+PREFIX_CHECKPOINT_DIR = "checkpoint"
+_CKPT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+# ---------------------------------------------------------------------------------------------
+# Snapshot pieces shared with the accelerate plugin
+# ---------------------------------------------------------------------------------------------
+def capture_rng_state() -> dict[str, Any]:
+    """Return the Python, NumPy, torch CPU and (when present) CUDA/NPU RNG states.
+
+    The result is a fastckpt-serialisable dict (tuples, numpy arrays, uint8 CPU tensors).
+    """
+    rng: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    npu = getattr(torch, "npu", None)
+    if npu is not None and hasattr(npu, "get_rng_state_all"):
+        rng["npu"] = npu.get_rng_state_all()
+    return rng
+
+
+def restore_rng_state(rng: dict[str, Any]) -> None:
+    """Set the RNG states captured by :func:`capture_rng_state`.
+
+    Raises:
+        KeyError: ``rng`` lacks the ``python``, ``numpy`` or ``cpu`` entry.
+    """
+    py = rng["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np_state = rng["numpy"]
+    np.random.set_state(tuple(np_state))
+    torch.set_rng_state(rng["cpu"].cpu())
+    if "cuda" in rng and torch.cuda.is_available():
+        states = list(rng["cuda"])
+        for i, s in enumerate(states[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s.cpu(), i)
+    npu = getattr(torch, "npu", None)
+    if "npu" in rng and npu is not None and hasattr(npu, "set_rng_state_all"):
+        npu.set_rng_state_all([s.cpu() for s in rng["npu"]])
+
+
+def _dedup_tied(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop tensors that share storage with an earlier key (tied embeddings), like HF does."""
+    seen: set[tuple[int, int, tuple]] = set()
+    out = {}
+    for k, t in sd.items():
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
+        if ident is not None and ident in seen:
+            continue
+        if ident is not None:
+            seen.add(ident)
+        out[k] = t
+    return out
+
+
+def _is_peft(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _peft_base_weights(model) -> dict[str, torch.Tensor]:
+    """Base-model weights of a PeftModel under the plain HF names (``x.base_layer.w`` -> ``x.w``)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    base = model.get_base_model()
+    tuner_prefixes = [n for n, m in base.named_modules() if isinstance(m, BaseTunerLayer) and n]
+    sd = base.state_dict()
+    out = {}
+    for key, t in sd.items():
+        owner = next((p for p in tuner_prefixes if key.startswith(p + ".")), None)
+        if owner is None:
+            out[key] = t
+            continue
+        rest = key[len(owner) + 1:]
+        if rest.startswith("base_layer."):
+            out[f"{owner}.{rest[len('base_layer.'):]}"] = t
+    return _dedup_tied(out)
+
+
+def model_snapshot(model) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, str], dict[str, bytes]]:
+    """Split a model into fastckpt ``state`` entries, the ``weights`` map and ``extra_files``.
+
+    Args:
+        model: a ``PreTrainedModel`` or ``peft.PeftModel`` (unwrapped; tensors on any device).
+
+    Returns:
+        ``(state, weights, extra_files)``: ``state["model"]`` holds the full weights under HF
+        names (written as ``model-*.safetensors`` + index); for a PeftModel ``state["adapter"]``
+        holds the adapter (written as ``adapter_model.safetensors``) and ``extra_files`` has
+        ``adapter_config.json``; ``config.json`` is always included when the model has a config.
+    """
+    extra: dict[str, bytes] = {}
+    weights = {"model": "model"}
+    if _is_peft(model):
+        from peft import get_peft_model_state_dict
+
+        state = {"model": _peft_base_weights(model)}
+        name = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapters[0]
+        state["adapter"] = dict(get_peft_model_state_dict(model, adapter_name=name))
+        weights["adapter"] = "adapter_model.safetensors"
+        cfg = model.peft_config[name].to_dict()
+        extra["adapter_config.json"] = json.dumps(
+            cfg, indent=2, sort_keys=True, default=lambda o: sorted(o) if isinstance(o, set) else str(o)
+        ).encode()
+        config = model.get_base_model().config
+    else:
+        state = {"model": _dedup_tied(model.state_dict())}
+        config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_json_string"):
+        extra["config.json"] = config.to_json_string().encode()
+    return state, weights, extra
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint folders
+# ---------------------------------------------------------------------------------------------
+def _checkpoint_dirs(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _CKPT_RE.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def get_last_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """Return the newest *committed* fastckpt ``checkpoint-N`` folder in ``output_dir``.
+
+    Unlike ``transformers.trainer_utils.get_last_checkpoint`` (highest number, unchecked),
+    folders without a committed fastckpt manifest (e.g. left by a crashed plain-Trainer save)
+    are skipped with an INFO log line naming them.
+
+    Returns:
+        The folder path as ``str`` (what ``trainer.train(resume_from_checkpoint=...)`` takes),
+        or None when there is none.
+    """
+    for step, path in reversed(_checkpoint_dirs(output_dir)):
+        if fastckpt.is_committed(path):
+            return str(path)
+        logger.info("fastckpt: skipping %s (step %d): no committed fastckpt manifest", path, step)
+    return None
+
+
+def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | None,
+                       best_model_checkpoint: str | None = None) -> list[Path]:
+    """Delete the oldest committed checkpoints beyond ``save_total_limit``.
+
+    Never deletes the newest committed checkpoint or ``best_model_checkpoint`` (with a limit of
+    1 and a different best, two are kept, as the Trainer does); uncommitted folders are left
+    alone. Each victim is first renamed to a hidden name so it never looks half-deleted.
+
+    Returns:
+        The folders deleted.
+    """
+    if not save_total_limit or save_total_limit <= 0:
+        return []
+    committed = [p for _, p in _checkpoint_dirs(output_dir) if fastckpt.is_committed(p)]
+    best = Path(best_model_checkpoint).resolve() if best_model_checkpoint else None
+    limit = save_total_limit
+    if best is not None and limit == 1 and committed and committed[-1].resolve() != best:
+        limit = 2
+    victims = [p for p in committed[:-1] if p.resolve() != best][: max(0, len(committed) - limit)]
+    for p in victims:
+        hidden = p.with_name(f".{p.name}.deleting-{os.getpid()}")
+        os.rename(p, hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
+        logger.info("fastckpt: deleted %s (save_total_limit=%d)", p, save_total_limit)
+    return victims
+
+
+def _new_best(args, state, metrics: dict[str, float]) -> bool:
+    """Mirror of ``Trainer._determine_best_metric``; updates ``state`` and returns is-new-best."""
+    name = args.metric_for_best_model
+    if not name:
+        return False
+    key = name if name.startswith("eval_") else f"eval_{name}"
+    if key not in metrics:
+        raise KeyError(f"metric_for_best_model '{key}' not in evaluation metrics {sorted(metrics)}")
+    value = metrics[key]
+    better = np.greater if args.greater_is_better else np.less
+    if state.best_metric is None:
+        state.best_metric = float("-inf") if args.greater_is_better else float("inf")
+    if better(value, state.best_metric):
+        state.best_metric = value
+        state.best_global_step = state.global_step
+        return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# The callback
+# ---------------------------------------------------------------------------------------------
+def _trainer_callback_base():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class FastCkptCallback(_trainer_callback_base()):
+    """Take over the Trainer's checkpoint saving with fastckpt (async, atomic, no pickle).
+
+    Args:
+        save_options: keyword options passed on to :func:`fastckpt.async_save`
+            (``max_shard_bytes``, ``threads``, ``staging_bytes``, ``o_direct``).
+        resume_from: checkpoint folder to restore optimizer/scheduler/RNG from when the
+            Trainer resumes; default None = the folder the mixin reports, else
+            ``output_dir/checkpoint-{global_step}``.
+
+    Attributes:
+        records: one dict per finished save: ``step``, ``path``, ``blocking_s``, ``total_s``,
+            ``bytes``.
+
+    Raises (from the Trainer's calls):
+        ValueError: ``push_to_hub=True`` (not supported; refused at train begin).
+        FastCkptError / OSError: a background save failed (re-raised with its type at the next
+            save, the next step end, train end or SIGTERM).
+    """
+
+    def __init__(self, resume_from: str | os.PathLike | None = None, **save_options):
+        self.save_options = save_options
+        self.resume_from = str(resume_from) if resume_from is not None else None
+        self.records: list[dict[str, Any]] = []
+        self._pending = None  # (future, step, path, blocking_s, t_start)
+        self._lock = threading.Lock()
+        self._save_after_eval = False
+        self._training = False
+        self._epoch_rng: dict[str, Any] | None = None
+        self._resume_rng: tuple[str, dict[str, Any]] | None = None  # (when, rng)
+        self._resume_step_rng: dict[str, Any] | None = None
+        self._prev_sigterm = None
+        self._model = self._args = self._state = None
+        self.trainer_callbacks = None  # set by FastCkptTrainerMixin: all callbacks of the Trainer
+
+    # -- events --------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
+        if args.push_to_hub:
+            raise ValueError(
+                "FastCkptCallback does not push to the Hub: set push_to_hub=False and upload a "
+                "committed checkpoint folder with huggingface_hub.upload_folder after training"
+            )
+        self._training = True
+        self._refs(args, state, {"model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler})
+        self._install_sigterm()
+        if state.global_step > 0:
+            self._restore(args, state, optimizer, lr_scheduler)
+
+    def on_epoch_begin(self, args, state, control, **kw):
+        if self._resume_rng is not None:
+            when, rng = self._resume_rng
+            restore_rng_state(rng)
+            self._resume_rng = None if when == "epoch" else ("step", self._resume_step_rng)
+        self._epoch_rng = capture_rng_state()
+
+    def on_step_begin(self, args, state, control, **kw):
+        if self._resume_rng is not None and self._resume_rng[0] == "step":
+            restore_rng_state(self._resume_rng[1])
+            self._resume_rng = None
+
+    def on_step_end(self, args, state, control, **kw):
+        self._refs(args, state, kw)
+        self._poll()
+        self._intercept(args, state, control)
+
+    def on_epoch_end(self, args, state, control, **kw):
+        self._refs(args, state, kw)
+        self._intercept(args, state, control)
+        if control.should_training_stop:
+            self.wait(args)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kw):
+        if not self._training or metrics is None:
+            return
+        self._refs(args, state, kw)
+        is_best = _new_best(args, state, metrics)
+        if args.save_strategy == "best":
+            if is_best:
+                self._save(args, state, control)
+        elif self._save_after_eval:
+            self._save_after_eval = False
+            self._save(args, state, control)
+
+    def on_train_end(self, args, state, control, **kw):
+        try:
+            self.wait(args)
+        finally:
+            self._training = False
+            self._uninstall_sigterm()
+
+    # -- saving --------------------------------------------------------------------------------
+    def _intercept(self, args, state, control) -> None:
+        if not control.should_save:
+            return
+        control.should_save = False
+        if args.save_strategy == "best":
+            return
+        if control.should_evaluate:
+            self._save_after_eval = True  # save after metrics/best are known, as the Trainer does
+        else:
+            self._save(args, state, control)
+
+    def _save(self, args, state, control) -> None:
+        if not args.should_save:
+            return
+        self.wait(args)
+        out = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        t0 = time.perf_counter()
+        if self._model is None:
+            raise RuntimeError("FastCkptCallback has no model: the Trainer did not call on_train_begin")
+        snap, weights, extra = model_snapshot(self._model)
+        if not args.save_only_model:
+            opt, sched = self._opt_sched
+            snap["optimizer"] = opt.state_dict() if opt is not None else None
+            snap["scheduler"] = sched.state_dict() if sched is not None else None
+            snap["rng"] = capture_rng_state()
+            snap["epoch_rng"] = self._epoch_rng
+        snap["trainer"] = {"global_step": state.global_step, "epoch": state.epoch,
+                           "save_only_model": bool(args.save_only_model)}
+        if state.best_global_step == state.global_step and args.metric_for_best_model:
+            state.best_model_checkpoint = str(out)
+        self._update_stateful_callbacks(state, control)
+        extra["trainer_state.json"] = (
+            json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n").encode()
+        fut = fastckpt.async_save(snap, out, overwrite=True, weights=weights, extra_files=extra,
+                                  metadata={"producer": "fastckpt.integrations.hf_trainer"},
+                                  **self.save_options)
+        blocking = time.perf_counter() - t0
+        with self._lock:
+            self._pending = (fut, state.global_step, out, blocking, t0)
+        state.log_history.append({"fastckpt_save_blocking_s": round(blocking, 4), "step": state.global_step})
+        logger.info("fastckpt: checkpoint-%d staged in %.3f s, writing in background",
+                    state.global_step, blocking)
+        if state.max_steps and state.global_step >= state.max_steps:
+            self.wait(args)  # last save: let load_best_model_at_end and the caller see it
+
+    def _refs(self, args, state, kw) -> None:
+        """Keep the live objects the Trainer hands to every event."""
+        self._args, self._state = args, state
+        for name in ("model", "optimizer", "lr_scheduler"):
+            if kw.get(name) is not None:
+                setattr(self, f"_{name}", kw[name])
+
+    @property
+    def _opt_sched(self):
+        return getattr(self, "_optimizer", None), getattr(self, "_lr_scheduler", None)
+
+    def _update_stateful_callbacks(self, state, control) -> None:
+        """Refresh ``state.stateful_callbacks`` as ``Trainer._save_checkpoint`` does."""
+        from transformers.trainer_callback import ExportableState
+
+        others = list(self.trainer_callbacks) if self.trainer_callbacks is not None else []
+        grouped: dict[str, list] = {}
+        for cb in others + [control]:
+            if isinstance(cb, ExportableState):
+                grouped.setdefault(cb.__class__.__name__, []).append(cb.state())
+        for name, states in grouped.items():
+            state.stateful_callbacks[name] = states if len(states) > 1 else states[0]
+
+    def wait(self, args=None) -> None:
+        """Block until the pending save is committed, record its timings, apply rotation.
+
+        Raises:
+            The background save's own exception (original type), once.
+        """
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        fut, step, out, blocking, t0 = pending
+        path = fut.result()
+        rec = {"step": step, "path": str(path), "blocking_s": blocking,
+               "total_s": getattr(fut, "total_s", None) or time.perf_counter() - t0,
+               "bytes": int(getattr(fut, "bytes_written", 0) or 0)}
+        self.records.append(rec)
+        gbps = rec["bytes"] / rec["total_s"] / 1e9 if rec["total_s"] else float("nan")
+        logger.info("fastckpt: checkpoint-%d committed: %.3f s blocking, %.3f s total, %d bytes, %.3f GB/s",
+                    step, blocking, rec["total_s"], rec["bytes"], gbps)
+        if args is not None:
+            rotate_checkpoints(args.output_dir, args.save_total_limit, self._best_dir)
+
+    def _poll(self) -> None:
+        with self._lock:
+            pending = self._pending
+        if pending is not None and pending[0].done():
+            self.wait(self._args)
+
+    # -- resume --------------------------------------------------------------------------------
+    def _restore(self, args, state, optimizer, lr_scheduler) -> None:
+        ckpt = self.resume_from or str(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if not fastckpt.is_committed(ckpt):
+            logger.warning(
+                "fastckpt: resumed at step %d but %s is not a committed fastckpt checkpoint: optimizer, "
+                "scheduler and RNG states come from the Trainer's own files if any; resume may not be "
+                "exact (pass FastCkptCallback(resume_from=...) or use FastCkptTrainerMixin)",
+                state.global_step, ckpt)
+            return
+        snap = fastckpt.load(ckpt, keys=None)
+        if snap.get("trainer", {}).get("global_step") != state.global_step:
+            raise ValueError(f"{ckpt} holds step {snap.get('trainer', {}).get('global_step')}, "
+                             f"the Trainer resumed at step {state.global_step}")
+        if snap.get("optimizer") is None or snap.get("rng") is None:
+            logger.warning("fastckpt: %s has no optimizer/RNG state (save_only_model?): resume is not exact",
+                           ckpt)
+            return
+        if optimizer is not None:
+            optimizer.load_state_dict(snap["optimizer"])
+        if lr_scheduler is not None and snap.get("scheduler") is not None:
+            lr_scheduler.load_state_dict(snap["scheduler"])
+        epoch = float(snap["trainer"]["epoch"] or 0.0)
+        at_boundary = math.isclose(epoch, round(epoch)) or args.ignore_data_skip
+        if at_boundary or snap.get("epoch_rng") is None:
+            self._resume_rng = ("epoch", snap["rng"])
+        else:  # mid-epoch: replay the sampler's shuffle, then continue from the saved RNG
+            self._resume_rng = ("epoch+step", snap["epoch_rng"])
+            self._resume_step_rng = snap["rng"]
+        logger.info("fastckpt: restored optimizer, scheduler and RNG from %s", ckpt)
+
+    # -- SIGTERM -------------------------------------------------------------------------------
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _uninstall_sigterm(self) -> None:
+        if self._prev_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._prev_sigterm)
+            self._prev_sigterm = None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        logger.warning("fastckpt: SIGTERM: completing the pending save before exit")
+        prev = self._prev_sigterm
+        try:
+            self.wait()
+        finally:
+            self._uninstall_sigterm()
+            if callable(prev):
+                prev(signum, frame)
+            elif prev != signal.SIG_IGN:
+                signal.raise_signal(signal.SIGTERM)
+
+    @property
+    def _best_dir(self):
+        return getattr(self._state, "best_model_checkpoint", None)
+
+
+class FastCkptTrainerMixin:
+    """One-line ``Trainer`` mixin: ``class MyTrainer(FastCkptTrainerMixin, Trainer): pass``.
+
+    Adds a :class:`FastCkptCallback` when none was passed, gives it every callback of the
+    Trainer (so ``EarlyStoppingCallback`` & co. are saved in ``trainer_state.json``), tells it the
+    exact folder ``train(resume_from_checkpoint=...)`` resumes from, and resolves
+    ``resume_from_checkpoint=True`` with :func:`get_last_checkpoint` (newest *committed*).
+
+    Raises:
+        fastckpt.errors.CheckpointNotFoundError: ``resume_from_checkpoint=True`` and no committed
+            checkpoint exists in ``args.output_dir``.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        cbs = [cb for cb in self.callback_handler.callbacks if isinstance(cb, FastCkptCallback)]
+        if not cbs:
+            self.add_callback(FastCkptCallback())
+            cbs = [cb for cb in self.callback_handler.callbacks if isinstance(cb, FastCkptCallback)]
+        self.fastckpt_callback = cbs[0]
+        self.fastckpt_callback.trainer_callbacks = self.callback_handler.callbacks
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint is True:
+            found = get_last_checkpoint(self.args.output_dir)
+            if found is None:
+                from fastckpt.errors import CheckpointNotFoundError
+
+                raise CheckpointNotFoundError(
+                    f"no committed fastckpt checkpoint in {self.args.output_dir}; "
+                    "start without resume_from_checkpoint")
+            resume_from_checkpoint = found
+        if resume_from_checkpoint:
+            self.fastckpt_callback.resume_from = str(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)

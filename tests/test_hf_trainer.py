@@ -1,0 +1,292 @@
+"""Trainer callback: saving, rotation, failures, exact resume (C7), SIGKILL during save (C6).
+
+Tiny random LlamaConfig models (attention dropout on, so RNG state matters), CPU, fp32.
+The resumed runs execute in a fresh process (``python tests/test_hf_trainer.py ...``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+try:
+    from fastckpt.integrations import hf_trainer
+    from fastckpt.integrations.models import tiny_llama
+except ImportError:  # pyproject mapping not installed: import from the source tree
+    sys.path.insert(0, str(REPO))
+    from integrations import hf_trainer
+    from integrations.models import tiny_llama
+
+import fastckpt
+
+transformers = pytest.importorskip("transformers")
+
+N_ITEMS, BATCH, SEQ, VOCAB = 64, 4, 8, 128
+
+
+class IntDataset(torch.utils.data.Dataset):
+    """C7: 64 integers, each turned into a short token sequence (labels = inputs)."""
+
+    def __len__(self):
+        return N_ITEMS
+
+    def __getitem__(self, i):
+        ids = torch.tensor([(i * 7 + j * 13) % VOCAB for j in range(SEQ)])
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+class StopAt(transformers.TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def make_trainer(out, *, peft=False, callbacks=(), mixin=True, **args):
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_llama(seed=0)
+    if peft:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                 lora_dropout=0.1, task_type="CAUSAL_LM"))
+    defaults = dict(output_dir=str(out), per_device_train_batch_size=BATCH, num_train_epochs=2,
+                    seed=1234, data_seed=1234, learning_rate=1e-2, logging_steps=1,
+                    save_strategy="steps", save_steps=19, report_to="none", use_cpu=True,
+                    disable_tqdm=True, dataloader_num_workers=0, lr_scheduler_type="linear",
+                    warmup_steps=3)
+    defaults.update(args)
+    cls = type("T", (hf_trainer.FastCkptTrainerMixin, Trainer), {}) if mixin else Trainer
+    evalset = IntDataset() if defaults.get("eval_strategy", "no") != "no" else None
+    return cls(model=model, args=TrainingArguments(**defaults), train_dataset=IntDataset(),
+               eval_dataset=evalset, callbacks=list(callbacks))
+
+
+def losses(trainer):
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+def run_fresh(*argv, env_extra=None, check=True):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.update(env_extra or {})
+    p = subprocess.run([sys.executable, __file__, *map(str, argv)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    if check and p.returncode != 0:
+        raise AssertionError(f"child failed rc={p.returncode}\n{p.stdout}\n{p.stderr[-4000:]}")
+    return p
+
+
+def test_callback_takes_over_saving(tmp_path):
+    cb = hf_trainer.FastCkptCallback()
+    tr = make_trainer(tmp_path, callbacks=[cb], save_steps=8, num_train_epochs=1)
+    tr.train()
+    ckpts = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint-"))
+    assert ckpts == ["checkpoint-16", "checkpoint-8"]
+    for name in ckpts:
+        d = tmp_path / name
+        assert fastckpt.is_committed(d)
+        names = {p.name for p in d.iterdir()}
+        # the Trainer's own pickle files never appear
+        assert not names & {"optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"}
+        assert {"config.json", "trainer_state.json", "model.safetensors.index.json"} <= names
+    assert [r["step"] for r in cb.records] == [8, 16]
+    assert all(r["bytes"] > 0 and r["blocking_s"] >= 0 for r in cb.records)
+    assert any("fastckpt_save_blocking_s" in h for h in tr.state.log_history)
+    st = json.loads((tmp_path / "checkpoint-8" / "trainer_state.json").read_text())
+    assert st["global_step"] == 8
+    # the folder is an HF model folder with the live weights of step 16
+    m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-16")
+    live = tr.model.state_dict()
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, live[k]), k
+    snap = fastckpt.load(tmp_path / "checkpoint-16")
+    assert snap["trainer"]["global_step"] == 16
+    assert set(snap["optimizer"]["state"]) == set(range(len(list(tr.model.parameters()))))
+
+
+def test_peft_checkpoint_is_loadable(tmp_path):
+    from peft import PeftModel
+
+    tr = make_trainer(tmp_path, peft=True, save_steps=16, num_train_epochs=1)
+    tr.train()
+    d = tmp_path / "checkpoint-16"
+    assert (d / "adapter_model.safetensors").is_file() and (d / "adapter_config.json").is_file()
+    snap = fastckpt.load(d)
+    ref = tiny_llama(seed=0).state_dict()
+    ref.pop("lm_head.weight", None) if "lm_head.weight" not in snap["model"] else None
+    assert set(snap["model"]) == set(ref)  # base weights under plain HF names
+    for k, v in ref.items():
+        assert torch.equal(snap["model"][k], v), k  # LoRA leaves the base untouched
+    pm = PeftModel.from_pretrained(tiny_llama(seed=0), d).eval()
+    auto = transformers.AutoModelForCausalLM.from_pretrained(d).eval()  # base + adapter
+    tr.model.eval()
+    x = IntDataset()[3]["input_ids"][None]
+    with torch.no_grad():
+        want = tr.model(x).logits
+        assert torch.equal(pm(x).logits, want)
+        assert torch.allclose(auto(x).logits, want, atol=1e-6)
+
+
+def test_save_total_limit_and_best_kept(tmp_path):
+    tr = make_trainer(tmp_path, save_steps=4, num_train_epochs=1, save_total_limit=2,
+                      eval_strategy="steps", eval_steps=4, metric_for_best_model="loss",
+                      greater_is_better=True)  # makes step 4 the best (loss falls)
+    tr.train()
+    names = sorted((p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint-")),
+                   key=lambda n: int(n.split("-")[1]))
+    assert tr.state.best_model_checkpoint == str(tmp_path / "checkpoint-4")
+    assert names == ["checkpoint-4", "checkpoint-16"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_save_strategy_best_and_save_only_model(tmp_path):
+    tr = make_trainer(tmp_path, num_train_epochs=1, save_strategy="best", eval_strategy="steps",
+                      eval_steps=4, metric_for_best_model="loss", greater_is_better=False,
+                      save_only_model=True)
+    tr.train()
+    steps = sorted(int(p.name.split("-")[1]) for p in tmp_path.iterdir() if p.name.startswith("checkpoint-"))
+    assert steps and steps[-1] == tr.state.best_global_step
+    snap = fastckpt.load(tmp_path / f"checkpoint-{steps[-1]}")
+    assert "optimizer" not in snap and "rng" not in snap
+
+
+def test_push_to_hub_refused(tmp_path):
+    tr = make_trainer(tmp_path, num_train_epochs=1)
+    tr.args.push_to_hub = True
+    with pytest.raises(ValueError, match="push_to_hub"):
+        tr.train()
+
+
+def test_background_failure_surfaces(tmp_path, monkeypatch):
+    class Boom(OSError):
+        pass
+
+    real = fastckpt.async_save
+
+    def failing(state, path, **kw):
+        fut = real(state, Path(path).parent / ".never" / "x", **kw)  # keeps the future API
+        fut.result()
+
+        class F:
+            def result(self, timeout_s=None):
+                raise Boom(5, "injected EIO")
+
+            def done(self):
+                return True
+        return F()
+
+    monkeypatch.setattr(fastckpt, "async_save", failing)
+    tr = make_trainer(tmp_path, save_steps=4, num_train_epochs=1)
+    with pytest.raises(Boom):
+        tr.train()
+    assert not list(tmp_path.glob("checkpoint-*"))
+
+
+def test_get_last_checkpoint_skips_uncommitted(tmp_path, caplog):
+    tr = make_trainer(tmp_path, save_steps=8, num_train_epochs=1)
+    tr.train()
+    fake = tmp_path / "checkpoint-99"  # a crashed plain-Trainer save: no manifest
+    fake.mkdir()
+    (fake / "model.safetensors").write_bytes(b"\0" * 10)
+    with caplog.at_level("INFO"):
+        assert hf_trainer.get_last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-16")
+    assert "checkpoint-99" in caplog.text
+    assert hf_trainer.get_last_checkpoint(tmp_path / "nothing") is None
+
+
+@pytest.mark.parametrize("peft", [False, True])
+def test_exact_resume_fresh_process_C7(tmp_path, peft):
+    """Checkpoint after 3 batches of the 2nd epoch (step 19); resume in a fresh process."""
+    full = make_trainer(tmp_path / "a", peft=peft)
+    full.train()
+    ref = losses(full)
+    assert len(ref) == 32
+    out = json.loads(run_fresh("resume", tmp_path / "a" / "checkpoint-19", tmp_path / "b", int(peft)).stdout
+                     .strip().splitlines()[-1])
+    got = {int(k): v for k, v in out.items() if int(k) > 19}  # log_history 1..19 comes from the checkpoint
+    assert sorted(got) == list(range(20, 33))
+    for s in got:
+        assert got[s] == ref[s], (s, got[s], ref[s])  # bit-exact on CPU
+
+
+def test_resume_without_fastckpt_state_warns(tmp_path, caplog):
+    tr = make_trainer(tmp_path / "a", num_train_epochs=1, save_steps=8, save_only_model=True)
+    tr.train()
+    tr2 = make_trainer(tmp_path / "a", num_train_epochs=1, save_steps=8)
+    with caplog.at_level("WARNING"):
+        tr2.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-8"))
+    assert "resume is not exact" in caplog.text
+
+
+def test_sigkill_during_save_then_resume_C6(tmp_path):
+    """Step 8 committed; the process is SIGKILLed while step 16 is being written."""
+    p = run_fresh("crash", tmp_path, check=False)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
+    assert fastckpt.is_committed(tmp_path / "checkpoint-8")
+    assert not (tmp_path / "checkpoint-16").exists()  # the partial save stays hidden
+    assert hf_trainer.get_last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-8")
+    # resume=True picks step 8, and the continued run matches an uninterrupted one
+    out = json.loads(run_fresh("resume", "auto", tmp_path, 0, 8).stdout.strip().splitlines()[-1])
+    ref_tr = make_trainer(tmp_path / "ref", save_steps=8)
+    ref_tr.train()
+    ref = losses(ref_tr)
+    assert {int(k): v for k, v in out.items() if int(k) > 8} == {s: ref[s] for s in range(9, 33)}
+
+
+def _child(argv):
+    mode = argv[0]
+    if mode == "resume":
+        ckpt, out, peft = argv[1], argv[2], bool(int(argv[3]))
+        save_steps = int(argv[4]) if len(argv) > 4 else 19
+        tr = make_trainer(out, peft=peft, save_steps=save_steps)
+        tr.train(resume_from_checkpoint=True if ckpt == "auto" else ckpt)
+        print(json.dumps(losses(tr)))
+    elif mode == "crash":
+        out = Path(argv[1])
+        kill_during_save("checkpoint-16")
+        make_trainer(out, save_steps=8).train()
+
+
+def kill_during_save(name: str, after_files: int = 2) -> None:
+    """SIGKILL this process while checkpoint ``name`` is being written: at the ``after_files``-th
+    fsync of a file in its hidden temporary folder, or at the latest just before its commit rename."""
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+    seen = []
+
+    def fsync(fd):
+        real_fsync(fd)
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return
+        parts = Path(target).parts
+        if any(p.startswith(".") and name in p for p in parts[:-1]):
+            seen.append(target)
+            if len(seen) >= after_files:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def guard(real):
+        def fn(src, dst, *a, **k):
+            if Path(dst).name == name:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(src, dst, *a, **k)
+        return fn
+
+    os.fsync, os.rename, os.replace = fsync, guard(real_rename), guard(real_replace)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])
