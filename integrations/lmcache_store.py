@@ -410,8 +410,11 @@ class KVFileStore:
             if ino is not None and st.st_ino != ino:
                 return False
             _unlink_quiet(path)
-            self._index.pop(name, None)
-            self._adjust_used(-st.st_size)
+            recorded = self._index.pop(name, None)
+            if recorded != st.st_size:
+                self._rescan_locked()  # changed behind our back: recount from the folder
+            else:
+                self._adjust_used(-st.st_size)
             return True
 
     def drop_corrupt(self, handle: ChunkHandle, why: str) -> None:
@@ -447,12 +450,12 @@ class KVFileStore:
                     return
                 if self._pins.get(name) or name in self._writing:
                     continue
-                size = self._index.pop(name)
+                size = self._index.pop(name)  # what the shared counter holds for it
                 path = self.path_for(name)
                 try:
-                    size = os.stat(path).st_size
+                    disk = os.stat(path).st_size  # smaller if someone truncated it
                     os.unlink(path)
-                    self.stats.add(evictions=1, evicted_bytes=size)
+                    self.stats.add(evictions=1, evicted_bytes=disk)
                 except FileNotFoundError:
                     pass  # removed by someone else: its bytes are gone too
                 used -= size
