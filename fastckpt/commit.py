@@ -12,8 +12,10 @@ where the kernel offers it, so the path never lacks a committed checkpoint.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -30,10 +32,24 @@ FORMAT_VERSION = 1
 TMP_MARK = ".fastckpt-tmp-"
 
 
+def host_tag() -> str:
+    """Short stable tag of this host's name (8 hex digits), part of every temporary name."""
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+#: ``{TMP_MARK}{pid}@{host tag}-{random}`` optionally followed by ``.old`` / ``.del``.
+_TMP_NAME = re.compile(re.escape(TMP_MARK) + r"(\d+)@([0-9a-f]{8})-[0-9a-f]+(?:\.old|\.del)?$")
+
+
 def temp_dir_for(path: str) -> str:
-    """Hidden sibling folder name for a save into ``path`` (does not create it)."""
+    """Hidden sibling folder name for a save into ``path`` (does not create it).
+
+    The name carries the writer's pid and host tag, so a leftover can be attributed to a
+    dead writer even when its owner record is missing (killed before writing it, or after
+    removing it just before the commit rename, or a ``.old``/``.del`` folder being deleted).
+    """
     parent, name = os.path.split(os.path.abspath(path))
-    return os.path.join(parent, f".{name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+    return os.path.join(parent, f".{name}{TMP_MARK}{os.getpid()}@{host_tag()}-{secrets.token_hex(4)}")
 
 
 def make_temp_dir(path: str) -> str:
@@ -143,30 +159,48 @@ def is_committed(path: str | os.PathLike) -> bool:
 def owner_alive(tmp: str) -> bool:
     """True if the writer that created temporary folder ``tmp`` may still be running.
 
-    A folder whose owner record names this host and a pid that no longer exists is dead;
-    a folder of another host, or without a readable record younger than a day, counts
-    as alive (never delete another live writer's files).
+    A folder whose owner record (or, without a record, whose name) names this host and a
+    pid that no longer exists, or that was reused by a process started after the record,
+    is dead; a folder of another host, or without record and parsable name younger than a
+    day, counts as alive (never delete another live writer's files).
     """
+    started = None
     try:
         with open(os.path.join(tmp, OWNER)) as f:
             owner = json.load(f)
-        pid, host = int(owner["pid"]), owner["host"]
+        pid, local = int(owner["pid"]), owner["host"] == socket.gethostname()
+        started = float(owner["started_unix_s"])
     except (OSError, ValueError, KeyError, TypeError):
-        try:
-            return time.time() - os.stat(tmp).st_mtime < 86400
-        except OSError:
-            return False
-    if host != socket.gethostname():
+        m = _TMP_NAME.search(os.path.basename(tmp))
+        if m is None:
+            try:
+                return time.time() - os.stat(tmp).st_mtime < 86400
+            except OSError:
+                return False
+        pid, local = int(m.group(1)), m.group(2) == host_tag()
+    if not local or pid == os.getpid():
         return True
-    if pid == os.getpid():
-        return True
+    return _pid_alive(pid, started)
+
+
+def _pid_alive(pid: int, not_after_unix_s: float | None) -> bool:
+    """True if local process ``pid`` exists (and, when given, started before ``not_after_unix_s``)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    if not_after_unix_s is None:
         return True
-    return True
+    try:  # pid reuse: a process that started after the record cannot be its writer
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        with open("/proc/stat", "rb") as f:
+            btime = next(int(l.split()[1]) for l in f if l.startswith(b"btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK") <= not_after_unix_s + 2.0
+    except (OSError, ValueError, IndexError, StopIteration):
+        return True
 
 
 def clean_stale_temps(root: str) -> list[str]:

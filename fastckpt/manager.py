@@ -11,6 +11,7 @@ from typing import Any
 from . import commit as cm
 from .errors import CheckpointExistsError, CheckpointNotFoundError
 from .loader import load
+from .lock import RootLock
 from .saver import SaveFuture, Saver
 
 LATEST = "latest"
@@ -26,6 +27,9 @@ class CheckpointManager:
             newer one is committed.
         prefix: step folder prefix (default ``"step-"``; the Trainer integration uses
             ``"checkpoint-"``).
+        lock_timeout_s: seconds a save or prune waits for another job's root lock before
+            raising :class:`~fastckpt.errors.CheckpointLockedError` (default 0: fail at once).
+            See :mod:`fastckpt.lock`: one writing job per root, never interleaved files.
 
     A ``latest`` text file in ``root`` names the newest committed step; it is replaced
     atomically after each commit. Readers trust the scan of committed folders over it
@@ -39,7 +43,8 @@ class CheckpointManager:
         state = mgr.load()          # newest committed step
     """
 
-    def __init__(self, root: str | os.PathLike, keep_last: int | None = None, prefix: str = "step-"):
+    def __init__(self, root: str | os.PathLike, keep_last: int | None = None, prefix: str = "step-",
+                 lock_timeout_s: float = 0.0):
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
         if not prefix or "/" in prefix or prefix.startswith("."):
@@ -49,6 +54,8 @@ class CheckpointManager:
         self.prefix = prefix
         self._saver = Saver()
         self._pattern = re.compile(re.escape(prefix) + r"(\d+)$")
+        self._lock = RootLock(self.root)
+        self.lock_timeout_s = lock_timeout_s
 
     def path(self, step: int) -> Path:
         """Folder of ``step`` (whether or not it exists)."""
@@ -110,8 +117,15 @@ class CheckpointManager:
                 user_hook(p)
 
         self.root.mkdir(parents=True, exist_ok=True)
-        cm.clean_stale_temps(str(self.root))
-        return self._saver.async_save(state, target, step=step, on_commit=after_commit, **options)
+        self._lock.acquire(self.lock_timeout_s)  # held until this save committed or failed
+        try:
+            self._clean_leftovers()
+            fut = self._saver.async_save(state, target, step=step, on_commit=after_commit, **options)
+        except BaseException:
+            self._lock.release()
+            raise
+        fut.add_done_callback(lambda _f: self._lock.release())
+        return fut
 
     def save(self, step: int, state: Any, **options: Any) -> Path:
         """Save ``state`` as ``step`` and return its folder once durable and committed."""
@@ -154,10 +168,33 @@ class CheckpointManager:
 
         Returns:
             The removed steps.
+
+        Raises:
+            CheckpointLockedError: another job holds the root lock (it is saving or pruning).
         """
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
+        if not self.root.is_dir():
+            return []
+        self._lock.acquire(self.lock_timeout_s)
+        try:
+            return self._prune_locked(keep, protect)
+        finally:
+            self._lock.release()
+
+    def _clean_leftovers(self) -> None:
+        """Remove dead writers' temporaries and stale ``latest`` temp files (caller holds the lock)."""
         cm.clean_stale_temps(str(self.root))
+        mine = f".{LATEST}.{os.getpid()}.tmp"
+        for n in os.listdir(self.root):
+            if n.startswith(f".{LATEST}.") and n.endswith(".tmp") and n != mine:
+                try:
+                    os.unlink(self.root / n)
+                except OSError:
+                    pass
+
+    def _prune_locked(self, keep: int, protect: tuple[int, ...]) -> list[int]:
+        self._clean_leftovers()
         steps = self.steps()
         victims = [s for s in steps[:-keep] if s not in protect] if len(steps) > keep else []
         for s in victims:

@@ -123,6 +123,8 @@ class SaveFuture:
         self._event = threading.Event()
         self._exc: BaseException | None = None
         self._collected = False
+        self._callbacks: list[Callable[["SaveFuture"], None]] | None = []
+        self._cb_lock = threading.Lock()
 
     def done(self) -> bool:
         """True once the save committed or failed."""
@@ -151,11 +153,35 @@ class SaveFuture:
         self._event.wait()
         return self._exc
 
+    def add_done_callback(self, fn: Callable[["SaveFuture"], None]) -> None:
+        """Call ``fn(self)`` once the save committed or failed, before ``result()`` returns.
+
+        Runs in the writer thread (or at once in the caller's thread if already done);
+        an exception from ``fn`` is reported as a warning, never replacing the save's outcome.
+        """
+        with self._cb_lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        _run_callback(fn, self)
+
     def _finish(self, exc: BaseException | None) -> None:
         self._exc = exc
         if exc is not None:
             _UNCOLLECTED.add(self)
+        with self._cb_lock:
+            callbacks, self._callbacks = self._callbacks or [], None
+        for fn in callbacks:
+            _run_callback(fn, self)
         self._event.set()
+
+
+def _run_callback(fn: Callable[[SaveFuture], None], fut: SaveFuture) -> None:
+    try:
+        fn(fut)
+    except Exception as e:  # a callback must not hide the save's own outcome
+        warnings.warn(f"fastckpt: done-callback of the save of {fut.path} failed: {type(e).__name__}: {e}",
+                      RuntimeWarning, stacklevel=1)
 
 
 @atexit.register

@@ -1,0 +1,133 @@
+"""Root lock: one writing job per :class:`~fastckpt.CheckpointManager` root at a time.
+
+Two independent jobs (not ranks of one job) that save into the same root would otherwise
+interleave steps, prune each other's checkpoints and race on ``latest``. The manager takes
+an exclusive ``flock`` on ``{root}/.fastckpt.lock`` for every save (from before leftovers are
+cleaned until the save committed or failed) and for every prune; a second job gets a
+:class:`~fastckpt.errors.CheckpointLockedError` naming the holder instead of interleaving.
+
+Properties:
+
+- The kernel drops the lock when the holder dies (even by SIGKILL), so a crashed job never
+  leaves the root locked; the lock file itself is never deleted (deleting lock files races).
+- ``flock`` locks belong to an open file description: two managers in one process exclude
+  each other too, while one manager may nest acquisitions (its next save, and the retention
+  run from its commit hook). Acquire and release may happen on different threads.
+- On NFS, Linux emulates ``flock`` with POSIX byte-range locks, so the lock also holds across
+  hosts that share the root.
+- The lock file holds an informational record of the holder (pid, host, start time) that
+  only feeds error messages.
+
+Readers (``load``, ``ls``, ``verify``) never take the lock: a checkpoint exists iff it was
+committed, and commits are atomic renames.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+
+from .errors import CheckpointLockedError
+
+LOCK_FILE = ".fastckpt.lock"
+
+
+class RootLock:
+    """Re-entrant (per object), inter-process exclusive lock on a checkpoint root.
+
+    Args:
+        root: the checkpoint root folder (must exist when :meth:`acquire` is called).
+
+    Example::
+
+        lock = RootLock("runs/a")
+        lock.acquire(timeout_s=0)      # CheckpointLockedError if another job holds it
+        try:
+            ...
+        finally:
+            lock.release()
+    """
+
+    def __init__(self, root: str | os.PathLike):
+        self.path = os.path.join(os.fspath(root), LOCK_FILE)
+        self._fd = -1
+        self._depth = 0
+        self._mu = threading.Lock()
+
+    @property
+    def held(self) -> bool:
+        """True while this object holds the lock."""
+        return self._depth > 0
+
+    def holder(self) -> dict | None:
+        """The holder record in the lock file (``{"pid", "host", "since_unix_s"}``), or ``None``."""
+        try:
+            with open(self.path, "rb") as f:
+                rec = json.loads(f.read(4096).decode("utf-8"))
+            return rec if isinstance(rec, dict) else None
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None
+
+    def acquire(self, timeout_s: float = 0.0) -> None:
+        """Take the lock, waiting at most ``timeout_s`` seconds (default 0: do not wait).
+
+        Raises:
+            CheckpointLockedError: another job (or another manager object) holds the lock;
+                the message names its pid and host.
+            OSError: the lock file cannot be created (e.g. EROFS on a read-only tier).
+        """
+        with self._mu:
+            if self._depth:
+                self._depth += 1
+                return
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                self._flock(fd, timeout_s)
+                rec = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                  "since_unix_s": time.time()}).encode()
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, rec, 0)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd, self._depth = fd, 1
+
+    def _flock(self, fd: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    h = self.holder() or {}
+                    raise CheckpointLockedError(
+                        f"{os.path.dirname(self.path)}: another job is writing checkpoints here "
+                        f"(lock {self.path} held by pid {h.get('pid', '?')} on host {h.get('host', '?')}); "
+                        "use a different root, stop that job, or pass a larger lock_timeout_s") from None
+                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def release(self) -> None:
+        """Drop one level of the lock; the last release unlocks and closes the file."""
+        with self._mu:
+            if self._depth == 0:
+                return
+            self._depth -= 1
+            if self._depth:
+                return
+            fd, self._fd = self._fd, -1
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+
+    def __enter__(self) -> "RootLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
