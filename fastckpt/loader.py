@@ -126,8 +126,8 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
         path: a committed fastckpt checkpoint folder (returns the saved nested structure),
             an HF folder with ``*.safetensors.index.json`` or ``*.safetensors`` files, or one
             safetensors file (both return a flat ``{tensor name: tensor}`` dict).
-        device: where tensors end up (``"cpu"`` default; ``"cuda:N"``/``"npu:N"`` copy after
-            reading to host).
+        device: where tensors end up (``"cpu"`` default; ``"cuda:N"``/``"npu:N"`` stream through
+            a bounded ring of pinned host buffers, see :mod:`fastckpt.device_load`).
         keys: a key path / tensor name or a list of them; prefixes select subtrees
             (``"optimizer"`` selects ``optimizer/state/0/exp_avg``). ``None``: everything.
         threads: reads in flight (default :func:`fastckpt.saver.default_threads`).
@@ -150,7 +150,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
     if r.manifest is None:
         names = [n for n in r.tensors if keep is None or keep(n)]
         _check_keys_found(keys, names, r.root)
-        out = read_tensors(r, names, threads=threads, chunk_bytes=chunk_bytes, io_backend=io_backend)
+        out = _read(r, names, device, threads=threads, chunk_bytes=chunk_bytes, io_backend=io_backend)
         return {n: _to(out[n], device) for n in names}
     entries = r.manifest["tensors"]
     wanted = [k for k in entries if keep is None or keep(k)]
@@ -159,7 +159,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
         e = entries[k]
         target = e.get("alias") or e.get("view") or k
         stored.add(target)
-    raw = read_tensors(r, sorted(stored), threads=threads, chunk_bytes=chunk_bytes, io_backend=io_backend,
+    raw = _read(r, sorted(stored), device, threads=threads, chunk_bytes=chunk_bytes, io_backend=io_backend,
                        verify=verify)
     raw = {k: _to(t, device) for k, t in raw.items()}
 
@@ -184,6 +184,15 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
 def _check_keys_found(keys: Any, found: list[str], root: str) -> None:
     if keys is not None and not found:
         raise KeyError(f"{root}: no tensor matches keys={keys!r}")
+
+
+def _read(r: Resolved, keys: list[str], device: str | torch.device, **opts: Any) -> dict[str, torch.Tensor]:
+    """CPU: :func:`read_tensors` straight into the final tensors; other devices: the bounce ring."""
+    if torch.device(device).type == "cpu":
+        return read_tensors(r, keys, **opts)
+    from .device_load import load_tensors  # issue 4: pinned ring / kvikio / NPU streams
+    opts.pop("chunk_bytes", None)
+    return load_tensors(r, keys, device, **opts)
 
 
 def _to(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:

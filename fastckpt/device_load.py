@@ -1,0 +1,477 @@
+"""Load tensors into device memory through a bounded ring of (pinned) host bounce buffers.
+
+What is read is planned first (:func:`plan_pieces`, pure): every needed byte range of every
+file becomes a *piece* of at most ``slot_bytes``, with the copies that move its bytes into the
+destination tensors (adjacent small tensors share a piece; a tensor-parallel slice reads only
+its own byte ranges, see :mod:`fastckpt.tp`). How the bytes move is a small strategy
+(:class:`Engine`) chosen by device type from :data:`ENGINES`:
+
+- ``cuda`` / ``npu``: the ring's slots are pinned host buffers; worker threads ``preadv`` pieces
+  into free slots, the main thread issues the host-to-device copy of each finished piece on a
+  side stream and records an event; a slot is reused only after its event completed, so reads
+  of the next pieces overlap the copies. With ``kvikio`` importable, a CUDA device and GDS not
+  in compatibility mode, contiguous ranges are read straight into device memory instead.
+- ``cpu``: the same ring and code path with synchronous copies (used to test the ring, and for
+  dtype conversion / tensor-parallel slices on CPU).
+
+Host memory stays at ``ring_bytes`` whatever the model size. Every returned tensor is its own
+allocation on the device: nothing points into a slot. GPU/NPU modules are imported lazily.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import xxhash
+
+from .dtypes import str_to_dtype
+from .errors import ChecksumMismatchError
+from .format import TensorInfo
+from .io import PosixBackend, get_backend, readv_exact
+from .memory import host_buffer
+from .resolve import Resolved, resolve
+from .saver import default_threads
+from .tp import Shard, SliceSpec, slice_spec
+
+#: Default bounce ring size (bytes) and slot size (bytes).
+DEFAULT_RING_BYTES = 256 << 20
+DEFAULT_SLOT_BYTES = 16 << 20
+#: A per-row segment at least this large is read alone (only needed bytes); smaller ones read whole rows.
+SEGMENT_MIN_BYTES = 256 << 10
+
+
+@dataclass(frozen=True)
+class Target:
+    """One destination tensor: where its bytes are in the file and which of them are wanted."""
+
+    key: str
+    file: str
+    abs_offset: int
+    info: TensorInfo
+    slice: SliceSpec | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the destination (the slice, or the whole tensor)."""
+        return self.slice.nbytes if self.slice else self.info.nbytes
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the destination."""
+        return self.slice.shape if self.slice else tuple(self.info.shape)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Move bytes from a slot into target ``dest``.
+
+    Flat (``rows == 0``): slot ``[src_off, src_off + nbytes)`` -> dest ``[dst_off, ...)``.
+    Rows: ``rows`` stored rows of ``row_bytes`` starting at ``src_off`` in the slot; bytes
+    ``[col_off, col_off + col_bytes)`` of each go to dest rows ``dst_off // col_bytes`` onward.
+    """
+
+    dest: int
+    dst_off: int
+    src_off: int
+    nbytes: int
+    rows: int = 0
+    row_bytes: int = 0
+    col_off: int = 0
+    col_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One read: ``nbytes`` at ``offset`` of ``file`` into a slot, then ``copies``."""
+
+    file: str
+    offset: int
+    nbytes: int
+    copies: tuple[Copy, ...]
+
+
+def _flat_ranges(t: Target) -> list[tuple[int, int, int]]:
+    """``(file offset, dest offset, nbytes)`` ranges of a target read as flat copies, or [] for row reads."""
+    s = t.slice
+    if s is None:
+        return [(t.abs_offset, 0, t.info.nbytes)]
+    if s.contiguous:
+        return [(t.abs_offset + s.col_off, 0, s.nbytes)]
+    return []
+
+
+def plan_pieces(targets: list[Target], slot_bytes: int, skip: frozenset[int] = frozenset()) -> list[Piece]:
+    """Split the reads of ``targets`` into pieces of at most ``slot_bytes`` (pure, deterministic).
+
+    Copies name their target by index in ``targets``; indexes in ``skip`` are not read.
+
+    Raises:
+        ValueError: ``slot_bytes`` is not positive.
+    """
+    if slot_bytes <= 0:
+        raise ValueError(f"slot_bytes must be a positive int, got {slot_bytes!r}")
+    pieces: list[Piece] = []
+    run: list[tuple[int, int, int, int]] = []  # (dest, file offset, dest offset, n), adjacent in the file
+    run_file = ""
+
+    def flush() -> None:
+        if run:
+            start = run[0][1]
+            pieces.append(Piece(run_file, start, run[-1][1] + run[-1][3] - start,
+                                tuple(Copy(d, do, fo - start, n) for d, fo, do, n in run)))
+            run.clear()
+
+    order = sorted(range(len(targets)), key=lambda i: (targets[i].file, targets[i].abs_offset))
+    for i in order:
+        t = targets[i]
+        if t.nbytes == 0 or i in skip:
+            continue
+        flat = _flat_ranges(t)
+        if not flat:
+            flush()
+            pieces.extend(_row_pieces(i, t, slot_bytes))
+            continue
+        for fo, do, n in flat:
+            if n > slot_bytes // 4:
+                flush()
+                for a in range(0, n, slot_bytes):
+                    m = min(slot_bytes, n - a)
+                    pieces.append(Piece(t.file, fo + a, m, (Copy(i, do + a, 0, m),)))
+                continue
+            if run and (run_file != t.file or run[-1][1] + run[-1][3] != fo
+                        or fo + n - run[0][1] > slot_bytes):
+                flush()
+            run_file = t.file
+            run.append((i, fo, do, n))
+    flush()
+    return pieces
+
+
+def _row_pieces(i: int, t: Target, slot_bytes: int) -> list[Piece]:
+    """Pieces of a non-contiguous slice: per-row segments when large, else blocks of whole rows."""
+    s = t.slice
+    assert s is not None
+    out: list[Piece] = []
+    if s.col_bytes >= SEGMENT_MIN_BYTES or s.row_bytes > slot_bytes:
+        for r in range(s.outer):
+            fo, do = t.abs_offset + r * s.row_bytes + s.col_off, r * s.col_bytes
+            for a in range(0, s.col_bytes, slot_bytes):
+                m = min(slot_bytes, s.col_bytes - a)
+                out.append(Piece(t.file, fo + a, m, (Copy(i, do + a, 0, m),)))
+        return out
+    per = max(1, slot_bytes // s.row_bytes)
+    for r0 in range(0, s.outer, per):
+        k = min(per, s.outer - r0)
+        out.append(Piece(t.file, t.abs_offset + r0 * s.row_bytes, k * s.row_bytes,
+                         (Copy(i, r0 * s.col_bytes, 0, k * s.col_bytes, k, s.row_bytes, s.col_off, s.col_bytes),)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Engines: how bytes get from a host slot into device memory
+# ---------------------------------------------------------------------------------------------
+
+class Engine:
+    """Synchronous CPU engine; base of the accelerator engines.
+
+    Call order for one load: ``empty`` (every destination) -> ``begin`` -> for each piece:
+    ``wait(slot)`` -> read into ``slot(i)`` -> ``copy`` ... -> ``record(slot)`` -> ``finish``.
+    All calls come from the loading thread; only the file reads run in worker threads.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """A new 1-D uint8 tensor of ``nbytes`` on the device (the destination's own memory)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def host_slot(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
+        """A host bounce buffer of ``nbytes`` (pinned for accelerators)."""
+        return host_buffer(nbytes)
+
+    def begin(self) -> None:
+        """Called after every destination is allocated, before the first copy."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy host ``src`` into device ``dst`` (same shape, uint8)."""
+        dst.copy_(src)
+
+    def record(self, slot: int) -> None:
+        """Mark that every copy from ``slot`` issued so far must finish before it is reused."""
+
+    def wait(self, slot: int) -> None:
+        """Block until the copies recorded for ``slot`` are done."""
+
+    def finish(self) -> None:
+        """Block until every copy is done."""
+
+
+class AcceleratorEngine(Engine):
+    """CUDA or NPU engine: pinned slots, copies on a side stream, one event per slot.
+
+    ``mod`` is ``torch.cuda`` or ``torch.npu`` (both expose ``Stream``, ``Event``, ``stream``).
+    """
+
+    def __init__(self, device: torch.device, mod):
+        super().__init__(device)
+        self.mod = mod
+        self.stream = mod.Stream(device=device)
+        self.events: dict[int, object] = {}
+
+    def host_slot(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
+        t = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        return t, memoryview(t.numpy())
+
+    def begin(self) -> None:
+        # destinations were allocated on the current stream: order the side stream after it
+        self.stream.wait_stream(self.mod.current_stream(self.device))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with self.mod.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record(self, slot: int) -> None:
+        ev = self.mod.Event()
+        ev.record(self.stream)
+        self.events[slot] = ev
+
+    def wait(self, slot: int) -> None:
+        ev = self.events.pop(slot, None)
+        if ev is not None:
+            ev.synchronize()
+
+    def finish(self) -> None:
+        self.stream.synchronize()
+        self.events.clear()
+
+
+def _cuda_engine(device: torch.device) -> Engine:
+    return AcceleratorEngine(device, torch.cuda)
+
+
+def _npu_engine(device: torch.device) -> Engine:
+    import torch_npu  # noqa: F401  (registers torch.npu)
+    return AcceleratorEngine(device, torch.npu)
+
+
+#: Engine registry: device type -> factory(device). Tests register fake devices here.
+ENGINES: dict[str, Callable[[torch.device], Engine]] = {"cpu": Engine, "cuda": _cuda_engine, "npu": _npu_engine}
+
+
+def get_engine(device: str | torch.device) -> Engine:
+    """The engine for ``device`` (``"cpu"``, ``"cuda:N"``, ``"npu:N"`` or a registered type).
+
+    Raises:
+        ValueError: no engine for that device type.
+    """
+    dev = torch.device(device)
+    if dev.type in ("cuda", "npu") and dev.index is None:
+        dev = torch.device(dev.type, 0)
+    try:
+        factory = ENGINES[dev.type]
+    except KeyError:
+        raise ValueError(f"no device engine for {dev.type!r}; known: {sorted(ENGINES)}") from None
+    return factory(dev)
+
+
+def kvikio_usable(device: torch.device) -> bool:
+    """True when kvikio imports, ``device`` is CUDA and GPUDirect Storage is not in compat mode."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        import kvikio
+        import kvikio.defaults as kd
+    except Exception:  # ImportError, or a broken CUDA runtime raising at import
+        return False
+    for name in ("is_compat_mode_preferred", "compat_mode"):
+        fn = getattr(kd, name, None)
+        if callable(fn):
+            try:
+                return not bool(fn())
+            except Exception:
+                return False
+    return hasattr(kvikio, "CuFile")
+
+
+# ---------------------------------------------------------------------------------------------
+# Execution
+# ---------------------------------------------------------------------------------------------
+
+def _targets(r: Resolved, keys: Iterable[str], shard: Shard | None) -> list[Target]:
+    out = []
+    for k in keys:
+        fname, info = r.tensors[k]
+        dim = shard.dim_for(info.name) if shard is not None and shard.world_size > 1 else None
+        sl = slice_spec(info, dim, shard.rank, shard.world_size) if dim is not None else None
+        out.append(Target(k, r.file_path(fname), r.headers[fname].data_offset + info.start, info, sl))
+    return out
+
+
+def _apply(engine: Engine, c: Copy, dest: torch.Tensor, slot: torch.Tensor) -> None:
+    if c.rows == 0:
+        engine.copy(dest[c.dst_off:c.dst_off + c.nbytes], slot[c.src_off:c.src_off + c.nbytes])
+        return
+    src = slot[c.src_off:c.src_off + c.rows * c.row_bytes].view(c.rows, c.row_bytes)[:, c.col_off:c.col_off + c.col_bytes]
+    dst = dest[c.dst_off:c.dst_off + c.rows * c.col_bytes].view(c.rows, c.col_bytes)
+    engine.copy(dst, src.contiguous() if engine.device.type != "cpu" else src)
+
+
+class _Ring:
+    """Runs a piece plan through ``n_slots`` bounce buffers of ``slot_bytes`` each."""
+
+    def __init__(self, engine: Engine, n_slots: int, slot_bytes: int, threads: int, be: PosixBackend):
+        self.engine, self.be = engine, be
+        self.slots = [engine.host_slot(slot_bytes) for _ in range(n_slots)]
+        self.threads = max(1, min(threads, n_slots))
+
+    def run(self, pieces: list[Piece], dests: list[torch.Tensor],
+            hashers: dict[int, "xxhash.xxh3_64"]) -> None:
+        n = len(self.slots)
+        fds: dict[str, int] = {}
+        pending: collections.deque = collections.deque()
+        try:
+            for p in pieces:
+                if p.file not in fds:
+                    fds[p.file] = self.be.open_read(p.file)
+            self.engine.begin()
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="fastckpt-ring") as ex:
+                for i, p in enumerate(pieces):
+                    s = i % n
+                    if len(pending) == n:
+                        self._consume(*pending.popleft(), dests, hashers)
+                    self.engine.wait(s)
+                    mv = self.slots[s][1][:p.nbytes]
+                    pending.append((p, s, ex.submit(readv_exact, self.be, fds[p.file], [mv], p.offset,
+                                                    path=p.file, what=f"piece @{p.offset}")))
+                while pending:
+                    self._consume(*pending.popleft(), dests, hashers)
+            self.engine.finish()
+        finally:
+            for f in pending:
+                f[2].cancel()
+            for fd in fds.values():
+                self.be.close(fd)
+
+    def _consume(self, p: Piece, s: int, fut, dests: list[torch.Tensor], hashers: dict) -> None:
+        fut.result()
+        slot_t, slot_mv = self.slots[s]
+        for c in p.copies:
+            h = hashers.get(c.dest)
+            if h is not None:
+                h.update(slot_mv[c.src_off:c.src_off + c.nbytes])
+            _apply(self.engine, c, dests[c.dest], slot_t)
+        self.engine.record(s)
+
+
+def _kvikio_read(targets: list[Target], dests: list[torch.Tensor], idx: list[int], chunk: int) -> None:
+    import kvikio
+    futs, files = [], {}
+    try:
+        for i in idx:
+            t = targets[i]
+            f = files.get(t.file) or files.setdefault(t.file, kvikio.CuFile(t.file, "r"))
+            for fo, do, n in _flat_ranges(t):
+                for a in range(0, n, chunk):
+                    m = min(chunk, n - a)
+                    futs.append(f.pread(dests[i][do + a:do + a + m], m, fo + a))
+        for fu in futs:
+            fu.get()
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def load_tensors(r: Resolved, keys: Iterable[str], device: str | torch.device, *,
+                 dtype: torch.dtype | None = None, shard: Shard | None = None,
+                 ring_bytes: int = DEFAULT_RING_BYTES, slot_bytes: int = DEFAULT_SLOT_BYTES,
+                 threads: int | None = None, verify: bool = False,
+                 io_backend: str | PosixBackend | None = None, use_kvikio: bool | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Read tensors ``keys`` of a resolved checkpoint into new tensors on ``device``.
+
+    Args:
+        r: from :func:`fastckpt.resolve.resolve` (headers validated).
+        keys: stored tensor keys (``r.tensors`` keys).
+        device: ``"cpu"``, ``"cuda:N"``, ``"npu:N"`` or a type registered in :data:`ENGINES`.
+        dtype: convert floating-point tensors to this dtype after loading (``None``: keep).
+        shard: tensor-parallel split (:class:`fastckpt.tp.Shard`); only this rank's bytes are read.
+        ring_bytes: host bounce memory in bytes (default 256 MiB); at least two slots.
+        slot_bytes: bytes per slot and per read (default 16 MiB).
+        threads: reads in flight (default :func:`fastckpt.saver.default_threads`, at most the slots).
+        verify: check each whole (unsliced) tensor's xxh3 against the manifest, if there is one.
+        io_backend: I/O backend name or instance for the ring reads (default ``"posix"``).
+        use_kvikio: ``None`` (default) uses kvikio/GDS when :func:`kvikio_usable`; ``False`` never.
+
+    Returns:
+        key -> tensor on ``device`` with the stored shape (or the slice's), each its own allocation.
+
+    Raises:
+        ValueError: bad sizes, unknown device, or a split that does not divide a dim.
+        CorruptCheckpointError: a file is shorter than its header says.
+        ChecksumMismatchError: with ``verify``, a tensor's bytes differ from the manifest.
+        OSError: from the backend.
+    """
+    if slot_bytes <= 0 or ring_bytes < 2 * slot_bytes:
+        raise ValueError(f"need slot_bytes > 0 and ring_bytes >= 2 * slot_bytes, got ring_bytes={ring_bytes} "
+                         f"slot_bytes={slot_bytes}; raise ring_bytes or lower slot_bytes")
+    keys = list(keys)
+    engine = get_engine(device)
+    targets = _targets(r, keys, shard)
+    dests = [engine.empty(t.nbytes) for t in targets]
+    want = {}
+    if verify and r.manifest is not None:
+        want = {i: r.manifest["tensors"][t.key].get("xxh3") for i, t in enumerate(targets) if t.slice is None}
+    use_kv = kvikio_usable(engine.device) if use_kvikio is None else use_kvikio
+    direct = [i for i, t in enumerate(targets) if use_kv and i not in want and _flat_ranges(t)]
+    if direct:
+        _kvikio_read(targets, dests, direct, slot_bytes)
+    pieces = plan_pieces(targets, slot_bytes, frozenset(direct))
+    hashers = {i: xxhash.xxh3_64() for i in want}
+    if pieces:
+        n_slots = min(ring_bytes // slot_bytes, max(2, len(pieces)))
+        ring = _Ring(engine, n_slots, slot_bytes, threads or default_threads(), get_backend(io_backend))
+        ring.run(pieces, dests, hashers)
+    for i, h in hashers.items():
+        if want[i] is not None and h.hexdigest() != want[i]:
+            t = targets[i]
+            raise ChecksumMismatchError(f"{t.file}: tensor {t.key!r} has xxh3 {h.hexdigest()}, manifest says "
+                                        f"{want[i]}", path=t.file, tensor=t.key)
+    return {t.key: _finish(t, d, dtype) for t, d in zip(targets, dests)}
+
+
+def _finish(t: Target, raw: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    stored = str_to_dtype(t.info.dtype, tensor=t.key, path=t.file)
+    x = raw.view(stored).view(t.shape) if raw.numel() else torch.empty(t.shape, dtype=stored, device=raw.device)
+    if dtype is not None and x.dtype != dtype and x.dtype.is_floating_point and dtype.is_floating_point:
+        x = x.to(dtype)
+    return x
+
+
+def load_weights(path: str | os.PathLike, device: str | torch.device = "cpu", *, keys: Iterable[str] | None = None,
+                 dtype: torch.dtype | None = None, shard: Shard | None = None, **options) -> dict[str, torch.Tensor]:
+    """Load the flat ``{stored key: tensor}`` of any checkpoint, HF folder or safetensors file.
+
+    ``options`` are those of :func:`load_tensors` (``ring_bytes``, ``slot_bytes``, ``threads``,
+    ``verify``, ``io_backend``, ``use_kvikio``). Keys are tensor names for foreign files and key
+    paths (``model/...``) for fastckpt checkpoints.
+
+    Example::
+
+        w = load_weights("Llama-3-8B/", "cuda:0", dtype=torch.bfloat16,
+                         shard=Shard(rank, 2, {"*q_proj.weight": 0, "*o_proj.weight": 1}))
+
+    Raises:
+        KeyError: a name in ``keys`` is not stored. Others as :func:`load_tensors`.
+    """
+    r = resolve(path)
+    names = list(r.tensors) if keys is None else list(keys)
+    missing = [k for k in names if k not in r.tensors]
+    if missing:
+        raise KeyError(f"{r.root}: not stored: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return load_tensors(r, names, device, dtype=dtype, shard=shard, **options)
