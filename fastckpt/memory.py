@@ -27,6 +27,8 @@ def host_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:
     Returns:
         ``(tensor, view)``: a 1-D ``torch.uint8`` CPU tensor of ``nbytes`` elements and a
         writable ``memoryview`` of the same memory (for ``os.preadv``/``os.pwrite``).
+        Only allocations of at least ``HUGE_MIN_BYTES`` are page aligned (mmap backed);
+        smaller ones come from the torch allocator (64-byte aligned).
         Allocations of at least ``HUGE_MIN_BYTES`` are backed by transparent huge pages
         where the kernel allows it.
     """

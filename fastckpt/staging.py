@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .memory import host_buffer, pin_if_possible
+from .memory import HUGE_MIN_BYTES, host_buffer, pin_if_possible
 
 
 class StagingPool:
@@ -39,7 +39,9 @@ class StagingPool:
         try:
             if self.capacity < nbytes:
                 self._tensor = self._view = None
-                t, v = host_buffer(nbytes)
+                # at least HUGE_MIN_BYTES: host_buffer is page aligned (mmap) only from that size,
+                # and O_DIRECT writes need page-aligned memory
+                t, v = host_buffer(max(nbytes, HUGE_MIN_BYTES))
                 pinned = pin_if_possible(t)
                 if pinned is not t:
                     t, v = pinned, memoryview(pinned.numpy())

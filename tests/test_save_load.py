@@ -1,0 +1,412 @@
+"""save / async_save / load: the public API of issue 2, compared on raw bytes."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import math
+import os
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import fastckpt
+from fastckpt.errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError,
+                             CorruptCheckpointError, UnsupportedValueError)
+from fastckpt.io import PosixBackend
+
+from fastckpt_testkit import FaultyBackend, assert_same, assert_tree_same, listing, no_temps, raw
+
+
+def manifest(path) -> dict:
+    return json.loads((path / "manifest.json").read_text())
+
+
+def small_state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"embed.weight": torch.randn(16, 8, generator=g), "norm.bias": torch.randn(8, generator=g)},
+            "step": seed}
+
+
+# ---------------------------------------------------------------- round trips + safetensors interop
+
+def test_roundtrip_and_safetensors_reads_our_shards(tmp_path):
+    state = {"model": {"a.weight": torch.randn(32, 16).to(torch.bfloat16), "b": torch.arange(10),
+                       "flag": torch.tensor([True, False])},
+             "optimizer": {"state": {0: {"exp_avg": torch.randn(5)}}}, "step": 7}
+    p = fastckpt.save(state, tmp_path / "ck")
+    assert p == tmp_path / "ck" and no_temps(tmp_path) and fastckpt.is_committed(p)
+    assert_tree_same(state, fastckpt.load(p))
+    m = manifest(p)
+    for key, e in m["tensors"].items():
+        if "file" not in e:
+            continue
+        got = load_file(str(p / e["file"]))[e["name"]]
+        with safe_open(str(p / e["file"]), "pt") as f:
+            assert_same(f.get_tensor(e["name"]), got, key)
+        ref = {"model/a.weight": state["model"]["a.weight"], "model/b": state["model"]["b"],
+               "model/flag": state["model"]["flag"],
+               "optimizer/state/0/exp_avg": state["optimizer"]["state"][0]["exp_avg"]}[key]
+        assert_same(ref, got, key)
+    # model tensors keep their raw names in HF-named shards
+    assert load_file(str(p / "model-00001-of-00001.safetensors")).keys() == {"a.weight", "b", "flag"}
+    assert fastckpt.verify(p).ok
+
+
+def test_overwrite_refused_then_atomic_replace(tmp_path):
+    p = tmp_path / "ck"
+    fastckpt.save(small_state(1), p)
+    with pytest.raises(CheckpointExistsError, match="overwrite=True"):
+        fastckpt.save(small_state(2), p)
+    assert_tree_same(small_state(1), fastckpt.load(p))
+    fastckpt.save(small_state(2), p, overwrite=True)
+    assert_tree_same(small_state(2), fastckpt.load(p))
+    assert listing(tmp_path) == ["ck"]
+
+
+def test_async_save_holds_values_at_call_time(tmp_path):
+    for opts in ({}, {"staging_bytes": 1 << 20, "chunk_bytes": 1 << 16}):
+        w = torch.randn(300, 1000)
+        before = w.clone()
+        d = tmp_path / f"ck{len(opts)}"
+        fut = fastckpt.async_save({"w": w, "v": w[::2]}, d, **opts)
+        w.add_(1.0)  # mutate in place right after the call returns
+        w[0, 0] = float("nan")
+        assert fut.result() == d and fut.done()
+        out = fastckpt.load(d)
+        assert_same(before, out["w"])
+        assert_same(before[::2], out["v"])
+
+
+def test_result_reraises_same_exception_every_call(tmp_path):
+    be = FaultyBackend(fail_pwrite_after=0, err=errno.EIO)
+    fut = fastckpt.async_save(small_state(), tmp_path / "ck", io_backend=be)
+    errs = []
+    for _ in range(3):
+        with pytest.raises(OSError) as ei:
+            fut.result()
+        errs.append(ei.value)
+    assert errs[0] is errs[1] is errs[2] and errs[0] in be.raised
+    assert errs[0].errno == errno.EIO
+    assert fut.exception() is errs[0]
+    assert listing(tmp_path) == []
+
+
+def test_uncollected_failure_is_raised_by_next_save(tmp_path):
+    be = FaultyBackend(fail_pwrite_after=0, err=errno.ENOSPC)
+    fut = fastckpt.async_save(small_state(), tmp_path / "bad", io_backend=be)
+    while not fut.done():
+        time.sleep(0.01)
+    with pytest.raises(OSError) as ei:
+        fastckpt.save(small_state(), tmp_path / "good")
+    assert ei.value is be.raised[0] and ei.value.errno == errno.ENOSPC
+    assert listing(tmp_path) == []  # the next save did not start
+    fastckpt.save(small_state(), tmp_path / "good")  # reported once, then the saver is usable
+    assert listing(tmp_path) == ["good"]
+
+
+class SlowBackend(PosixBackend):
+    def __init__(self, delay_s):
+        self.delay_s = delay_s
+
+    def fsync(self, fd):
+        time.sleep(self.delay_s)
+        super().fsync(fd)
+
+
+def test_second_async_save_waits_for_first(tmp_path):
+    f1 = fastckpt.async_save(small_state(1), tmp_path / "a", io_backend=SlowBackend(0.4))
+    assert not f1.done()
+    f2 = fastckpt.async_save(small_state(2), tmp_path / "b")
+    assert f1.done()  # the second call returned only after the first finished
+    f2.result()
+    f1.result()
+    assert_tree_same(small_state(1), fastckpt.load(tmp_path / "a"))
+
+
+# ---------------------------------------------------------------- values and key types
+
+def test_optimizer_int_keys_and_moments_restored(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+    fastckpt.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ck")
+    out = fastckpt.load(tmp_path / "ck")
+    assert sorted(out["optimizer"]["state"]) == [0, 1, 2, 3]
+    assert all(type(k) is int for k in out["optimizer"]["state"])
+    model2 = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model2.load_state_dict(out["model"])
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1.0)
+    opt2.load_state_dict(out["optimizer"])
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    assert s2["param_groups"][0]["lr"] == 1e-2
+    for i in range(4):
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert_same(s1["state"][i][k], s2["state"][i][k], f"{i}/{k}")
+
+
+def test_python_numpy_torch_rng_states_roundtrip(tmp_path):
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    state = {"py": random.getstate(), "np": np.random.get_state(), "torch": torch.get_rng_state(),
+             "vals": (math.nan, math.inf, -math.inf, np.float64(0.5), np.int32(7)), "dt": torch.float16,
+             "nested": [(1, 2), {"x": (None,)}], "arr": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    fastckpt.save(state, tmp_path / "ck")
+    out = fastckpt.load(tmp_path / "ck")
+    assert out["py"] == state["py"] and isinstance(out["py"], tuple)
+    assert isinstance(out["np"], tuple) and out["np"][0] == "MT19937"
+    assert out["dt"] is torch.float16
+    assert math.isnan(out["vals"][0]) and out["vals"][1:3] == (math.inf, -math.inf)
+    assert type(out["vals"][3]) is np.float64 and type(out["vals"][4]) is np.int32
+    assert out["nested"] == [(1, 2), {"x": (None,)}]
+    assert isinstance(out["arr"], np.ndarray) and out["arr"].dtype == np.float32
+    assert out["arr"].tobytes() == state["arr"].tobytes()
+    expect = (random.random(), np.random.rand(), torch.rand(2))
+    random.setstate(out["py"])
+    np.random.set_state(out["np"])
+    torch.set_rng_state(out["torch"])
+    got = (random.random(), np.random.rand(), torch.rand(2))
+    assert got[:2] == expect[:2] and raw(got[2]) == raw(expect[2])
+
+
+@pytest.mark.parametrize("bad, where", [({"model": {"w": torch.ones(1), "opt": object()}}, "model/opt"),
+                                        ({"x": [torch.ones(1), {"c": torch.ones(2, dtype=torch.complex64)}]},
+                                         "x/1/c")])
+def test_unsupported_value_refused_before_any_file(tmp_path, bad, where):
+    with pytest.raises(UnsupportedValueError, match=where):
+        fastckpt.save(bad, tmp_path / "sub" / "ck")
+    assert listing(tmp_path) == []
+
+
+def test_unambiguous_key_paths(tmp_path):
+    state = {"a.b": torch.tensor([1]), "a": {"b": torch.tensor([2])}, 0: torch.tensor([3]), "0": torch.tensor([4]),
+             "x/y": torch.tensor([5]), "x": {"y": torch.tensor([6])}}
+    fastckpt.save(state, tmp_path / "ck")
+    out = fastckpt.load(tmp_path / "ck")
+    assert_tree_same(state, out)
+    assert len(manifest(tmp_path / "ck")["tensors"]) == 6
+
+
+def test_shared_storage_comes_back_shared(tmp_path):
+    w = torch.randn(6, 4)
+    emb = torch.randn(10, 3)
+    state = {"model": {"embed": emb, "lm_head": emb}, "w": w, "row": w[2], "wt": w.t(), "cols": w[:, 1:3],
+             "flat": w.view(-1)[5:17]}
+    fastckpt.save(state, tmp_path / "ck")
+    out = fastckpt.load(tmp_path / "ck")
+    assert_tree_same(state, out)
+    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    assert out["model"]["embed"].data_ptr() == out["model"]["lm_head"].data_ptr()
+    assert len({ptr(out[k]) for k in ("w", "row", "wt", "cols", "flat")}) == 1
+    assert out["wt"].stride() == w.t().stride() and out["cols"].stride() == w[:, 1:3].stride()
+    out["w"][2, 0] = 123.0  # a write through one view shows in the others, as before saving
+    assert out["row"][0] == 123.0 and out["wt"][0, 2] == 123.0
+    # tied weights are stored once
+    m = manifest(tmp_path / "ck")
+    assert sum(1 for e in m["tensors"].values() if "file" in e) == 2
+
+
+def test_non_contiguous_tensors(tmp_path):
+    base = torch.arange(48, dtype=torch.int16).reshape(6, 8)
+    state = {"t": base.t()[1:], "s": base[:, ::3], "e": torch.tensor([1.5]).expand(4, 3),
+             "perm": torch.randn(2, 3, 4).permute(2, 0, 1)}
+    # separate storages except t and s; keep it interesting: save only strided views of one base
+    fastckpt.save(state, tmp_path / "ck")
+    out = fastckpt.load(tmp_path / "ck")
+    for k, v in state.items():
+        assert_same(v, out[k], k)
+
+
+def test_keys_selection_by_path_and_prefix(tmp_path):
+    state = {"model": {"w": torch.ones(2), "b": torch.zeros(2)},
+             "optimizer": {"state": {0: {"m": torch.full((3,), 2.0)}}, "param_groups": [{"lr": 0.1}]}, "step": 9}
+    fastckpt.save(state, tmp_path / "ck")
+    out = fastckpt.load(tmp_path / "ck", keys="model/w")
+    assert set(out) == {"model"} and set(out["model"]) == {"w"}
+    assert_same(out["model"]["w"], state["model"]["w"])
+    out = fastckpt.load(tmp_path / "ck", keys=["optimizer", "step"])
+    assert set(out) == {"optimizer", "step"} and out["step"] == 9
+    assert_tree_same(state["optimizer"], out["optimizer"])
+    # foreign files select by tensor name; no match is a KeyError
+    save_file({"a": torch.ones(1), "b": torch.ones(2)}, str(tmp_path / "f.safetensors"))
+    assert list(fastckpt.load(tmp_path / "f.safetensors", keys=["b"])) == ["b"]
+    with pytest.raises(KeyError, match="nope"):
+        fastckpt.load(tmp_path / "f.safetensors", keys="nope")
+
+
+def test_streaming_mode_small_staging_budget(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    state = {"model": {f"l{i}": torch.randn(300_000 + i, generator=g).to(torch.bfloat16) for i in range(5)},
+             "small": [torch.randn(7, generator=g) for _ in range(20)], "odd": torch.randn(3, 333, generator=g).t()}
+    total = sum(v.numel() * v.element_size() for v in state["model"].values())
+    assert total > 2_900_000
+    fut = fastckpt.async_save(state, tmp_path / "ck", staging_bytes=2 << 20, chunk_bytes=1 << 20,
+                              max_shard_bytes=1_300_000)
+    fut.result()
+    out = fastckpt.load(tmp_path / "ck", chunk_bytes=1 << 20)
+    assert_tree_same(state, out)
+    assert fastckpt.verify(tmp_path / "ck").ok
+    assert fastckpt.load(tmp_path / "ck", verify=True)["model"]["l3"].shape == (300_003,)
+
+
+class DirectSpy(PosixBackend):
+    """Counts writes that went through an O_DIRECT file descriptor."""
+
+    def __init__(self):
+        self.direct_writes = 0
+
+    def pwrite(self, fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            self.direct_writes += 1
+        return super().pwrite(fd, data, offset)
+
+
+def _fs_has_o_direct(folder) -> bool:
+    try:
+        fd = os.open(os.path.join(folder, ".probe"), os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
+    except (OSError, AttributeError):
+        return False
+    os.close(fd)
+    os.unlink(os.path.join(folder, ".probe"))
+    return True
+
+
+@pytest.mark.parametrize("n, chunk_bytes", [(1000 * 999, 1 << 20), (1250, 4096), (250_000, 1 << 16)])
+def test_o_direct(tmp_path, n, chunk_bytes):
+    # small states used to stage into a torch.empty buffer that is not page aligned: EINVAL
+    state = {"model": {"w": torch.randn(n), "b": torch.randn(3)}, "x": torch.arange(5)}
+    spy = DirectSpy()
+    fastckpt.save(state, tmp_path / "ck", o_direct=True, chunk_bytes=chunk_bytes, io_backend=spy)
+    assert_tree_same(state, fastckpt.load(tmp_path / "ck"))
+    assert fastckpt.verify(tmp_path / "ck").ok
+    if _fs_has_o_direct(tmp_path):
+        assert spy.direct_writes > 0
+
+
+def test_hf_shard_naming_and_index(tmp_path):
+    model = {f"layers.{i}.weight": torch.randn(64, 64) for i in range(5)}  # 16 KiB each
+    model["lm_head.weight"] = torch.randn(10)
+    fastckpt.save({"model": model, "optimizer": {"m": torch.ones(3)}}, tmp_path / "ck", max_shard_bytes=40_000,
+                  metadata={"format": "pt"})
+    names = sorted(n for n in os.listdir(tmp_path / "ck") if n.startswith("model-"))
+    n = len(names)
+    assert n >= 2 and names == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    ix = json.loads((tmp_path / "ck" / "model.safetensors.index.json").read_text())
+    assert set(ix["weight_map"]) == set(model) and set(ix["weight_map"].values()) == set(names)
+    assert ix["metadata"]["total_size"] == sum(t.numel() * 4 for t in model.values())
+    for name, shard in ix["weight_map"].items():
+        with safe_open(str(tmp_path / "ck" / shard), "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            assert_same(model[name], f.get_tensor(name), name)
+    # the folder also loads as a foreign HF model folder would: by tensor name, through the index
+    flat = {}
+    for shard in names:
+        flat.update(load_file(str(tmp_path / "ck" / shard)))
+    assert flat.keys() == model.keys()
+
+
+def test_foreign_single_file_and_hf_folders(tmp_path):
+    ts = {"a": torch.randn(3, 4), "b": torch.arange(5, dtype=torch.int8), "s": torch.tensor(2.5, dtype=torch.float64)}
+    save_file(ts, str(tmp_path / "one.safetensors"), metadata={"k": "v"})
+    out = fastckpt.load(tmp_path / "one.safetensors")
+    assert out.keys() == ts.keys()
+    for k in ts:
+        assert_same(ts[k], out[k], k)
+    # HF folder with an index
+    d = tmp_path / "hf"
+    d.mkdir()
+    save_file({"a": ts["a"]}, str(d / "model-00001-of-00002.safetensors"))
+    save_file({"b": ts["b"], "s": ts["s"]}, str(d / "model-00002-of-00002.safetensors"))
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 61}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                       "b": "model-00002-of-00002.safetensors",
+                                                       "s": "model-00002-of-00002.safetensors"}}))
+    out = fastckpt.load(d)
+    for k in ts:
+        assert_same(ts[k], out[k], k)
+    # folder without an index: every *.safetensors file
+    (d / "model.safetensors.index.json").unlink()
+    out = fastckpt.load(d, keys=["s"])
+    assert list(out) == ["s"] and out["s"].shape == ()
+    with pytest.raises(CheckpointNotFoundError):
+        fastckpt.load(tmp_path / "nothing-here")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match="nothing to load"):
+        fastckpt.load(tmp_path / "empty")
+
+
+def test_flipped_byte_detected_by_verify_and_load_verify(tmp_path):
+    p = fastckpt.save({"model": {"w": torch.randn(100)}, "b": torch.randn(10)}, tmp_path / "ck")
+    e = manifest(p)["tensors"]["model/w"]
+    with open(p / e["file"], "r+b") as f:
+        f.seek(e["offsets"][0] + 17)
+        c = f.read(1)
+        f.seek(e["offsets"][0] + 17)
+        f.write(bytes([c[0] ^ 0x01]))
+    rep = fastckpt.verify(p)
+    assert not rep.ok and len(rep.problems) == 1
+    assert "'model/w'" in rep.problems[0] and e["file"] in rep.problems[0]
+    with pytest.raises(ChecksumMismatchError) as ei:
+        fastckpt.load(p, verify=True)
+    assert ei.value.tensor == "model/w" and e["file"] in str(ei.value)
+    fastckpt.load(p, keys="b", verify=True)  # untouched tensors still load
+    # a shard whose size no longer matches the manifest is refused before reading
+    with open(p / e["file"], "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(CorruptCheckpointError, match="manifest says"):
+        fastckpt.load(p)
+
+
+def test_options_validated_before_any_file(tmp_path):
+    for opts in ({"chunk_bytes": 1000}, {"max_shard_bytes": 0}, {"threads": 0}, {"staging_bytes": -1},
+                 {"extra_files": {"manifest.json": b""}}, {"metadata": {"a": 1}}):
+        with pytest.raises((ValueError, UnsupportedValueError)):
+            fastckpt.save(small_state(), tmp_path / "ck", **opts)
+    with pytest.raises(TypeError):
+        fastckpt.save(small_state(), tmp_path / "ck", no_such_option=1)
+    assert listing(tmp_path) == []
+
+
+def test_extra_files_and_step_in_manifest(tmp_path):
+    p = fastckpt.save(small_state(), tmp_path / "ck", extra_files={"config.json": b'{"a": 1}'}, step=12)
+    assert (p / "config.json").read_bytes() == b'{"a": 1}'
+    m = manifest(p)
+    assert m["step"] == 12 and m["format_version"] >= 1 and "config.json" in m["files"]
+    assert all(os.path.getsize(p / n) == f["bytes"] for n, f in m["files"].items())
+
+
+def test_uncommitted_folder_is_not_a_checkpoint(tmp_path):
+    p = fastckpt.save(small_state(), tmp_path / "ck")
+    os.unlink(p / "manifest.json")
+    assert not fastckpt.is_committed(p)
+    with pytest.raises(CheckpointNotFoundError, match="never committed"):
+        fastckpt.load(p)
+
+
+_leaf = st.one_of(st.integers(-10, 10), st.floats(allow_nan=True), st.text(max_size=3),
+                  st.builds(lambda n, d: torch.arange(n).to(d), st.integers(0, 5),
+                            st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool])))
+_state = st.recursive(_leaf, lambda c: st.one_of(st.lists(c, max_size=3), st.tuples(c),
+                                                 st.dictionaries(st.one_of(st.text(max_size=4), st.integers(0, 3)),
+                                                                 c, max_size=3)), max_leaves=8)
+
+
+@settings(max_examples=25, deadline=None)
+@given(state=_state)
+def test_save_load_roundtrip_any_tree(tmp_path_factory, state):
+    d = tmp_path_factory.mktemp("h") / "ck"
+    fastckpt.save(state, d)
+    assert_tree_same(state, fastckpt.load(d))
