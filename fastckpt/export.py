@@ -1,0 +1,198 @@
+"""Write HF sharded safetensors folders with parallel large I/O, and warm the page cache.
+
+:func:`plan_shards` (pure) assigns tensors to ``model-0000k-of-0000n.safetensors`` files;
+:func:`write_shards` streams the tensors in batches of at most ``batch_bytes`` (the next batch
+is fetched while the current one is written) and writes each batch with parallel ``pwrite``
+in ``chunk_bytes`` requests. :func:`warm_files` reads files with parallel sequential reads so
+that an mmap-based loader started next finds every page in memory.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .format import encode_header, write_index
+from .io import FileWriter, get_backend, read_exact
+from .memory import bytes_view
+from .saver import DEFAULT_CHUNK_BYTES, default_threads
+
+#: ``(name, safetensors dtype string, shape, nbytes)`` of one tensor to write.
+Entry = tuple[str, str, tuple[int, ...], int]
+#: Called with the byte count each time bytes are read or written (progress bars).
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Output files: ``files[i]`` is ``(file name, entries in file order)``; ``stem`` names the index."""
+
+    files: tuple[tuple[str, tuple[Entry, ...]], ...]
+    stem: str = "model"
+
+    def weight_map(self) -> dict[str, str]:
+        """Tensor name -> file name (the HF index ``weight_map``)."""
+        return {e[0]: f for f, es in self.files for e in es}
+
+    @property
+    def total_bytes(self) -> int:
+        """Tensor data bytes over all files."""
+        return sum(e[3] for _, es in self.files for e in es)
+
+
+def plan_shards(entries: list[Entry], max_shard_bytes: int, stem: str = "model") -> ShardPlan:
+    """Split ``entries`` (kept in order) into files of at most ``max_shard_bytes`` data bytes.
+
+    A tensor larger than ``max_shard_bytes`` gets a file of its own. One file is named
+    ``{stem}.safetensors``; more are ``{stem}-0000k-of-0000n.safetensors`` (HF naming).
+
+    Raises:
+        ValueError: ``max_shard_bytes`` is not positive.
+    """
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    groups: list[list[Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if groups[-1] and size + e[3] > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(e)
+        size += e[3]
+    n = len(groups)
+    names = [f"{stem}.safetensors"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    return ShardPlan(tuple((nm, tuple(g)) for nm, g in zip(names, groups)), stem)
+
+
+def _batches(entries: tuple[Entry, ...], batch_bytes: int) -> list[list[Entry]]:
+    out: list[list[Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if out[-1] and size + e[3] > batch_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(e)
+        size += e[3]
+    return [b for b in out if b]
+
+
+def write_shards(plan: ShardPlan, fetch: Callable[[list[str]], dict[str, torch.Tensor]], folder: str, *,
+                 threads: int | None = None, batch_bytes: int = 1 << 30, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 progress: Progress | None = None, metadata: dict[str, str] | None = None) -> int:
+    """Write the files of ``plan`` (and the index when there are several) into ``folder``.
+
+    Args:
+        plan: from :func:`plan_shards`.
+        fetch: names -> CPU tensors with exactly the planned dtype/shape (called from one
+            background thread, one batch ahead of the writes).
+        folder: existing folder; the files must not exist.
+        threads: parallel writes (default :func:`fastckpt.saver.default_threads`).
+        batch_bytes: tensor bytes held per batch (default 1 GiB); peak memory ~ 2 batches.
+        chunk_bytes: bytes per write request (default 8 MiB).
+        progress: called with bytes written.
+        metadata: ``__metadata__`` of every file (default ``{"format": "pt"}``, as transformers writes).
+
+    Returns:
+        Bytes written (headers included).
+
+    Raises:
+        ValueError: a fetched tensor's size differs from the plan. OSError: from the writes.
+    """
+    be = get_backend(None)
+    meta = {"format": "pt"} if metadata is None else metadata
+    work = [(fname, b) for fname, es in plan.files for b in (_batches(es, batch_bytes) or [[]])]
+    written = 0
+    with ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="fastckpt-export") as io, \
+            ThreadPoolExecutor(1, thread_name_prefix="fastckpt-fetch") as fetcher:
+        nxt = fetcher.submit(fetch, [e[0] for e in work[0][1]]) if work else None
+        writers: dict[str, tuple[FileWriter, dict]] = {}
+        try:
+            for wi, (fname, batch) in enumerate(work):
+                tensors = nxt.result()
+                nxt = fetcher.submit(fetch, [e[0] for e in work[wi + 1][1]]) if wi + 1 < len(work) else None
+                if fname not in writers:
+                    entries = list(dict(plan.files)[fname])
+                    prefix, infos = encode_header(entries, meta)
+                    size = len(prefix) + (infos[-1].end if infos else 0)
+                    w = FileWriter(be, os.path.join(folder, fname), size)
+                    w.write(memoryview(prefix), 0)
+                    written += len(prefix)
+                    writers[fname] = (w, {i.name: len(prefix) + i.start for i in infos})
+                w, offs = writers[fname]
+                futs = []
+                for name, _, _, nbytes in batch:
+                    t = tensors[name].contiguous()
+                    if t.numel() * t.element_size() != nbytes:
+                        raise ValueError(f"tensor {name!r}: fetched {t.numel() * t.element_size()} bytes, "
+                                         f"planned {nbytes}")
+                    mv = memoryview(bytes_view(t).numpy()) if nbytes else memoryview(b"")
+                    for a in range(0, nbytes, chunk_bytes):
+                        futs.append(io.submit(_write, w, mv[a:a + chunk_bytes], offs[name] + a, progress))
+                for f in futs:
+                    f.result()
+                written += sum(e[3] for e in batch)
+                if wi + 1 == len(work) or work[wi + 1][0] != fname:
+                    w.sync()
+                    w.close()
+        finally:
+            for w, _ in writers.values():
+                w.close()
+            if nxt is not None:
+                nxt.cancel()
+    if len(plan.files) > 1:
+        idx = write_index(plan.weight_map(), plan.total_bytes)
+        with open(os.path.join(folder, f"{plan.stem}.safetensors.index.json"), "wb") as f:
+            f.write(idx)
+            os.fsync(f.fileno())
+        written += len(idx)
+    return written
+
+
+def _write(w: FileWriter, data: memoryview, offset: int, progress: Progress | None) -> None:
+    w.write(data, offset)
+    if progress is not None:
+        progress(len(data))
+
+
+def warm_files(paths: list[str], *, threads: int | None = None, range_bytes: int = 64 << 20,
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Progress | None = None) -> int:
+    """Read every byte of ``paths`` into the page cache with parallel sequential reads.
+
+    Each file is cut into ``range_bytes`` ranges (default 64 MiB); each worker reads one range
+    front to back in ``chunk_bytes`` requests into its own buffer (data discarded). Memory:
+    ``threads * chunk_bytes``.
+
+    Returns:
+        Bytes read.
+
+    Raises:
+        OSError: a file cannot be read. CorruptCheckpointError: a file shrank while read.
+    """
+    be = get_backend(None)
+    jobs = []
+    for p in paths:
+        size = os.stat(p).st_size
+        jobs += [(p, a, min(range_bytes, size - a)) for a in range(0, size, range_bytes)]
+
+    def run(job: tuple[str, int, int]) -> int:
+        path, start, n = job
+        fd = be.open_read(path)
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, start, n, os.POSIX_FADV_SEQUENTIAL)
+            buf = memoryview(bytearray(min(chunk_bytes, n)))
+            for a in range(0, n, chunk_bytes):
+                m = min(chunk_bytes, n - a)
+                read_exact(be, fd, buf[:m], start + a, path=path)
+                if progress is not None:
+                    progress(m)
+        finally:
+            be.close(fd)
+        return n
+
+    with ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="fastckpt-warm") as ex:
+        return sum(ex.map(run, jobs))

@@ -1,0 +1,158 @@
+"""`fastckpt load`: the folder it writes loads in transformers with the source's logits; corrupt sources refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.cli import main
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from integrations.hf_trainer import model_snapshot  # noqa: E402
+
+
+def _tiny_llama(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _lora(model):
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                          init_lora_weights=False)
+    return peft.get_peft_model(model, cfg).eval()
+
+
+IDS = torch.tensor([[1, 5, 9, 33, 100, 7, 64, 2]])
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+def _load(folder):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _run(capsys, *argv) -> tuple[int, str]:
+    rc = main(["load", *map(str, argv), "-q"])
+    cap = capsys.readouterr()
+    _run.err = cap.err
+    return rc, cap.out.strip()
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf") / "tiny"
+    m = _tiny_llama()
+    m.save_pretrained(d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    return d, _logits(m)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A fastckpt run root with a committed PEFT checkpoint (as the Trainer callback writes it)."""
+    root = tmp_path_factory.mktemp("run")
+    pm = _lora(_tiny_llama(1))
+    state, weights, extra = model_snapshot(pm)
+    fastckpt.save(state, root / "checkpoint-3", weights=weights, extra_files=extra)
+    fastckpt.save(state, root / "checkpoint-7", weights=weights, extra_files=extra)
+    (root / "checkpoint-9").mkdir()  # never committed: must be skipped
+    return root, _logits(pm)
+
+
+def test_hf_folder_export_sharded_same_logits(hf_folder, tmp_path, capsys):
+    src, want = hf_folder
+    out = tmp_path / "serve"
+    rc, cmd = _run(capsys, src, "--to", out, "--max-shard-size", "20KB", "--threads", "4")
+    assert rc == 0
+    assert cmd == f"vllm serve {shlex.quote(str(out))}"
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) >= 2 and (out / "model.safetensors.index.json").is_file()
+    assert (out / "tokenizer_config.json").is_file() and (out / "config.json").is_file()
+    assert not list(tmp_path.glob(".*fastckpt-tmp*"))
+    torch.testing.assert_close(_logits(_load(out)), want, rtol=0, atol=0)
+
+
+def test_run_root_merge_lora_same_logits_as_peft(lora_run, tmp_path, capsys):
+    root, want = lora_run
+    out = tmp_path / "merged"
+    rc, cmd = _run(capsys, root, "--to", out, "--merge-lora")
+    assert rc == 0 and cmd == f"vllm serve {shlex.quote(str(out))}"
+    assert not (out / "adapter_config.json").exists()
+    torch.testing.assert_close(_logits(_load(out)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_run_root_base_plus_adapter_layout(lora_run, tmp_path, capsys):
+    root, want = lora_run
+    out = tmp_path / "lora"
+    rc, cmd = _run(capsys, root, "--to", out, "--verify")
+    assert rc == 0
+    assert f"--enable-lora --lora-modules adapter={out}/adapter --max-lora-rank 4" in cmd
+    cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(out)
+    base = _load(out)
+    assert not torch.allclose(_logits(base), want, atol=1e-3)  # the adapter matters
+    model = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
+    torch.testing.assert_close(_logits(model), want, rtol=1e-5, atol=1e-5)
+
+
+def test_warm_without_to_prints_command_for_latest(lora_run, capsys):
+    root, _ = lora_run
+    rc, cmd = _run(capsys, root, "--warm")
+    assert rc == 0
+    assert cmd.startswith(f"vllm serve {root / 'checkpoint-7'} --enable-lora")
+
+
+def _flip_tensor_byte(ckpt) -> None:
+    man = json.loads((ckpt / "manifest.json").read_text())
+    e = next(e for k, e in man["tensors"].items() if k.startswith("model/") and "file" in e)
+    with open(ckpt / e["file"], "r+b") as f:
+        f.seek(e["offsets"][0] + 3)
+        b = f.read(1)
+        f.seek(e["offsets"][0] + 3)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_corrupt_checkpoint_refused_nothing_written(lora_run, tmp_path, capsys, verify):
+    root, _ = lora_run
+    import shutil
+    bad = tmp_path / "bad" / "checkpoint-7"
+    shutil.copytree(root / "checkpoint-7", bad)
+    _flip_tensor_byte(bad)
+    out = tmp_path / "out"
+    rc, cmd = _run(capsys, bad, "--to", out, *(["--verify"] if verify else []))
+    assert rc != 0 and cmd == ""
+    assert "xxh3" in _run.err or "checksum" in _run.err
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_truncated_hf_shard_refused(hf_folder, tmp_path, capsys):
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(hf_folder[0], src)
+    w = src / "model.safetensors"
+    os.truncate(w, w.stat().st_size - 100)
+    out = tmp_path / "out"
+    rc, _ = _run(capsys, src, "--to", out)
+    assert rc == 2 and not out.exists()
+    assert "model.safetensors" in _run.err
+
+
+def test_run_root_without_commit_refused(tmp_path, capsys):
+    (tmp_path / "checkpoint-1").mkdir()
+    rc, _ = _run(capsys, tmp_path, "--warm")
+    assert rc == 2
