@@ -279,17 +279,21 @@ class _Job:
             write_all(self.be, w.fd, memoryview(f.prefix), 0)  # buffered fd: bytes are not page aligned
         list(self.exec.map(lambda w: w.sync(), self.writers))
 
-    def close(self) -> None:
-        """Close files and threads; safe on any path."""
+    def close(self, strict: bool = False) -> None:
+        """Close files and threads; safe on any path. ``strict``: re-raise the first close() error
+        (a write error reported only at close, e.g. NFS or quota, must fail the save)."""
+        err: OSError | None = None
         for w in self.writers:
             try:
                 w.close()
-            except OSError:
-                pass
+            except OSError as e:
+                err = err or e
         self.exec.shutdown(wait=True, cancel_futures=True)
         if self.buf is not None:
             self.buf = self.view = None
             self.pool.release()
+        if strict and err is not None:
+            raise err
 
 
 def _sync_devices(sources: dict) -> None:
@@ -361,7 +365,7 @@ def _finish(job: _Job, col, path: Path, opts: SaveOptions, fut: SaveFuture, t0: 
     exc: BaseException | None = None
     try:
         job.write_all()
-        job.close()
+        job.close(strict=True)
         fut.bytes_written = _write_metadata(job, col, opts)
         os.unlink(os.path.join(job.tmp, cm.OWNER))
         cm.commit_dir(job.tmp, str(path), overwrite=opts.overwrite)
