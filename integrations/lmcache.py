@@ -149,6 +149,16 @@ class FastCkptKVBackend(StoragePluginInterface):
             self.store.pin(name)
         return True
 
+    def batched_contains(self, keys: List[CacheEngineKey], pin: bool = False) -> int:
+        """Number of leading ``keys`` present (prefix match); pins them when ``pin``."""
+        hit = 0
+        for key in keys:
+            if not self.contains(key, pin):
+                break
+            hit += 1
+        self.store.stats.add(lookup_hits=hit, lookup_misses=int(hit < len(keys)))
+        return hit
+
     async def batched_async_contains(self, lookup_id: str, keys: List[CacheEngineKey], pin: bool = False) -> int:
         """Number of leading ``keys`` present (prefix match); pins them when ``pin``."""
         return self.batched_contains(keys, pin)

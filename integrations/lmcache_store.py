@@ -104,6 +104,8 @@ class KVStats:
     Byte counts are chunk data bytes; ``*_s`` are summed wall seconds.
     """
 
+    lookup_hits: int = 0
+    lookup_misses: int = 0
     hits: int = 0
     misses: int = 0
     get_bytes: int = 0
