@@ -130,7 +130,7 @@ def read_manifest(path: str) -> dict:
         raw = f.read()
     try:
         m = json.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"{mpath}: manifest is not valid JSON: {e}", path=mpath) from None
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{mpath}: not a fastckpt manifest", path=mpath)
@@ -141,6 +141,9 @@ def read_manifest(path: str) -> dict:
     for key in ("files", "tensors"):
         if not isinstance(m.get(key), dict):
             raise CorruptCheckpointError(f"{mpath}: manifest lacks a {key!r} object", path=mpath)
+    for name, info in m["files"].items():
+        if not isinstance(info, dict) or not isinstance(info.get("bytes"), int) or info["bytes"] < 0:
+            raise CorruptCheckpointError(f"{mpath}: files entry {name!r} has no valid 'bytes' count", path=mpath)
     return m
 
 

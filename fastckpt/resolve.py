@@ -83,17 +83,27 @@ def _resolve_fastckpt(path: str) -> Resolved:
         if name.endswith(".safetensors"):
             r.headers[name] = read_header(full)
     for key, e in m["tensors"].items():
+        if not isinstance(e, dict):
+            raise CorruptCheckpointError(f"{path}: manifest entry of tensor {key!r} is not an object",
+                                         path=os.path.join(path, cm.MANIFEST), tensor=key)
         if "file" not in e:
             continue
-        h = r.headers.get(e["file"])
-        t = h.tensors.get(e["name"]) if h else None
-        if t is None or t.dtype != e["dtype"] or list(t.shape) != e["shape"] \
-                or [h.data_offset + t.start, h.data_offset + t.end] != e["offsets"]:
+        h = r.headers.get(e["file"]) if isinstance(e["file"], str) else None
+        t = h.tensors.get(e.get("name")) if h and isinstance(e.get("name"), str) else None
+        if t is None or t.dtype != e.get("dtype") or list(t.shape) != e.get("shape") \
+                or [h.data_offset + t.start, h.data_offset + t.end] != e.get("offsets"):
             raise CorruptCheckpointError(f"{path}: tensor {key!r} in manifest does not match the header of "
                                          f"{e['file']!r}", path=os.path.join(path, e["file"]), tensor=key)
         r.tensors[key] = (e["file"], t)
-    with open(os.path.join(path, cm.STATE_JSON), "rb") as f:
-        r.skeleton = json.loads(f.read())
+    spath = safe_join(path, cm.STATE_JSON)
+    try:
+        with open(spath, "rb") as f:
+            r.skeleton = json.loads(f.read())
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{spath}: missing; the checkpoint is damaged", path=spath) from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, too deep
+        raise CorruptCheckpointError(f"{spath}: not valid JSON ({type(e).__name__}: {e}); the checkpoint is "
+                                     "damaged (run `fastckpt verify`)", path=spath) from None
     return r
 
 

@@ -382,7 +382,8 @@ def _finish(job: _Job, col, path: Path, opts: SaveOptions, fut: SaveFuture, t0: 
 def _write_metadata(job: _Job, col, opts: SaveOptions) -> int:
     """Write state.json, HF index files, extra files and (last) the manifest. Returns bytes of all files."""
     plan, tmp = job.plan, job.tmp
-    files: dict[str, dict] = {f.name: {"bytes": f.size} for f in plan.files}
+    files: dict[str, dict] = {f.name: {"bytes": f.size, "header_bytes": len(f.prefix),
+                                       "header_xxh3": xxhash.xxh3_64(f.prefix).hexdigest()} for f in plan.files}
     small: dict[str, bytes] = {cm.STATE_JSON: json.dumps(col.skeleton, separators=(",", ":")).encode()}
     for stem, wm in plan.index.items():
         if stem == STATE_GROUP:

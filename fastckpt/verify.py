@@ -85,6 +85,8 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
     for name, info in r.manifest["files"].items():
         if "xxh3" in info:
             jobs.append((f"file {name!r}", safe_join(path, name), 0, info["bytes"], info["xxh3"]))
+        if "header_xxh3" in info:  # header + padding: a flip there can leave valid JSON (e.g. metadata)
+            jobs.append((f"header of {name!r}", safe_join(path, name), 0, info["header_bytes"], info["header_xxh3"]))
     for key, e in r.manifest["tensors"].items():
         if "file" in e:
             s, end = e["offsets"]
