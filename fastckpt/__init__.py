@@ -40,7 +40,21 @@ def _saver() -> Saver:
     return _default_saver
 
 
-def async_save(state: Any, path: str | os.PathLike, **options: Any) -> SaveFuture:
+def _dist_saver(process_group: Any):
+    """Multi-rank saver of ``process_group`` when it has several ranks, else ``None``."""
+    from .dist_save import DistSaver, is_multi_rank
+    if not is_multi_rank(process_group):
+        return None
+    key = id(process_group)
+    if key not in _dist_savers:
+        _dist_savers[key] = DistSaver(process_group)
+    return _dist_savers[key]
+
+
+_dist_savers: dict = {}
+
+
+def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None, **options: Any) -> SaveFuture:
     """Stage ``state`` into host memory and write it to ``path`` in the background.
 
     Returns as soon as every tensor is copied into the staging buffer: the checkpoint holds
@@ -55,6 +69,10 @@ def async_save(state: Any, path: str | os.PathLike, **options: Any) -> SaveFutur
         **options: see :class:`fastckpt.saver.SaveOptions` (``overwrite``, ``weights``,
             ``extra_files``, ``metadata``, ``step``, ``max_shard_bytes``, ``chunk_bytes``,
             ``threads``, ``staging_bytes``, ``o_direct``, ``io_backend``, ...).
+        process_group: ``torch.distributed`` group whose ranks all save this checkpoint together
+            (default: the world group when initialized; with one rank, or
+            ``fastckpt.distributed.LOCAL``, this process saves alone). Multi-rank options:
+            ``local_keys``, ``commit``, ``timeout_s`` (see :class:`fastckpt.dist_save.DistSaver`).
 
     Returns:
         A :class:`SaveFuture`; ``result()`` returns the path once durable and committed.
@@ -72,10 +90,13 @@ def async_save(state: Any, path: str | os.PathLike, **options: Any) -> SaveFutur
         ...                      # keep training
         fut.result()             # durable
     """
+    dist = _dist_saver(process_group)
+    if dist is not None:
+        return dist.async_save(state, path, **options)
     return _saver().async_save(state, path, **options)
 
 
-def save(state: Any, path: str | os.PathLike, **options: Any) -> Path:
+def save(state: Any, path: str | os.PathLike, *, process_group: Any = None, **options: Any) -> Path:
     """Write ``state`` to ``path`` and return once every byte is durable and committed.
 
     Same as ``async_save(state, path, **options).result()``; the folder appears only
@@ -85,12 +106,14 @@ def save(state: Any, path: str | os.PathLike, **options: Any) -> Path:
         The errors of :func:`async_save`, and any I/O failure (``OSError`` with its errno,
         e.g. ENOSPC, EIO) of the background writers, with nothing committed.
     """
-    return async_save(state, path, **options).result()
+    return async_save(state, path, process_group=process_group, **options).result()
 
 
 def wait() -> None:
     """Wait for the pending :func:`async_save` of this process; re-raise an uncollected failure."""
     _saver().wait()
+    for d in list(_dist_savers.values()):
+        d.wait()
 
 
 __all__ = ["save", "async_save", "load", "wait", "verify", "is_committed", "read_manifest", "open_checkpoint",

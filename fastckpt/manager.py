@@ -30,6 +30,9 @@ class CheckpointManager:
         lock_timeout_s: seconds a save or prune waits for another job's root lock before
             raising :class:`~fastckpt.errors.CheckpointLockedError` (default 0: fail at once).
             See :mod:`fastckpt.lock`: one writing job per root, never interleaved files.
+        process_group: ``torch.distributed`` group that saves together (default: the world group
+            when initialized, else this process alone); see :class:`fastckpt.dist_save.DistSaver`.
+            Every rank calls ``save``; rank 0 holds the root lock, prunes and updates ``latest``.
 
     A ``latest`` text file in ``root`` names the newest committed step; it is replaced
     atomically after each commit. Readers trust the scan of committed folders over it
@@ -44,7 +47,7 @@ class CheckpointManager:
     """
 
     def __init__(self, root: str | os.PathLike, keep_last: int | None = None, prefix: str = "step-",
-                 lock_timeout_s: float = 0.0):
+                 lock_timeout_s: float = 0.0, process_group: Any = None):
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
         if not prefix or "/" in prefix or prefix.startswith("."):
@@ -52,7 +55,9 @@ class CheckpointManager:
         self.root = Path(os.path.abspath(os.fspath(root)))
         self.keep_last = keep_last
         self.prefix = prefix
-        self._saver = Saver()
+        from .dist_save import make_saver
+        self._saver = make_saver(process_group)  # multi-rank: only rank 0 locks, cleans, prunes
+        self._writer = getattr(self._saver, "rank", 0) == 0
         self._pattern = re.compile(re.escape(prefix) + r"(\d+)$")
         self._lock = RootLock(self.root)
         self.lock_timeout_s = lock_timeout_s
@@ -117,6 +122,8 @@ class CheckpointManager:
                 user_hook(p)
 
         self.root.mkdir(parents=True, exist_ok=True)
+        if not self._writer:  # another rank of a multi-rank save: rank 0 does the root's bookkeeping
+            return self._saver.async_save(state, target, step=step, **options)
         self._lock.acquire(self.lock_timeout_s)  # held until this save committed or failed
         try:
             self._clean_leftovers()

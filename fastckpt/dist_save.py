@@ -1,0 +1,597 @@
+"""Multi-rank save: every rank writes part of one checkpoint; one commit makes it visible.
+
+Call order of one save (every rank of the group, same order of saves on every rank):
+
+1. caller thread, all ranks: split the state (replicated part / rank-local part / shards),
+   validate and plan (pure, same replicated plan on every rank); store all-gather of
+   ``prep`` (hosts, a digest of the replicated plan, errors). Any error -> every rank raises
+   :class:`~fastckpt.errors.DistributedSaveError` before a file exists.
+2. caller thread, the folder leader (rank 0, or each node's lowest rank in ``commit="marker"``
+   mode): create the folder and the replicated files; store all-gather of ``open``.
+3. caller thread, all ranks: stage own byte range of the replicated files + own rank-local
+   tensors into host memory; ``async_save`` returns.
+4. background thread, all ranks: ``pwrite`` own units, checksums, fsync; publish ``done/{rank}``.
+5. background, rank 0: wait for every ``done``; all ok -> metadata, manifest last, rename
+   (``commit="rename"``); publish ``commit``. Any failure -> remove the folder, publish the
+   failures; every rank's ``result()`` raises ``DistributedSaveError`` listing them.
+
+Coordination uses only the group's store (:mod:`fastckpt.distributed`), so a background save
+never interleaves with the training loop's collectives.
+
+Replicated bytes are split by write unit: the units of the single-rank plan (same files,
+same headers as a one-process save) are cut into N contiguous runs of about equal bytes;
+each rank writes its run with ``pwrite`` into the shared files. See docs/FORMAT.md
+("Multi-rank").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from . import commit as cm
+from .collect import STATE_GROUP, Collected, collect
+from .distributed import DEFAULT_TIMEOUT_S, LOCAL, Coordinator, Session
+from .errors import CheckpointExistsError, DistributedSaveError, InsufficientSpaceError
+from .format import write_index
+from .io import FileWriter, get_backend, write_all
+from .memory import host_buffer
+from .planner import SavePlan, plan_save
+from .saver import SaveFuture, SaveOptions, default_threads
+from .staging import copy_into
+from .tree import join
+
+RANK_KEY = "@rank{}/"
+_SAVE_COUNT = itertools.count(1)  # per process: saves of all DistSavers, in call order
+MODES = ("rename", "marker")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's piece of a global tensor (ZeRO/FSDP/TP shard), saved by this rank only.
+
+    Attributes:
+        tensor: the local piece (any device, any dtype fastckpt stores).
+        global_shape: shape of the whole tensor.
+        offsets: global index of ``tensor[0, ..., 0]`` (one int per dim).
+    """
+
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        g, o, s = tuple(self.global_shape), tuple(self.offsets), tuple(self.tensor.shape)
+        if not (len(g) == len(o) == len(s)) or any(a < 0 or a + n > m for a, n, m in zip(o, s, g)):
+            raise ValueError(f"Shard of shape {s} at offsets {o} does not fit global shape {g}")
+
+
+def shard_dim0(full: torch.Tensor, rank: int, world_size: int) -> Shard:
+    """The ``torch.chunk(full, world_size)[rank]`` piece of ``full`` as a :class:`Shard`."""
+    size = -(-full.shape[0] // world_size)
+    a = min(rank * size, full.shape[0])
+    piece = full[a:a + size]
+    return Shard(piece, tuple(full.shape), (a,) + (0,) * (full.dim() - 1))
+
+
+@dataclass
+class _Split:
+    replicated: Any
+    local: dict
+    shards: dict[str, dict]
+
+
+def _strip(v: Any, path: str, shards: dict, local: dict) -> Any:
+    if isinstance(v, Shard):
+        local.setdefault("shards", {})[path] = v.tensor
+        shards[path] = {"global_shape": list(v.global_shape), "offsets": list(v.offsets),
+                        "shape": list(v.tensor.shape)}
+        return {"__shard__": path}
+    if isinstance(v, dict):
+        return {k: _strip(x, join(path, k), shards, local) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_strip(x, join(path, i), shards, local) for i, x in enumerate(v)]
+    if isinstance(v, tuple):
+        return tuple(_strip(x, join(path, i), shards, local) for i, x in enumerate(v))
+    return v
+
+
+def split_state(state: Any, local_keys: tuple[str, ...]) -> _Split:
+    """Separate replicated values, rank-local top-level subtrees and :class:`Shard` values."""
+    shards: dict[str, dict] = {}
+    local: dict = {}
+    if not isinstance(state, dict):
+        return _Split(_strip(state, "", shards, local), local, shards)
+    rep = {}
+    for k, v in state.items():
+        if k in local_keys:
+            local.setdefault("local", {})[k] = v
+            rep[k] = {"__rank_local__": k}
+        else:
+            rep[k] = _strip(v, join("", k), shards, local)
+    return _Split(rep, local, shards)
+
+
+def partition_units(plan: SavePlan, n: int) -> list[tuple[int, int]]:
+    """Cut ``plan.units`` into ``n`` contiguous runs ``[a, b)`` of about equal bytes (pure)."""
+    total = sum(u.nbytes for u in plan.units)
+    bounds, done, i = [0], 0, 0
+    for r in range(1, n):
+        goal = total * r // n
+        while i < len(plan.units) and done + plan.units[i].nbytes // 2 < goal:
+            done += plan.units[i].nbytes
+            i += 1
+        bounds.append(i)
+    bounds.append(len(plan.units))
+    return [(bounds[r], bounds[r + 1]) for r in range(n)]
+
+
+@dataclass
+class _Prep:
+    split: _Split
+    rep: Collected
+    plan: SavePlan
+    loc: Collected
+    loc_plan: SavePlan
+    digest: str
+
+
+def _prepare(state: Any, opts: SaveOptions, local_keys: tuple[str, ...], rank: int) -> _Prep:
+    split = split_state(state, local_keys)
+    weights = opts.weights if opts.weights is not None else {"model": "model"}
+    rep = collect(split.replicated, weights)
+    plan = plan_save(rep.specs, max_shard_bytes=opts.max_shard_bytes, chunk_bytes=opts.chunk_bytes,
+                     metadata=opts.metadata)
+    loc = collect(split.local, {})
+    stem = f"rank{rank:05d}"
+    loc.specs = [replace(s, group=stem) for s in loc.specs]
+    loc_plan = plan_save(loc.specs, max_shard_bytes=opts.max_shard_bytes, chunk_bytes=opts.chunk_bytes,
+                         metadata=opts.metadata)
+    desc = json.dumps([rep.skeleton, [(s.key, s.dtype, list(s.shape)) for s in rep.specs]], sort_keys=True)
+    return _Prep(split, rep, plan, loc, loc_plan, hashlib.sha256(desc.encode()).hexdigest())
+
+
+def _fmt(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+class _RankJob:
+    """One rank's writes: a run of replicated units into shared files + its own local files."""
+
+    def __init__(self, prep: _Prep, folder: str, run: tuple[int, int], leader: bool, opts: SaveOptions):
+        self.prep, self.folder, self.run, self.leader, self.opts = prep, folder, run, leader, opts
+        self.be = get_backend(opts.io_backend)
+        self.fds: dict[int, int] = {}
+        self.local: list[FileWriter] = []
+        self.exec = ThreadPoolExecutor(opts.threads or default_threads(), thread_name_prefix="fastckpt-dist-io")
+        self.bytes_written = 0
+
+    def _units(self):
+        a, b = self.run
+        return self.prep.plan.units[a:b]
+
+    def open(self) -> None:
+        files = {u.file_index for u in self._units()} | (set(range(len(self.prep.plan.files))) if self.leader else set())
+        for i in sorted(files):
+            path = os.path.join(self.folder, self.prep.plan.files[i].name)
+            self.fds[i] = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        for f in self.prep.loc_plan.files:
+            self.local.append(FileWriter(self.be, os.path.join(self.folder, f.name), f.size, False))
+
+    def stage(self, sources: dict, loc_sources: dict) -> None:
+        """Copy the tensors this rank writes or checksums into host memory (caller blocks here)."""
+        units = self._units()
+        lo = units[0].stream_offset if units else 0
+        hi = units[-1].stream_offset + units[-1].nbytes if units else 0
+        mine = [t for f in self.prep.plan.files for t in f.tensors
+                if t.spec.nbytes and t.stream_offset < hi and t.stream_offset + t.spec.nbytes > lo]
+        self.owned = [t for t in mine if lo <= t.stream_offset < hi]
+        self.base = min([lo] + [t.stream_offset for t in mine])
+        top = max([hi] + [t.stream_offset + t.spec.nbytes for t in mine])
+        self.buf, self.view = host_buffer(top - self.base)
+        for t in mine:
+            s = t.stream_offset - self.base
+            copy_into(self.buf[s:s + t.spec.nbytes], sources[t.spec.key])
+        lp = self.prep.loc_plan
+        self.lbuf, self.lview = host_buffer(lp.stream_bytes)
+        for f in lp.files:
+            for t in f.tensors:
+                copy_into(self.lbuf[t.stream_offset:t.stream_offset + t.spec.nbytes], loc_sources[t.spec.key])
+        if any(getattr(t, "device", torch.device("cpu")).type == "cuda" for t in list(sources.values()) + list(loc_sources.values())):
+            torch.cuda.synchronize()
+
+    def write(self) -> dict[str, str]:
+        """Write, checksum and fsync; returns xxh3 of every tensor this rank owns (both kinds)."""
+        futs = [self.exec.submit(write_all, self.be, self.fds[u.file_index],
+                                 self.view[u.stream_offset - self.base:u.stream_offset - self.base + u.nbytes],
+                                 u.file_offset) for u in self._units()]
+        lp = self.prep.loc_plan
+        futs += [self.exec.submit(self.local[u.file_index].write, self.lview[u.stream_offset:u.stream_offset + u.nbytes],
+                                  u.file_offset) for u in lp.units]
+        hashes = {t.spec.key: self.exec.submit(self._hash, self.view, t.stream_offset - self.base, t.spec.nbytes)
+                  for t in self.owned}
+        hashes.update({t.spec.key: self.exec.submit(self._hash, self.lview, t.stream_offset, t.spec.nbytes)
+                       for f in lp.files for t in f.tensors})
+        for fu in futs:
+            fu.result()
+        self.bytes_written = sum(u.nbytes for u in self._units()) + lp.file_bytes
+        if self.leader:
+            for i, f in enumerate(self.prep.plan.files):
+                write_all(self.be, self.fds[i], memoryview(f.prefix), 0)
+                self.bytes_written += len(f.prefix)
+        for w, f in zip(self.local, lp.files):
+            write_all(self.be, w.fd, memoryview(f.prefix), 0)
+        list(self.exec.map(self.be.fsync, list(self.fds.values())))
+        list(self.exec.map(lambda w: w.sync(), self.local))
+        return {k: v.result() for k, v in hashes.items()}
+
+    @staticmethod
+    def _hash(view: memoryview, a: int, n: int) -> str:
+        return xxhash.xxh3_64(view[a:a + n]).hexdigest()
+
+    def close(self) -> None:
+        """Close files, threads and buffers; safe on any path."""
+        for fd in self.fds.values():
+            try:
+                self.be.close(fd)
+            except OSError:
+                pass
+        self.fds = {}
+        for w in self.local:
+            try:
+                w.close()
+            except OSError:
+                pass
+        self.exec.shutdown(wait=True, cancel_futures=True)
+        self.buf = self.view = self.lbuf = self.lview = None
+
+
+def _rank_report(prep: _Prep, rank: int, hashes: dict[str, str], folder: str, nbytes: int) -> dict:
+    """What rank ``rank`` tells the committer: hashes of replicated tensors, its own files and tensors."""
+    pre = RANK_KEY.format(rank)
+    loc_keys = {t.spec.key for f in prep.loc_plan.files for t in f.tensors}
+    files = {f.name: {"bytes": f.size} for f in prep.loc_plan.files}
+    tensors: dict[str, dict] = {}
+    for f in prep.loc_plan.files:
+        for t in f.tensors:
+            s = t.spec
+            tensors[pre + s.key] = {"file": f.name, "name": s.name, "dtype": s.dtype, "shape": list(s.shape),
+                                    "offsets": [t.file_offset, t.file_offset + s.nbytes], "xxh3": hashes[s.key]}
+    for k, e in prep.loc.entries.items():
+        e = dict(e)
+        for ref in ("alias", "view"):
+            if ref in e:
+                e[ref] = pre + e[ref]
+        tensors[pre + k] = {**tensors.get(pre + k, {}), **e}
+    if prep.loc.specs or prep.loc.entries:
+        name = f"state-rank{rank:05d}.json"
+        data = json.dumps(prep.loc.skeleton, separators=(",", ":")).encode()
+        cm.write_small_file(os.path.join(folder, name), data)
+        files[name] = {"bytes": len(data), "xxh3": xxhash.xxh3_64(data).hexdigest()}
+        nbytes += len(data)
+    shards = {kp: {**v, "dtype": next(s.dtype for s in prep.loc.specs if s.key == join("shards", kp)),
+                   "key": pre + join("shards", kp)} for kp, v in prep.split.shards.items()}
+    rep_hashes = {k: v for k, v in hashes.items() if k not in loc_keys}
+    return {"ok": True, "hashes": rep_hashes, "files": files, "tensors": tensors, "shards": shards,
+            "bytes": nbytes}
+
+
+def _write_manifest(folder: str, prep: _Prep, opts: SaveOptions, reports: dict[int, dict], *,
+                    world: int, mode: str, node: str, nodes: list[str], runs: dict[int, tuple[int, int]],
+                    local_keys: tuple[str, ...]) -> int:
+    """Write state.json, index and extra files, then ``manifest.json`` (last). Returns bytes of all files."""
+    plan = prep.plan
+    files: dict[str, dict] = {f.name: {"bytes": f.size} for f in plan.files}
+    small = {cm.STATE_JSON: json.dumps(prep.rep.skeleton, separators=(",", ":")).encode()}
+    for stem, wm in plan.index.items():
+        if stem != STATE_GROUP:
+            total = sum(t.spec.nbytes for f in plan.files for t in f.tensors if f.name in wm.values())
+            small[f"{stem}.safetensors.index.json"] = write_index(wm, total)
+    small.update(opts.extra_files or {})
+    for name, data in small.items():
+        cm.write_small_file(os.path.join(folder, name), data)
+        files[name] = {"bytes": len(data), "xxh3": xxhash.xxh3_64(data).hexdigest()}
+    hashes: dict[str, str] = {}
+    for rep in reports.values():
+        hashes.update(rep["hashes"])
+    tensors: dict[str, dict] = {}
+    for f in plan.files:
+        for t in f.tensors:
+            s = t.spec
+            tensors[s.key] = {"file": f.name, "name": s.name, "dtype": s.dtype, "shape": list(s.shape),
+                              "offsets": [t.file_offset, t.file_offset + s.nbytes],
+                              "xxh3": hashes.get(s.key) or xxhash.xxh3_64(b"").hexdigest()}
+    for k, e in prep.rep.entries.items():
+        tensors[k] = {**tensors.get(k, {}), **e}
+    written_by: dict[str, list[int]] = {}
+    shards: dict[str, dict] = {}
+    skeletons: dict[str, str] = {}
+    for r, rep in sorted(reports.items()):
+        a, b = runs.get(r, (0, 0))
+        for u in plan.units[a:b]:
+            ranks = written_by.setdefault(plan.files[u.file_index].name, [])
+            if r not in ranks:
+                ranks.append(r)
+        for name in rep["files"]:
+            written_by[name] = [r]
+            if name.startswith("state-rank"):
+                skeletons[str(r)] = name
+        files.update(rep["files"])
+        tensors.update(rep["tensors"])
+        for kp, piece in rep["shards"].items():
+            entry = shards.setdefault(kp, {"dtype": piece["dtype"], "global_shape": piece["global_shape"], "pieces": []})
+            entry["pieces"].append({"rank": r, "key": piece["key"], "offsets": piece["offsets"], "shape": piece["shape"]})
+    manifest = {"format": cm.FORMAT_NAME, "format_version": cm.FORMAT_VERSION, "checksum": "xxh3_64",
+                "created_unix_s": time.time(), "step": opts.step, "world_size": world,
+                "weights": opts.weights if opts.weights is not None else {"model": "model"},
+                "bytes_total": sum(v["bytes"] for v in files.values()), "files": files, "tensors": tensors,
+                "distributed": {"mode": mode, "node": node if mode == "marker" else None, "nodes": nodes,
+                                "written_by": written_by,
+                                "bytes_by_rank": {str(r): rep["bytes"] for r, rep in sorted(reports.items())},
+                                "rank_local": {"keys": list(local_keys), "skeletons": skeletons},
+                                "shards": shards}}
+    data = json.dumps(manifest, indent=1).encode()
+    cm.write_small_file(os.path.join(folder, cm.MANIFEST), data)
+    return manifest["bytes_total"] + len(data)
+
+
+class DistSaver:
+    """Multi-rank counterpart of :class:`fastckpt.saver.Saver` (same ``async_save``/``wait``).
+
+    Args:
+        process_group: a ``torch.distributed`` group (``None``: the world group).
+
+    Every rank of the group must call :meth:`async_save` for the same saves in the same order.
+    """
+
+    def __init__(self, process_group: Any = None) -> None:
+        self.process_group = process_group
+        self._pending: SaveFuture | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return Coordinator.for_group(self.process_group).rank
+
+    def wait(self) -> None:
+        """Wait for the pending save; re-raise its failure if nobody collected it yet."""
+        fut, self._pending = self._pending, None
+        if fut is not None:
+            fut._event.wait()
+            if fut._exc is not None and not fut._collected:
+                fut.result()
+
+    def async_save(self, state: Any, path: str | os.PathLike, *, local_keys: tuple[str, ...] | list[str] = (),
+                   commit: str = "rename", timeout_s: float = DEFAULT_TIMEOUT_S, **options: Any) -> SaveFuture:
+        """Save ``state`` from every rank of the group into one checkpoint at ``path``.
+
+        Args:
+            state: the rank's state. Values are replicated (equal on every rank; the bytes are
+                split across ranks) except top-level keys in ``local_keys`` (each rank's own
+                subtree, e.g. a ZeRO optimizer partition) and :class:`Shard` values (a piece of a
+                global tensor with its placement).
+            path: checkpoint folder; the same shared path on every rank (``commit="rename"``), or
+                each node's own local path (``commit="marker"``).
+            local_keys: top-level keys whose subtree differs between ranks.
+            commit: ``"rename"`` (shared file system: one hidden folder, rank 0 renames it) or
+                ``"marker"`` (node-local disks: each node writes its folder in place; its
+                ``manifest.json`` is written only after every rank reported, rank 0's last).
+            timeout_s: seconds to wait for the other ranks at each step (default 1800).
+            **options: as :func:`fastckpt.async_save` (``staging_bytes`` and ``o_direct`` are not
+                supported here).
+
+        Raises:
+            DistributedSaveError: on every rank, when any rank failed validation or setup; a failure
+                while writing is raised the same way from ``result()``. ``failures`` maps rank -> error.
+            ValueError: a bad option (same on every rank).
+        """
+        opts = SaveOptions(**options)
+        opts.check()
+        if opts.staging_bytes is not None:
+            raise ValueError("staging_bytes is not supported by multi-rank saves yet; each rank stages ~1/N")
+        if commit not in MODES:
+            raise ValueError(f"commit must be one of {MODES}, got {commit!r}")
+        with self._lock:
+            self.wait()
+            # every rank makes the same saves in the same order, so this count names the save on all ranks
+            seq = next(_SAVE_COUNT)
+            coord = Coordinator.for_group(self.process_group)
+            tag = hashlib.sha256(os.path.abspath(os.fspath(path)).encode()).hexdigest()[:12]
+            sess = coord.session(f"save{seq}-{tag}", timeout_s)
+            fut = _start(coord, sess, state, Path(os.path.abspath(os.fspath(path))), opts, tuple(local_keys), commit)
+            self._pending = fut
+            return fut
+
+
+def _check_all(infos: list[dict], what: str, exc: BaseException | None) -> None:
+    failures = {r: i["error"] for r, i in enumerate(infos) if not i["ok"]}
+    if failures:
+        lines = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
+        raise DistributedSaveError(f"multi-rank save failed while {what}, nothing was written: {lines}",
+                                   failures) from exc
+
+
+def _start(coord: Coordinator, sess: Session, state: Any, path: Path, opts: SaveOptions,
+           local_keys: tuple[str, ...], mode: str) -> SaveFuture:
+    t0 = time.perf_counter()
+    rank, world = coord.rank, coord.world_size
+    prep, exc = None, None
+    try:
+        if path.exists() and not opts.overwrite and (mode == "rename" or rank == 0):
+            raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it")
+        prep = _prepare(state, opts, local_keys, rank)
+    except Exception as e:
+        exc = e
+    infos = sess.all_gather("prep", {"ok": exc is None, "error": exc and _fmt(exc), "node": coord.node,
+                                     "digest": prep and prep.digest,
+                                     "local_bytes": prep and prep.loc_plan.file_bytes}, "planning")
+    for r, i in enumerate(infos):
+        if i["ok"] and infos[0]["ok"] and i["digest"] != infos[0]["digest"]:
+            i.update(ok=False, error=f"replicated state (keys, dtypes, shapes) differs from rank 0's; put "
+                                     "per-rank values under local_keys or wrap them in Shard")
+    _check_all(infos, "planning", exc)
+    nodes = list(dict.fromkeys(i["node"] for i in infos)) if mode == "marker" else [coord.node]
+    group = [r for r in range(world) if mode == "rename" or infos[r]["node"] == coord.node]
+    runs = dict(zip(group, partition_units(prep.plan, len(group))))
+    leader = rank == group[0]
+    folder, exc = None, None
+    try:
+        if leader:
+            folder = _create_folder(path, prep, opts, mode, sum(infos[r]["local_bytes"] for r in group))
+    except Exception as e:
+        exc = e
+    opened = sess.all_gather("open", {"ok": exc is None, "error": exc and _fmt(exc), "folder": folder},
+                             "creating the folder")
+    try:
+        _check_all(opened, "creating the folder", exc)
+    except DistributedSaveError:
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    folder = opened[group[0]]["folder"]
+    job = _RankJob(prep, folder, runs[rank], leader, opts)
+    stage_exc = None
+    try:
+        job.open()
+        job.stage(prep.rep.sources, prep.loc.sources)
+    except Exception as e:
+        stage_exc = e
+    fut = SaveFuture(path)
+    fut.blocking_s = time.perf_counter() - t0
+    ctx = dict(coord=coord, sess=sess, job=job, prep=prep, path=path, opts=opts, folder=folder, mode=mode,
+               group=group, runs=runs, nodes=nodes, local_keys=local_keys, fut=fut, t0=t0, stage_exc=stage_exc)
+    threading.Thread(target=_finish, kwargs=ctx, name="fastckpt-dist-commit", daemon=False).start()
+    return fut
+
+
+def _create_folder(path: Path, prep: _Prep, opts: SaveOptions, mode: str, local_bytes: int) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    st = os.statvfs(path.parent)
+    need = prep.plan.file_bytes + local_bytes + opts.min_free_bytes
+    if st.f_bavail * st.f_frsize < need:
+        raise InsufficientSpaceError(f"{path.parent}: {st.f_bavail * st.f_frsize} bytes free, the checkpoint "
+                                     f"needs {need} bytes; free space or save elsewhere")
+    if mode == "rename":
+        folder = cm.make_temp_dir(str(path))
+    else:
+        if path.exists():
+            if not opts.overwrite:
+                raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it")
+            shutil.rmtree(path)
+        os.makedirs(path)
+        folder = str(path)
+    be = get_backend(opts.io_backend)
+    for f in prep.plan.files:
+        fd = be.open_write(os.path.join(folder, f.name))
+        try:
+            be.allocate(fd, f.size)
+        finally:
+            be.close(fd)
+    return folder
+
+
+def _finish(*, coord, sess, job, prep, path, opts, folder, mode, group, runs, nodes, local_keys, fut, t0,
+            stage_exc) -> None:
+    rank, own = coord.rank, stage_exc
+    report: dict = {"ok": False, "error": stage_exc and _fmt(stage_exc)}
+    if own is None:
+        try:
+            hashes = job.write()
+            report = _rank_report(prep, rank, hashes, folder, job.bytes_written)
+        except BaseException as e:  # reported to every rank, re-raised from result()
+            own, report = e, {"ok": False, "error": _fmt(e)}
+    job.close()
+    exc: BaseException | None = None
+    try:
+        sess.publish(f"done/{rank}", report)
+        if rank == 0:
+            _decide(sess, coord, prep, path, opts, folder, mode, runs, nodes, local_keys, fut)
+        elif mode == "marker" and rank == group[0]:
+            _node_commit(sess, coord, prep, opts, folder, group, runs, nodes, local_keys)
+        outcome = sess.wait_for(["commit"], "waiting for rank 0's commit")[0]
+        if not outcome["ok"]:
+            failures = {int(r): e for r, e in outcome["failures"].items()}
+            lines = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
+            raise DistributedSaveError(f"multi-rank save of {path} failed: {lines}",
+                                       failures) from own
+        fut.total_s = time.perf_counter() - t0
+        fut.bytes_written = job.bytes_written
+    except BaseException as e:
+        exc = e
+        if mode == "marker" and rank == group[0] and not os.path.exists(os.path.join(folder, cm.MANIFEST)):
+            shutil.rmtree(folder, ignore_errors=True)
+    fut._finish(exc)
+
+
+def _decide(sess, coord, prep, path, opts, folder, mode, runs, nodes, local_keys, fut) -> None:
+    """Rank 0: wait for every rank, then commit (manifest + rename, or markers) or abort."""
+    world = coord.world_size
+    reports = dict(enumerate(sess.wait_for([f"done/{r}" for r in range(world)], "waiting for every rank's writes")))
+    failures = {r: rep["error"] for r, rep in reports.items() if not rep["ok"]}
+    if not failures:
+        sess.publish("decision", {"ok": True})
+        mine = {r: rep for r, rep in reports.items() if r in runs}
+        try:
+            if mode == "marker":
+                acks = sess.wait_for([f"marked/{n}" for n in nodes[1:]], "waiting for the other nodes' markers")
+                failures.update({int(r): e for a in acks for r, e in a.get("failures", {}).items()})
+            if not failures:
+                _write_manifest(folder, prep, opts, mine, world=world, mode=mode, node=coord.node, nodes=nodes,
+                                runs=runs, local_keys=local_keys)
+                if mode == "rename":
+                    os.unlink(os.path.join(folder, cm.OWNER))
+                    cm.commit_dir(folder, str(path), overwrite=opts.overwrite)
+        except BaseException as e:
+            failures[0] = f"commit: {_fmt(e)}"
+        if not failures and opts.on_commit is not None:
+            try:  # before the outcome is published: every rank returns after retention/`latest` ran
+                opts.on_commit(path)
+            except BaseException as e:
+                failures[0] = f"on_commit hook (the checkpoint itself is committed): {_fmt(e)}"
+    else:
+        sess.publish("decision", {"ok": False})
+    if failures and os.path.isdir(folder) and (mode == "rename" or not os.path.exists(os.path.join(folder, cm.MANIFEST))):
+        shutil.rmtree(folder, ignore_errors=True)
+    sess.publish("commit", {"ok": not failures, "failures": {str(r): e for r, e in failures.items()}})
+
+
+def _node_commit(sess, coord, prep, opts, folder, group, runs, nodes, local_keys) -> None:
+    """Leader of another node in marker mode: write this node's manifest once rank 0 decided."""
+    decision = sess.wait_for(["decision"], "waiting for rank 0's decision")[0]
+    failures: dict[str, str] = {}
+    if decision["ok"]:
+        reports = dict(zip(group, sess.wait_for([f"done/{r}" for r in group], "reading the node's reports")))
+        try:
+            _write_manifest(folder, prep, opts, reports, world=coord.world_size, mode="marker", node=coord.node,
+                            nodes=nodes, runs=runs, local_keys=local_keys)
+        except BaseException as e:
+            failures[str(coord.rank)] = f"commit marker: {_fmt(e)}"
+    sess.publish(f"marked/{coord.node}", {"failures": failures})
+
+
+def make_saver(process_group: Any = None):
+    """The saver for ``process_group``: a :class:`DistSaver` when the group has several ranks,
+    else a plain :class:`fastckpt.saver.Saver` (``None`` with torch.distributed not initialized,
+    or :data:`fastckpt.distributed.LOCAL`)."""
+    from .saver import Saver
+    if Coordinator.for_group(process_group).is_single:
+        return Saver()
+    return DistSaver(process_group)
+
+
+def is_multi_rank(process_group: Any = None) -> bool:
+    """True when a save with ``process_group`` involves more than this process."""
+    return not Coordinator.for_group(process_group).is_single
