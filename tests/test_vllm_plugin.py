@@ -1,0 +1,150 @@
+"""vLLM plugin against the loader contract, with vLLM absent (a stand-in vllm package for registration)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import fastckpt
+from fastckpt.errors import ChecksumMismatchError, HeaderError
+from integrations import vllm as plugin
+
+
+class TinyModel(torch.nn.Module):
+    """Like a vLLM model: ``load_weights`` consumes ``(name, tensor)`` and returns the loaded names."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(64, 32))
+        self.b = torch.nn.Parameter(torch.zeros(32))
+        self.seen_batches: list[int] = []
+
+    def load_weights(self, weights) -> set[str]:
+        done = set()
+        params = dict(self.named_parameters())
+        for name, t in weights:
+            params[name].data.copy_(t)
+            done.add(name)
+        return done
+
+
+def _cfg(path, **extra):
+    return SimpleNamespace(model=str(path), revision=None, quantization=None), \
+        SimpleNamespace(model_loader_extra_config=extra, download_dir=None)
+
+
+@pytest.fixture()
+def hf_dir(tmp_path):
+    torch.manual_seed(0)
+    sd = {"a": torch.randn(64, 32), "b": torch.randn(32)}
+    save_file({"a": sd["a"]}, tmp_path / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    save_file({"b": sd["b"]}, tmp_path / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    return tmp_path, sd
+
+
+def test_module_imports_without_vllm():
+    assert "vllm" not in sys.modules or isinstance(sys.modules["vllm"], types.ModuleType)
+    assert plugin.LOAD_FORMAT == "fastckpt"
+
+
+def test_contract_download_and_load_weights(hf_dir):
+    path, sd = hf_dir
+    model_config, load_config = _cfg(path, batch_bytes=1000, threads=2)
+    loader = plugin.FastCkptModelLoader(load_config)
+    loader.download_model(model_config)
+    model = TinyModel()
+    loader.load_weights(model, model_config)
+    assert torch.equal(model.a.data, sd["a"]) and torch.equal(model.b.data, sd["b"])
+
+
+def test_weights_iterator_yields_owned_tensors_in_batches(hf_dir):
+    path, sd = hf_dir
+    loader = plugin.FastCkptModelLoader(_cfg(path, batch_bytes=16)[1])
+    got = list(loader.get_weights_iterator(str(path)))
+    assert [n for n, _ in got] == ["a", "b"]
+    a = got[0][1]
+    assert torch.equal(a, sd["a"]) and a.untyped_storage().nbytes() == sd["a"].numel() * 4
+
+
+def test_missing_parameter_is_an_error(tmp_path):
+    save_file({"a": torch.randn(64, 32)}, tmp_path / "model.safetensors")
+    model_config, load_config = _cfg(tmp_path)
+    with pytest.raises(ValueError, match="'b'"):
+        plugin.FastCkptModelLoader(load_config).load_weights(TinyModel(), model_config)
+
+
+def test_fastckpt_run_root_and_checksums(tmp_path):
+    sd = {"a": torch.randn(64, 32), "b": torch.randn(32)}
+    fastckpt.save({"model": sd, "optimizer": {"x": torch.ones(3)}}, tmp_path / "step-4")
+    model_config, load_config = _cfg(tmp_path)
+    model = TinyModel()
+    plugin.FastCkptModelLoader(load_config).load_weights(model, model_config)  # latest committed step
+    assert torch.equal(model.a.data, sd["a"])
+    import json
+    ck = tmp_path / "step-4"
+    e = json.loads((ck / "manifest.json").read_text())["tensors"]["model/a"]
+    with open(ck / e["file"], "r+b") as f:
+        f.seek(e["offsets"][0])
+        f.write(b"\xff\xff\xff\xff")
+    with pytest.raises(ChecksumMismatchError):
+        plugin.FastCkptModelLoader(load_config).load_weights(TinyModel(), model_config)
+
+
+def test_bad_header_refused_before_reading(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    model_config, load_config = _cfg(tmp_path)
+    with pytest.raises(HeaderError):
+        plugin.FastCkptModelLoader(load_config).download_model(model_config)
+
+
+def test_unknown_option_refused():
+    with pytest.raises(ValueError, match="bogus"):
+        plugin.FastCkptModelLoader(SimpleNamespace(model_loader_extra_config={"bogus": 1}))
+
+
+def test_register_with_stand_in_vllm(monkeypatch, hf_dir):
+    """The entry point registers a BaseModelLoader subclass under "fastckpt" with register_model_loader."""
+    registry = {}
+
+    class BaseModelLoader:
+        def __init__(self, load_config):
+            self.load_config = load_config
+
+    def register_model_loader(name):
+        def deco(cls):
+            registry[name] = cls
+            return cls
+        return deco
+
+    mods = {"vllm": types.ModuleType("vllm"), "vllm.model_executor": types.ModuleType("vllm.model_executor"),
+            "vllm.model_executor.model_loader": types.ModuleType("vllm.model_executor.model_loader"),
+            "vllm.model_executor.model_loader.base_loader": types.ModuleType("base_loader")}
+    mods["vllm.model_executor.model_loader"].register_model_loader = register_model_loader
+    mods["vllm.model_executor.model_loader.base_loader"].BaseModelLoader = BaseModelLoader
+    for k, m in mods.items():
+        monkeypatch.setitem(sys.modules, k, m)
+    plugin.loader_class.cache_clear()
+    try:
+        plugin.register()
+        cls = registry["fastckpt"]
+        assert issubclass(cls, BaseModelLoader) and issubclass(cls, plugin.FastCkptLoaderMixin)
+        path, sd = hf_dir
+        model_config, load_config = _cfg(path)
+        model = TinyModel()
+        cls(load_config).load_weights(model, model_config)
+        assert torch.equal(model.b.data, sd["b"])
+    finally:
+        plugin.loader_class.cache_clear()
+
+
+def test_register_without_vllm_warns(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.setitem(sys.modules, "vllm.model_executor", None)
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader", None)
+    plugin.register()
+    assert "vLLM >= 0.10" in caplog.text
