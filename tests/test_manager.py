@@ -1,0 +1,179 @@
+"""CheckpointManager: steps, latest pointer, retention, refusal of existing steps, stale temporaries."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fastckpt import CheckpointManager
+from fastckpt.commit import OWNER, TMP_MARK
+from fastckpt.errors import CheckpointExistsError, CheckpointNotFoundError
+from fastckpt.io import PosixBackend
+
+from fastckpt_testkit import FaultyBackend, assert_tree_same, listing, no_temps
+
+
+def st(step):
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(64, generator=g)}, "step": step}
+
+
+def test_steps_latest_path_load(tmp_path):
+    mgr = CheckpointManager(tmp_path / "run")
+    assert mgr.steps() == [] and mgr.latest() is None
+    with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
+        mgr.load()
+    for s in (10, 2, 30):
+        assert mgr.save(s, st(s)) == tmp_path / "run" / f"step-{s}"
+    assert mgr.steps() == [2, 10, 30] and mgr.latest() == 30
+    assert (tmp_path / "run" / "latest").read_text().strip() == "30"
+    assert mgr.path(7) == tmp_path / "run" / "step-7"
+    assert_tree_same(st(30), mgr.load())
+    assert_tree_same(st(2), mgr.load(2))
+    assert_tree_same({"model": st(10)["model"]}, mgr.load(10, keys="model"))
+    with pytest.raises(CheckpointNotFoundError, match="step 5 is not committed"):
+        mgr.load(5)
+    m = json.loads((mgr.path(10) / "manifest.json").read_text())
+    assert m["step"] == 10
+
+
+def test_existing_step_refused_unless_overwrite(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, st(1))
+    with pytest.raises(CheckpointExistsError, match="step 1 exists"):
+        mgr.save(1, st(2))
+    with pytest.raises(CheckpointExistsError):
+        mgr.async_save(1, st(2))
+    assert_tree_same(st(1), mgr.load(1))
+    mgr.save(1, st(2), overwrite=True)
+    assert_tree_same(st(2), mgr.load(1))
+    assert mgr.steps() == [1] and no_temps(tmp_path)
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError):
+        CheckpointManager(tmp_path, keep_last=0)
+    with pytest.raises(ValueError):
+        CheckpointManager(tmp_path, prefix=".hidden-")
+    with pytest.raises(ValueError):
+        CheckpointManager(tmp_path, prefix="a/b")
+    mgr = CheckpointManager(tmp_path)
+    for bad in (-1, "3", 1.0, True):
+        with pytest.raises(ValueError):
+            mgr.save(bad, st(0))
+    with pytest.raises(ValueError):
+        mgr.prune(0)
+    assert listing(tmp_path) == []
+
+
+def test_keep_last_counts_committed_steps(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    for s in range(1, 6):
+        mgr.save(s, st(s))
+        assert mgr.steps() == list(range(max(1, s - 1), s + 1))
+    assert [n for n in listing(tmp_path) if not n.startswith(".")] == ["latest", "step-4", "step-5"]
+    assert no_temps(tmp_path)
+    assert_tree_same(st(4), mgr.load(4))
+
+
+class WatchPrevious(PosixBackend):
+    """Records, at every fsync of the new step's files (before its commit), which steps are committed."""
+
+    def __init__(self, mgr):
+        self.mgr = mgr
+        self.seen = []
+
+    def fsync(self, fd):
+        self.seen.append(self.mgr.steps())
+        super().fsync(fd)
+
+
+def test_keep_last_never_removes_newest_before_newer_commit(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=1)
+    mgr.save(1, st(1))
+    spy = WatchPrevious(CheckpointManager(tmp_path))
+    mgr.save(2, st(2), io_backend=spy)
+    assert spy.seen and all(s == [1] for s in spy.seen)  # step 1 lived until step 2 committed
+    assert mgr.steps() == [2]
+    # a failed save never triggers retention
+    be = FaultyBackend(fail_pwrite_after=0, err=errno.EIO)
+    with pytest.raises(OSError):
+        mgr.save(3, st(3), io_backend=be)
+    assert mgr.steps() == [2] and (tmp_path / "latest").read_text().strip() == "2"
+    assert_tree_same(st(2), mgr.load())
+
+
+def test_scan_wins_over_stale_latest_file(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, st(1))
+    mgr.save(2, st(2))
+    (tmp_path / "latest").write_text("1\n")  # crash between the commit of 2 and the pointer update
+    assert mgr.latest() == 2
+    assert_tree_same(st(2), mgr.load())
+    (tmp_path / "latest").write_text("garbage")
+    assert mgr.latest() == 2
+    mgr.save(3, st(3))
+    assert (tmp_path / "latest").read_text().strip() == "3"
+
+
+def test_prefix_and_unrelated_folders(tmp_path):
+    mgr = CheckpointManager(tmp_path, prefix="checkpoint-")
+    mgr.save(5, st(5))
+    (tmp_path / "checkpoint-abc").mkdir()
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "checkpoint-9").write_text("a file, not a folder")
+    assert mgr.steps() == [5] and mgr.path(5).name == "checkpoint-5"
+    assert CheckpointManager(tmp_path).steps() == []  # other prefix
+
+
+def test_async_save_and_wait(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    w = torch.randn(1000)
+    ref = w.clone()
+    fut = mgr.async_save(1, {"w": w})
+    w.zero_()
+    mgr.wait()
+    assert fut.done() and fut.result() == mgr.path(1)
+    assert torch.equal(mgr.load()["w"], ref)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_temporaries_removed_live_ones_kept(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=5)
+    mgr.save(1, st(1))
+    dead = tmp_path / f".step-2{TMP_MARK}1-dead"
+    live = tmp_path / f".step-3{TMP_MARK}2-live"
+    for d, pid in ((dead, _dead_pid()), (live, os.getpid())):
+        d.mkdir()
+        (d / OWNER).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "started_unix_s": time.time()}))
+        (d / "model-00001-of-00001.safetensors").write_bytes(b"partial")
+    reasons = dict(mgr.skipped())
+    assert "dead writer" in reasons[dead.name] and "live writer" in reasons[live.name]
+    assert mgr.steps() == [1]
+    assert mgr.prune(5) == []
+    assert not dead.exists() and live.exists()
+    assert mgr.steps() == [1]
+
+
+def test_prune_keeps_newest(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    for s in (1, 2, 3, 4):
+        mgr.save(s, st(s))
+    assert mgr.prune(2, protect=(1,)) == [2]
+    assert mgr.steps() == [1, 3, 4]
+    assert mgr.prune(1) == [1, 3]
+    assert mgr.steps() == [4] and no_temps(tmp_path)
+    assert_tree_same(st(4), mgr.load())
