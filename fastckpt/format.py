@@ -27,6 +27,8 @@ from .errors import HeaderError, UnsafePathError, UnsupportedValueError
 #: Largest header accepted, in bytes (the safetensors package uses the same 100 MB cap).
 MAX_HEADER_BYTES = 100_000_000
 METADATA_KEY = "__metadata__"
+#: Dimensions must fit an int64 (torch sizes); a zero-element tensor could otherwise carry any dim.
+MAX_DIM = 2**63
 
 
 @dataclass(frozen=True)
@@ -158,8 +160,12 @@ def _parse_entry(name: str, raw: object, path: str) -> TensorInfo:
         raise HeaderError(f"{path}: entry {name!r} is not an object", path=path, tensor=name)
     dtype, shape, offs = raw.get("dtype"), raw.get("shape"), raw.get("data_offsets")
     dt = str_to_dtype(dtype, tensor=name, path=path)
-    if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
-        raise HeaderError(f"{path}: tensor {name!r} has invalid shape {shape!r}", path=path, tensor=name)
+    if not isinstance(shape, list) or not all(_is_int(s) and 0 <= s < MAX_DIM for s in shape):
+        raise HeaderError(f"{path}: tensor {name!r} has invalid shape {str(shape)[:200]} (dims must be ints in "
+                          f"[0, 2**63))", path=path, tensor=name)
+    if math.prod(d for d in shape if d) >= MAX_DIM:
+        raise HeaderError(f"{path}: tensor {name!r} has shape {str(shape)[:200]} whose non-zero dims multiply "
+                          "past 2**63 (strides would overflow)", path=path, tensor=name)
     if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) and o >= 0 for o in offs)):
         raise HeaderError(f"{path}: tensor {name!r} has invalid data_offsets {offs!r}", path=path, tensor=name)
     start, end = offs
@@ -213,7 +219,7 @@ def parse_header(body: bytes, file_size: int, *, path: str = "?") -> Header:
         raise HeaderError(f"{path}: header is not valid UTF-8 ({e})", path=path) from None
     try:
         raw = json.loads(text, object_pairs_hook=_dup_check)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: hostile nesting depth
         raise HeaderError(f"{path}: header is not valid JSON: {e}", path=path) from None
     if not isinstance(raw, dict):
         raise HeaderError(f"{path}: header is a JSON {type(raw).__name__}, not an object", path=path)
@@ -300,7 +306,7 @@ def read_index(index_path: str | os.PathLike) -> dict[str, str]:
     try:
         with open(index_path, "rb") as f:
             raw = json.loads(f.read().decode("utf-8"), object_pairs_hook=_dup_check)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise HeaderError(f"{index_path}: not a valid JSON index: {e}", path=index_path) from None
     wm = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
