@@ -68,8 +68,10 @@ class StoreOptions:
         path: the shared folder (created if missing).
         max_bytes: capacity of the whole folder in bytes, for all processes together;
             0 means unlimited. Default 0.
-        o_direct: read (and write) the 4096-aligned parts of the data region with
-            O_DIRECT when the buffer address is 4096-aligned. Default False.
+        o_direct: read and write the 4096-aligned parts of the data region with
+            O_DIRECT when the buffer address is 4096-aligned (LMCache's CPU allocator
+            aligns to 4096); falls back to buffered I/O where the file system refuses
+            it (tmpfs). Default True.
         durable: fsync each chunk file and its folder before it becomes visible.
             Default True.
         piece_bytes: size of one parallel read and of one checksum piece, in bytes;
@@ -83,7 +85,7 @@ class StoreOptions:
 
     path: str
     max_bytes: int = 0
-    o_direct: bool = False
+    o_direct: bool = True
     durable: bool = True
     piece_bytes: int = 4 << 20
     verify: bool = True
@@ -554,15 +556,19 @@ class KVFileStore:
 
     def _write_data(self, fd: int, path: str, buf: memoryview, offset: int) -> None:
         aligned = (len(buf) // 4096) * 4096
-        if self._direct_ok and aligned and _address(buf) % 4096 == 0:
-            dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+        if self._direct_ok and aligned and offset % 4096 == 0 and _address(buf) % 4096 == 0:
             try:
-                _pwrite_all(dfd, buf[:aligned], offset)
-            finally:
-                os.close(dfd)
-            _pwrite_all(fd, buf[aligned:], offset + aligned)
-        else:
-            _pwrite_all(fd, buf, offset)
+                dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+                try:
+                    _pwrite_all(dfd, buf[:aligned], offset)
+                finally:
+                    os.close(dfd)
+                _pwrite_all(fd, buf[aligned:], offset + aligned)
+                return
+            except OSError as e:  # no O_DIRECT here (tmpfs...): write buffered instead
+                if e.errno != errno.EINVAL:
+                    raise
+        _pwrite_all(fd, buf, offset)
 
     # ----- reading -------------------------------------------------------------------------
     def open_chunk(self, name: str) -> ChunkHandle | None:
@@ -619,7 +625,12 @@ class KVFileStore:
         aligned = (length // 4096) * 4096
         done = 0
         if h.fd_direct >= 0 and aligned and off % 4096 == 0 and _address(mv) % 4096 == 0:
-            done = _pread_into(h.fd_direct, mv[:aligned], off)
+            try:
+                done = _pread_into(h.fd_direct, mv[:aligned], off)
+            except OSError as e:  # the file system refused this direct read: go buffered
+                if e.errno != errno.EINVAL:
+                    raise
+                done = 0
         if done == aligned or done == 0:
             done += _pread_into(h.fd, mv[done:], off + done)
         if done != length:

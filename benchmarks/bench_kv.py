@@ -1,0 +1,242 @@
+"""KV-cache tier benchmark: fastckpt's LMCache backend vs LMCache's LocalDiskBackend.
+
+Chunks of a realistic shape (default 256 tokens x 32 layers x 8 KV heads x 128 head dim,
+bf16, KV_2LTD = 32 MiB), a working set of 2 GiB by default, put and cold get throughput
+at 1 and 16 concurrent requests (one request = one chunk), against the raw read
+bandwidth of the same files measured in the same run. Both backends allocate their
+buffers from the same LMCache LocalCPUBackend. Ratios are the result; absolute GB/s
+are noise on shared machines.
+
+Cold cache: ``sync; echo 3 > /proc/sys/vm/drop_caches`` before every read pass (root
+only; otherwise the run says "WARM" next to each figure).
+
+Usage::
+
+    python benchmarks/bench_kv.py --dir /mnt/array/kvbench            # issue defaults
+    python benchmarks/bench_kv.py --dir /tmp/kvb --working-set-mib 512  # quick run
+
+Prints one line per measurement and a summary with the ratios and the modeled TTFT of
+a 29.8K-token session (bytes to read / measured GB/s) against recomputing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def drop_caches() -> bool:
+    """Flush dirty pages and drop the page cache; False if not permitted."""
+    try:
+        subprocess.run(["sync"], check=True)
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def raw_read_gbps(files: list[str], threads: int, block: int, direct: bool = False) -> float:
+    """Read ``files`` whole with ``threads`` threads in ``block``-byte preads (O_DIRECT if
+    ``direct``, into page-aligned buffers); GB/s."""
+    import mmap
+
+    jobs = [(f, off, min(block, os.path.getsize(f) - off)) for f in files for off in range(0, os.path.getsize(f), block)]
+    bufs = threading.local()
+
+    def one(job):
+        path, off, n = job
+        b = getattr(bufs, "b", None)
+        if b is None:
+            b = bufs.b = mmap.mmap(-1, block)
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        try:
+            return os.preadv(fd, [memoryview(b)[:n]], off)
+        finally:
+            os.close(fd)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        total = sum(ex.map(one, jobs))
+    return total / (time.perf_counter() - t0) / 1e9
+
+
+class Bench:
+    def __init__(self, a):
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.metadata import LMCacheMetadata
+        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+        self.a = a
+        self.shape = torch.Size([2, a.layers, a.tokens, a.heads * a.head_dim])
+        self.chunk_bytes = self.shape.numel() * 2
+        self.n = max(1, a.working_set_mib * MiB // self.chunk_bytes)
+        cpu_gb = (max(a.concurrency) + 4) * self.chunk_bytes * 1.3 / GiB
+        self.cfg = LMCacheEngineConfig.from_defaults(chunk_size=a.tokens, local_cpu=False,
+                                                     max_local_cpu_size=cpu_gb)
+        self.meta = LMCacheMetadata(model_name="bench/model", world_size=1, local_world_size=1, worker_id=0,
+                                    local_worker_id=0, kv_dtype=torch.bfloat16,
+                                    kv_shape=(a.layers, 2, a.tokens, a.heads, a.head_dim))
+        self.cpu = LocalCPUBackend(self.cfg, self.meta, "cpu")
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        from lmcache.utils import CacheEngineKey
+
+        self.keys = [CacheEngineKey("bench/model", 1, 0, 0x1000 + i, torch.bfloat16) for i in range(self.n)]
+        self.src = []
+        for i in range(min(16, self.n)):
+            o = self.cpu.allocate(self.shape, torch.bfloat16)
+            o.tensor.view(torch.int16).random_(-32768, 32767)
+            self.src.append(o)
+
+    # ----- backends -------------------------------------------------------------------------
+    def ours(self, path: str, threads: int):
+        from fastckpt.integrations.lmcache import FastCkptKVBackend
+
+        cfg = self.cfg.from_defaults(chunk_size=self.a.tokens, local_cpu=False,
+                                     max_local_cpu_size=self.cfg.max_local_cpu_size,
+                                     storage_plugins=["fastckpt"], extra_config={
+                                         "storage_plugin.fastckpt.module_path": "fastckpt.integrations.lmcache",
+                                         "storage_plugin.fastckpt.class_name": "FastCkptKVBackend",
+                                         "storage_plugin.fastckpt.path": path,
+                                         "storage_plugin.fastckpt.read_threads": self.a.read_threads,
+                                         "storage_plugin.fastckpt.write_threads": threads,
+                                         "storage_plugin.fastckpt.o_direct": self.a.o_direct,
+                                         "storage_plugin.fastckpt.durable": True})
+        return FastCkptKVBackend("cpu", cfg, self.meta, self.cpu, self.loop)
+
+    def local_disk(self, path: str, threads: int):
+        from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+
+        cfg = self.cfg.from_defaults(chunk_size=self.a.tokens, local_cpu=False,
+                                     max_local_cpu_size=self.cfg.max_local_cpu_size, local_disk=path,
+                                     max_local_disk_size=self.n * self.chunk_bytes * 2 / GiB,
+                                     extra_config={"disk_io_threads": threads})
+        return LocalDiskBackend(cfg, self.loop, self.cpu, "cpu", None, self.meta)
+
+    # ----- measurements ---------------------------------------------------------------------
+    def put(self, be, conc: int, wait_done) -> float:
+        t0 = time.perf_counter()
+        if conc == 1:
+            for i, k in enumerate(self.keys):
+                be.batched_submit_put_task([k], [self.src[i % len(self.src)]])
+                wait_done(be, [k])
+        else:
+            be.batched_submit_put_task(self.keys, [self.src[i % len(self.src)] for i in range(self.n)])
+            wait_done(be, self.keys)
+        os.sync()
+        return self.n * self.chunk_bytes / (time.perf_counter() - t0) / 1e9
+
+    def get(self, be, conc: int) -> float:
+        def one(k):
+            o = be.get_blocking(k)
+            assert o is not None, f"miss for {k}"
+            o.ref_count_down()
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(conc) as ex:
+            list(ex.map(one, self.keys))
+        return self.n * self.chunk_bytes / (time.perf_counter() - t0) / 1e9
+
+
+def _wait_ours(be, keys):
+    be.flush()
+
+
+def _wait_disk(be, keys):
+    while any(be.exists_in_put_tasks(k) for k in keys) or not all(be.contains(k) for k in keys):
+        time.sleep(0.002)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dir", default="bench_out/kv", help="folder on the tier under test (emptied first)")
+    p.add_argument("--working-set-mib", type=int, default=2048, help="bytes of KV chunks, MiB (default 2048)")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=256, help="tokens per chunk")
+    p.add_argument("--concurrency", default="1,16", help="comma list of concurrent requests")
+    p.add_argument("--read-threads", type=int, default=16)
+    p.add_argument("--no-o-direct", dest="o_direct", action="store_false",
+                   help="our backend uses buffered I/O (default: O_DIRECT where the file system allows)")
+    p.add_argument("--skip-lmcache-disk", action="store_true")
+    p.add_argument("--session-tokens", type=int, default=29_800)
+    p.add_argument("--session-bytes", type=float, default=7.15e9, help="KV bytes of the session (480B FP8)")
+    p.add_argument("--recompute-tokens-per-s", type=float, default=800.0,
+                   help="assumed prefill throughput for recomputing the session (tokens/s)")
+    p.add_argument("--json", help="also write the results here")
+    a = p.parse_args(argv)
+    a.concurrency = [int(c) for c in a.concurrency.split(",")]
+    b = Bench(a)
+    print(f"chunk {list(b.shape)} bf16 = {b.chunk_bytes / MiB:.0f} MiB, {b.n} chunks = "
+          f"{b.n * b.chunk_bytes / GiB:.2f} GiB working set, dir {a.dir}")
+    res: dict = {}
+    cold = drop_caches()
+    tag = "" if cold else " (WARM: cannot drop caches)"
+
+    def run(name, make, wait_done):
+        for conc in a.concurrency:
+            path = os.path.join(a.dir, f"{name}-c{conc}")
+            shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(path)
+            be = make(path, conc)
+            res[f"{name}.put.c{conc}"] = put = b.put(be, conc, wait_done)
+            drop_caches()
+            res[f"{name}.get.c{conc}"] = get = b.get(be, conc)
+            print(f"{name:11s} c={conc:<3d} put {put:6.2f} GB/s   cold get {get:6.2f} GB/s{tag}", flush=True)
+            be.close()
+            if name == "fastckpt" and conc == max(a.concurrency):
+                files = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".safetensors")]
+                for label, th, direct in (("raw.qd1_4MiB", 1, False), ("raw.qd16_4MiB", 16, False),
+                                          ("raw.direct_qd16_4MiB", 16, True)):
+                    drop_caches()
+                    res[label] = raw_read_gbps(files, th, 4 * MiB, direct)
+                    print(f"{label:24s} {res[label]:6.2f} GB/s{tag}", flush=True)
+            shutil.rmtree(path, ignore_errors=True)
+
+    run("fastckpt", b.ours, _wait_ours)
+    if not a.skip_lmcache_disk:
+        run("LocalDisk", b.local_disk, _wait_disk)
+
+    hi = max(a.concurrency)
+    print("\nsummary" + tag)
+    ours = res[f"fastckpt.get.c{hi}"]
+    raw = max(res["raw.qd16_4MiB"], res["raw.direct_qd16_4MiB"])
+    print(f"  cold get c={hi}: fastckpt / raw (best)    = {ours / raw:.2f}x (target >= 0.8)")
+    if not a.skip_lmcache_disk:
+        for c in a.concurrency:
+            print(f"  cold get c={c}: fastckpt / LocalDisk      = "
+                  f"{res[f'fastckpt.get.c{c}'] / res[f'LocalDisk.get.c{c}']:.2f}x"
+                  + ("  (target >= 4)" if c == hi else ""))
+            print(f"  put      c={c}: fastckpt / LocalDisk      = "
+                  f"{res[f'fastckpt.put.c{c}'] / res[f'LocalDisk.put.c{c}']:.2f}x")
+    recompute = a.session_tokens / a.recompute_tokens_per_s
+    print(f"  modeled TTFT, {a.session_tokens} tokens = {a.session_bytes / 1e9:.2f} GB of KV "
+          f"(recompute at {a.recompute_tokens_per_s:.0f} tok/s: {recompute:.1f} s):")
+    for name in ["fastckpt"] + ([] if a.skip_lmcache_disk else ["LocalDisk"]):
+        g = res[f"{name}.get.c{hi}"]
+        print(f"    {name:10s} {a.session_bytes / 1e9 / g:7.2f} s  ({recompute / (a.session_bytes / 1e9 / g):.1f}x "
+              f"faster than recompute)")
+    res["cold"] = cold
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
