@@ -189,6 +189,8 @@ class Engine:
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """A new 1-D uint8 tensor of ``nbytes`` on the device (the destination's own memory)."""
+        if self.device.type == "cpu":
+            return host_buffer(nbytes)[0]  # huge-page backed: faults in 2 MiB pages
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def host_slot(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
