@@ -405,6 +405,7 @@ def _write_metadata(job: _Job, col, opts: SaveOptions) -> int:
         tensors[k] = {**tensors.get(k, {}), **e}
     manifest = {"format": cm.FORMAT_NAME, "format_version": cm.FORMAT_VERSION, "checksum": "xxh3_64",
                 "created_unix_s": time.time(), "step": opts.step, "world_size": 1,
+                "metadata": opts.metadata,  # also kept when the state has no tensor (no shard)
                 "weights": opts.weights if opts.weights is not None else {"model": "model"},
                 "bytes_total": sum(v["bytes"] for v in files.values()), "files": files, "tensors": tensors}
     data = json.dumps(manifest, indent=1).encode()

@@ -243,6 +243,14 @@ def test_c4_metadata_only_file_roundtrips(tmp_path):
     assert fastckpt.open_checkpoint(tmp_path / "theirs.safetensors").headers["theirs.safetensors"].metadata == meta
 
 
+def test_c4_metadata_kept_by_a_save_without_tensors(tmp_path):
+    meta = {"epoch": "3", "note": "no tensors here"}
+    p = fastckpt.save({"step": 1, "cfg": {"lr": 0.5}}, tmp_path / "ck", metadata=meta)
+    assert not [n for n in os.listdir(p) if n.endswith(".safetensors")]
+    assert fastckpt.read_manifest(str(p))["metadata"] == meta
+    assert fastckpt.load(p) == {"step": 1, "cfg": {"lr": 0.5}}
+
+
 def test_c4_unquoted_integer_in_file_metadata(tmp_path):
     body = b'{"__metadata__": {"epoch": 3, "ok": "x"}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'
     p = write_bytes(tmp_path / "m.safetensors", struct.pack("<Q", len(body)) + body + b"\0" * 4)

@@ -410,3 +410,29 @@ def test_save_load_roundtrip_any_tree(tmp_path_factory, state):
     d = tmp_path_factory.mktemp("h") / "ck"
     fastckpt.save(state, d)
     assert_tree_same(state, fastckpt.load(d))
+
+
+def test_failed_overwrite_keeps_old_checkpoint(tmp_path):
+    p = fastckpt.save(small_state(1), tmp_path / "ck")
+    be = FaultyBackend(fail_pwrite_after=0, err=errno.EIO)
+    with pytest.raises(OSError) as ei:
+        fastckpt.save(small_state(2), p, overwrite=True, io_backend=be)
+    assert ei.value.errno == errno.EIO
+    assert_tree_same(small_state(1), fastckpt.load(p))
+    assert listing(tmp_path) == ["ck"] and fastckpt.verify(p).ok
+
+
+def test_result_timeout_and_uncollected_failure_warned_at_exit(tmp_path):
+    from fastckpt.saver import Saver, _warn_uncollected
+    saver = Saver()
+    fut = saver.async_save(small_state(), tmp_path / "slow", io_backend=SlowBackend(0.5))
+    with pytest.raises(TimeoutError):
+        fut.result(timeout_s=0.01)
+    assert fut.result() == tmp_path / "slow" and fut.total_s >= fut.blocking_s > 0
+    bad = saver.async_save(small_state(), tmp_path / "bad", io_backend=FaultyBackend(fail_pwrite_after=0))
+    bad.exception()
+    with pytest.warns(RuntimeWarning, match="bad.*nobody called result"):
+        _warn_uncollected()  # what the interpreter runs at exit
+    with pytest.raises(OSError):
+        saver.wait()  # collected now
+    saver.wait()
