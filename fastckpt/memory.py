@@ -45,6 +45,20 @@ def host_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:
     return t, memoryview(m)
 
 
+def aligned_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:
+    """Like :func:`host_buffer` but always ``mmap`` backed, so page aligned at any size (O_DIRECT).
+
+    ``nbytes`` must be > 0; sizes of at least ``HUGE_MIN_BYTES`` get transparent huge pages.
+    """
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if nbytes >= HUGE_MIN_BYTES and hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return torch.frombuffer(m, dtype=torch.uint8), memoryview(m)
+
+
 def pin_if_possible(t: torch.Tensor) -> torch.Tensor:
     """Return ``t`` page-locked when a CUDA device is present (faster H2D/D2H), else ``t``."""
     if torch.cuda.is_available():
