@@ -9,7 +9,6 @@ import struct
 import sys
 import threading
 
-import pytest
 import torch
 
 from fastckpt.io import PosixBackend
@@ -118,8 +117,3 @@ class FaultyBackend(PosixBackend):
         if self.fail_fsync:
             self._raise("fsync")
         super().fsync(fd)
-
-
-@pytest.fixture
-def faulty():
-    return FaultyBackend

@@ -14,7 +14,6 @@ from safetensors.torch import load_file, save_file
 
 import fastckpt
 import fastckpt.loader
-import fastckpt.memory
 from fastckpt.device_load import load_weights
 from fastckpt.errors import (FastCkptError, HeaderError, UnsupportedDtypeError, UnsupportedValueError)
 from fastckpt.format import encode_header, read_header

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import random
-import threading
 import time
 
 import numpy as np
