@@ -278,6 +278,8 @@ class FastCkptKVBackend(StoragePluginInterface):
     def _get_many(self, keys: list, busy_loop: bool = True) -> list:
         t0 = time.perf_counter()
         n = len(keys)
+        if n == 0:
+            return []
         names = [self._name(k) for k in keys]
         handles = list(self._read_pool.map(self.store.open_chunk, names)) if n > 1 else [self.store.open_chunk(names[0])]
         objs: list = [None] * n

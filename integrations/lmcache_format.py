@@ -1,0 +1,177 @@
+"""Pieces of the fastckpt KV chunk store: options, counters, open-chunk handle, I/O helpers.
+
+See :mod:`.lmcache_store` for the folder layout and the rules. No LMCache import.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from dataclasses import dataclass, field
+
+import xxhash
+
+FORMAT_TAG = "fastckpt-kv/1"
+SUFFIX = ".kv.safetensors"
+LOCK_NAME = ".fckv.lock"
+HEADER_ALIGN = 4096
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """Options of a :class:`KVFileStore`.
+
+    Attributes:
+        path: the shared folder (created if missing).
+        max_bytes: capacity of the whole folder in bytes, for all processes together;
+            0 means unlimited. Default 0.
+        o_direct: read and write the 4096-aligned parts of the data region with
+            O_DIRECT when the buffer address is 4096-aligned (LMCache's CPU allocator
+            aligns to 4096); falls back to buffered I/O where the file system refuses
+            it (tmpfs). Default True.
+        durable: fsync each chunk file and its folder before it becomes visible.
+            Default True.
+        piece_bytes: size of one parallel read and of one checksum piece, in bytes;
+            a multiple of 4096. Default 4 MiB.
+        verify: check the per-piece checksums on every read. Default True.
+        min_rescan_interval_s: least time between two full folder scans done before
+            an eviction, in seconds. Default 1.0.
+        stale_tmp_s: a temp file older than this (or whose writer on this host is
+            dead) is deleted by a scan, in seconds. Default 600.
+    """
+
+    path: str
+    max_bytes: int = 0
+    o_direct: bool = True
+    durable: bool = True
+    piece_bytes: int = 4 << 20
+    verify: bool = True
+    min_rescan_interval_s: float = 1.0
+    stale_tmp_s: float = 600.0
+
+    def __post_init__(self):
+        if not isinstance(self.max_bytes, int) or self.max_bytes < 0:
+            raise ValueError(f"max_bytes must be an int >= 0 (0 = unlimited), got {self.max_bytes!r}")
+        if not isinstance(self.piece_bytes, int) or self.piece_bytes <= 0 or self.piece_bytes % 4096:
+            raise ValueError(f"piece_bytes must be a positive multiple of 4096, got {self.piece_bytes!r}")
+
+
+@dataclass
+class KVStats:
+    """Counters of one process's use of the store (thread-safe through ``lock``).
+
+    Byte counts are chunk data bytes; ``*_s`` are summed wall seconds.
+    """
+
+    lookup_hits: int = 0
+    lookup_misses: int = 0
+    hits: int = 0
+    misses: int = 0
+    get_bytes: int = 0
+    get_s: float = 0.0
+    puts: int = 0
+    put_bytes: int = 0
+    put_s: float = 0.0
+    put_failures: int = 0
+    put_skipped: int = 0
+    corrupt_dropped: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    rescans: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas) -> None:
+        """Add ``deltas`` (counter name -> amount) atomically."""
+        with self.lock:
+            for k, v in deltas.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def snapshot(self) -> dict:
+        """Return the counters plus derived ``hit_rate`` and ``get_gbps``/``put_gbps`` (GB/s)."""
+        with self.lock:
+            d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "lock"}
+        looked = d["hits"] + d["misses"]
+        d["hit_rate"] = d["hits"] / looked if looked else 0.0
+        d["get_gbps"] = d["get_bytes"] / d["get_s"] / 1e9 if d["get_s"] else 0.0
+        d["put_gbps"] = d["put_bytes"] / d["put_s"] / 1e9 if d["put_s"] else 0.0
+        return d
+
+
+@dataclass
+class ChunkHandle:
+    """An open, header-validated chunk file ready for :meth:`KVFileStore.read_piece`.
+
+    Attributes:
+        name: 32-hex chunk name. path: file path. fd / fd_direct: open descriptors
+        (``fd_direct`` is -1 without O_DIRECT). data_offset: absolute offset of the
+        data region. groups: ``[(safetensors dtype, shape)]`` per KV group.
+        nbytes: data bytes. fmt: LMCache memory-format name. key: LMCache key string.
+        piece_bytes / piece_hashes: checksum layout. ino: inode, to drop only this file.
+    """
+
+    name: str
+    path: str
+    fd: int
+    fd_direct: int
+    data_offset: int
+    groups: list
+    nbytes: int
+    fmt: str
+    key: str
+    piece_bytes: int
+    piece_hashes: list
+    ino: int
+
+    def pieces(self) -> list[tuple[int, int]]:
+        """``[(start, length)]`` of each piece of the data region, in bytes."""
+        return [(s, min(self.piece_bytes, self.nbytes - s)) for s in range(0, self.nbytes, self.piece_bytes)]
+
+
+def chunk_name(key_string: str) -> str:
+    """The file name stem of a key: 32 hex digits of xxh3-128 of ``key_string`` (UTF-8)."""
+    return xxhash.xxh3_128_hexdigest(key_string.encode("utf-8"))
+
+
+def piece_hashes(buf: memoryview, piece_bytes: int) -> list[str]:
+    """xxh3-64 hex digest of each ``piece_bytes`` piece of ``buf``."""
+    return [xxhash.xxh3_64_hexdigest(buf[s:s + piece_bytes]) for s in range(0, len(buf), piece_bytes)]
+
+
+def _pread_into(fd: int, mv: memoryview, offset: int) -> int:
+    done = 0
+    while done < len(mv):
+        n = os.preadv(fd, [mv[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(mv):
+        done += os.pwritev(fd, [mv[done:]], offset + done)
+
+
+def _address(mv: memoryview) -> int:
+    import ctypes  # local: only for the O_DIRECT alignment check
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(mv)) if not mv.readonly else -1
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some file systems refuse fsync on directories
+        if e.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
