@@ -288,7 +288,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
         CheckpointNotFoundError: nothing committed or loadable at ``path``.
         HeaderError, CorruptCheckpointError, ChecksumMismatchError, UnsafePathError:
             invalid or damaged files (before any tensor memory is allocated, except checksums).
-        KeyError: for a foreign file or folder, ``keys`` matches no tensor name.
+        KeyError: ``keys`` matches nothing (no tensor name, no key path).
     """
     r = resolve(path)
     keep = key_filter(keys)
@@ -323,7 +323,10 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
             t = raw[key]
         return t.numpy() if kind == "ndarray" else t
 
-    return unflatten(r.skeleton, get, keep)
+    out = unflatten(r.skeleton, get, keep)
+    if keep is not None and not out:
+        raise KeyError(f"{r.root}: nothing matches keys={keys!r}")
+    return out
 
 
 def _check_keys_found(keys: Any, found: list[str], root: str) -> None:
