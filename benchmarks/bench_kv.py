@@ -1,4 +1,4 @@
-"""KV-cache tier benchmark: fastckpt's LMCache backend vs LMCache's LocalDiskBackend.
+"""KV-cache tier benchmark: fastckpt's LMCache backend vs LMCache's LocalDiskBackend and fs connector.
 
 Chunks of a realistic shape (default 256 tokens x 32 layers x 8 KV heads x 128 head dim,
 bf16, KV_2LTD = 32 MiB), a working set of 2 GiB by default, put and cold get throughput
@@ -127,6 +127,15 @@ class Bench:
                                      extra_config={"disk_io_threads": threads})
         return LocalDiskBackend(cfg, self.loop, self.cpu, "cpu", None, self.meta)
 
+    def fs_connector(self, path: str, threads: int):
+        from lmcache.v1.storage_backend.remote_backend import RemoteBackend
+
+        cfg = self.cfg.from_defaults(chunk_size=self.a.tokens, local_cpu=False,
+                                     max_local_cpu_size=self.cfg.max_local_cpu_size,
+                                     remote_storage_plugins=["fs"], remote_serde="naive",
+                                     extra_config={"remote_storage_plugin.fs.base_path": path})
+        return RemoteBackend(cfg, self.meta, self.loop, self.cpu, "cpu", plugin_name="fs")
+
     # ----- measurements ---------------------------------------------------------------------
     def put(self, be, conc: int, wait_done) -> float:
         t0 = time.perf_counter()
@@ -174,6 +183,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-o-direct", dest="o_direct", action="store_false",
                    help="our backend uses buffered I/O (default: O_DIRECT where the file system allows)")
     p.add_argument("--skip-lmcache-disk", action="store_true")
+    p.add_argument("--skip-fs-connector", action="store_true")
     p.add_argument("--session-tokens", type=int, default=29_800)
     p.add_argument("--session-bytes", type=float, default=7.15e9, help="KV bytes of the session (480B FP8)")
     p.add_argument("--recompute-tokens-per-s", type=float, default=800.0,
@@ -211,6 +221,11 @@ def main(argv=None) -> int:
     run("fastckpt", b.ours, _wait_ours)
     if not a.skip_lmcache_disk:
         run("LocalDisk", b.local_disk, _wait_disk)
+    if not a.skip_fs_connector:
+        try:
+            run("fs-conn", b.fs_connector, _wait_disk)
+        except Exception as e:  # the connector's setup varies between LMCache releases
+            print(f"fs connector: not measured ({type(e).__name__}: {e})")
 
     hi = max(a.concurrency)
     print("\nsummary" + tag)
@@ -224,14 +239,22 @@ def main(argv=None) -> int:
                   + ("  (target >= 4)" if c == hi else ""))
             print(f"  put      c={c}: fastckpt / LocalDisk      = "
                   f"{res[f'fastckpt.put.c{c}'] / res[f'LocalDisk.put.c{c}']:.2f}x")
+    if f"fs-conn.get.c{hi}" in res:
+        for c in a.concurrency:
+            print(f"  cold get c={c}: fastckpt / fs connector   = "
+                  f"{res[f'fastckpt.get.c{c}'] / res[f'fs-conn.get.c{c}']:.2f}x")
     recompute = a.session_tokens / a.recompute_tokens_per_s
     print(f"  modeled TTFT, {a.session_tokens} tokens = {a.session_bytes / 1e9:.2f} GB of KV "
           f"(recompute at {a.recompute_tokens_per_s:.0f} tok/s: {recompute:.1f} s):")
-    for name in ["fastckpt"] + ([] if a.skip_lmcache_disk else ["LocalDisk"]):
+    for name in ("fastckpt", "LocalDisk", "fs-conn"):
+        if f"{name}.get.c{hi}" not in res:
+            continue
         g = res[f"{name}.get.c{hi}"]
         print(f"    {name:10s} {a.session_bytes / 1e9 / g:7.2f} s  ({recompute / (a.session_bytes / 1e9 / g):.1f}x "
               f"faster than recompute)")
     res["cold"] = cold
+    for o in b.src:
+        o.ref_count_down()
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)
