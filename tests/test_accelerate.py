@@ -1,0 +1,133 @@
+"""accelerate plugin: save_state/load_state through fastckpt, automatic naming, exact resume."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+try:
+    from fastckpt.integrations import accelerate as fca
+    from fastckpt.integrations.models import tiny_llama
+except ImportError:
+    sys.path.insert(0, str(REPO))
+    from integrations import accelerate as fca
+    from integrations.models import tiny_llama
+
+import fastckpt
+
+accelerate = pytest.importorskip("accelerate")
+
+
+class Counter:
+    """A registered custom object with state."""
+
+    def __init__(self):
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, sd):
+        self.n = sd["n"]
+
+
+def setup(project_dir, total_limit=None, async_save=False):
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration, set_seed
+
+    set_seed(7)
+    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=str(project_dir), automatic_checkpoint_naming=True, total_limit=total_limit))
+    model = tiny_llama(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    data = [torch.randint(0, 128, (8,)) for _ in range(32)]
+    dl = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+    model, opt, sched, dl = acc.prepare(model, opt, sched, dl)
+    counter = Counter()
+    acc.register_for_checkpointing(counter)
+    plugin = fca.enable(acc, async_save=async_save)
+    return acc, model, opt, sched, dl, counter, plugin
+
+
+def step(acc, model, opt, sched, x, counter):
+    out = model(input_ids=x, labels=x)  # dropout on: consumes torch RNG
+    acc.backward(out.loss)
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    counter.n += 1
+    return out.loss.item()
+
+
+def run(acc, model, opt, sched, dl, counter, n):
+    losses = []
+    for x in dl:
+        if len(losses) == n:
+            break
+        losses.append(step(acc, model, opt, sched, x, counter))
+    return losses
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_save_load_exact_and_naming(tmp_path, async_save):
+    acc, model, opt, sched, dl, counter, plugin = setup(tmp_path, total_limit=2, async_save=async_save)
+    run(acc, model, opt, sched, dl, counter, 3)
+    for _ in range(3):
+        acc.save_state()
+    plugin.wait()
+    ck = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir()) == ["checkpoint_1", "checkpoint_2"]  # total_limit
+    assert all(fastckpt.is_committed(p) for p in ck.iterdir())
+    assert not list(ck.glob("**/*.pt")) and not list(ck.glob("**/*.bin")) and not list(ck.glob("**/*.pkl"))
+    # the reference continues; a second accelerator restores and must produce identical losses
+    x = (torch.arange(32).view(4, 8) * 5) % 128  # fixed batch: no RNG drawn after the save
+    ref = [step(acc, model, opt, sched, x, counter) for _ in range(3)]
+    ref_w = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+
+    acc2, model2, opt2, sched2, dl2, counter2, _ = setup(tmp_path)
+    acc2.project_configuration.iteration = 3
+    step(acc2, model2, opt2, sched2, x, counter2)  # diverge first, load must undo it
+    acc2.load_state()
+    assert counter2.n == 3 and sched2.scheduler.last_epoch == sched.scheduler.last_epoch - 3
+    got = [step(acc2, model2, opt2, sched2, x, counter2) for _ in range(3)]
+    assert got == ref
+    for k, v in acc2.unwrap_model(model2).state_dict().items():
+        assert torch.equal(v, ref_w[k]), k
+
+
+def test_load_skips_uncommitted_and_save_failure_surfaces(tmp_path, monkeypatch):
+    acc, model, opt, sched, dl, counter, plugin = setup(tmp_path)
+    run(acc, model, opt, sched, dl, counter, 1)
+    acc.save_state()
+    bad = tmp_path / "checkpoints" / "checkpoint_9"  # crashed plain save: no manifest
+    bad.mkdir()
+    assert plugin.latest() == tmp_path / "checkpoints" / "checkpoint_0"
+    acc.load_state()  # picks checkpoint_0
+    assert counter.n == 1
+
+    class Boom(OSError):
+        pass
+
+    def failing(*a, **k):
+        raise Boom(28, "no space left")
+
+    monkeypatch.setattr(fastckpt, "async_save", failing)
+    with pytest.raises(Boom):
+        acc.save_state()
+    assert not (tmp_path / "checkpoints" / "checkpoint_1").exists()
+
+
+def test_requires_dir_without_auto_naming(tmp_path):
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    fca.enable(acc)
+    with pytest.raises(ValueError):
+        acc.save_state()
+    acc.save_state(tmp_path / "x")
+    assert fastckpt.is_committed(tmp_path / "x")
