@@ -169,7 +169,12 @@ class FileWriter:
         if self.dfd >= 0 and offset % ALIGN == 0:
             aligned = len(data) // ALIGN * ALIGN
             if aligned:
-                write_all(self.be, self.dfd, data[:aligned], offset)
+                try:
+                    write_all(self.be, self.dfd, data[:aligned], offset)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    write_all(self.be, self.fd, data[:aligned], offset)  # O_DIRECT refused it: buffered
             if aligned < len(data):
                 write_all(self.be, self.fd, data[aligned:], offset + aligned)
             return
