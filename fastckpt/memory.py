@@ -1,20 +1,26 @@
-"""Host memory for staging and loading: page-aligned, transparent-huge-page backed.
+"""Host memory for staging and loading: page-aligned ``mmap`` buffers, optionally huge pages.
 
-Fresh anonymous memory faults in 4 KiB pages at only ~1.3 GB/s on small VMs; with
-``madvise(MADV_HUGEPAGE)`` (THP in ``madvise`` mode) it faults in 2 MiB pages, several
-times faster. Buffers are ``mmap`` objects, so they are page aligned (O_DIRECT-safe), and
-the torch tensors built on them keep the mapping alive (``torch.frombuffer`` holds a
-reference), so a tensor handed out always owns its memory.
+Buffers are ``mmap`` objects, so they are page aligned (O_DIRECT-safe), and the torch
+tensors built on them keep the mapping alive (``torch.frombuffer`` holds a reference), so a
+tensor handed out always owns its memory. Transparent huge pages are opt-in
+(:data:`USE_THP`): they fault faster on bare metal but much slower on ballooned VMs.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 
 import torch
 
-#: Buffers at least this large (bytes) get their own huge-page mapping.
+#: Buffers at least this large (bytes) get their own mapping (huge pages when :data:`USE_THP`).
 HUGE_MIN_BYTES = 1 << 21
+#: Ask for transparent huge pages (``madvise(MADV_HUGEPAGE)``). Off by default: on VMs whose
+#: balloon reports free memory to the host (virtio free page reporting works on 2 MiB blocks),
+#: every fresh huge page faults back in from the host, and we measured huge-page first touch
+#: 4-9x *slower* than 4 KiB pages (0.2-0.5 vs 1.5-2 GB/s) on the reference VM. Set
+#: ``FASTCKPT_THP=1`` where huge pages fault faster (bare metal).
+USE_THP = os.environ.get("FASTCKPT_THP", "0").lower() in ("1", "true", "yes")
 PAGE = mmap.PAGESIZE
 
 
@@ -36,7 +42,7 @@ def host_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:
         t = torch.empty(nbytes, dtype=torch.uint8)
         return t, memoryview(t.numpy()) if nbytes else memoryview(bytearray(0))
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+    if USE_THP and hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             m.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
@@ -51,7 +57,7 @@ def aligned_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:
     ``nbytes`` must be > 0; sizes of at least ``HUGE_MIN_BYTES`` get transparent huge pages.
     """
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if nbytes >= HUGE_MIN_BYTES and hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+    if USE_THP and nbytes >= HUGE_MIN_BYTES and hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             m.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
