@@ -1,0 +1,202 @@
+"""DeepSpeed checkpoint engine that writes and reads through fastckpt (DeepSpeed 0.19 API).
+
+DeepSpeed has no registry for third-party engines; install on an initialized engine with
+one line::
+
+    engine, *_ = deepspeed.initialize(...)
+    fastckpt.integrations.deepspeed.install(engine)   # then save_checkpoint/load_checkpoint as usual
+
+Call order (DeepSpeed ``save_checkpoint``, every rank): ``create(info)`` -> ``makedirs`` ->
+``save(state_dict, path)`` for each file this rank owns (``mp_rank_00_model_states.pt`` on the
+model writer, ``zero_pp_rank_{r}_..._optim_states.pt`` on every ZeRO rank) -> ``commit(info)``
+-> rank 0 writes ``save_dir/latest``. Each ``path`` becomes a fastckpt checkpoint *folder* of
+that name (safetensors + JSON, committed by rename); ``save`` only stages (async) and
+``commit`` waits until every file of this rank is durable, so DeepSpeed's ``latest`` keeps its
+meaning: it is written after the commit and names a tag whose files are all committed.
+``load(path)`` reads such a folder back (no unpickling).
+
+Values DeepSpeed puts in its states that are not tensors or JSON (``torch.Size``, ``set``,
+enums, ``LossScaler``, ``fragment_address``) are stored as tagged JSON and rebuilt on load
+only for classes of the modules in :data:`ALLOWED_MODULES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import os
+from typing import Any
+
+import torch
+
+import fastckpt
+from fastckpt.distributed import LOCAL
+from fastckpt.errors import CheckpointNotFoundError, UnsupportedValueError
+
+ALLOWED_MODULES = ("deepspeed.", "torch.")
+_PLAIN = (type(None), bool, int, float, str, bytes, torch.Tensor, torch.dtype, torch.device)
+
+try:  # the base class, when DeepSpeed is installed; the engine also works through its interface alone
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine as _Base
+except ImportError:  # pragma: no cover - exercised where deepspeed is absent
+    _Base = object
+
+
+def _qual(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def encode(v: Any, path: str = "") -> Any:
+    """Replace non-JSON, non-tensor values DeepSpeed uses by tagged dicts (see module docstring).
+
+    Raises:
+        UnsupportedValueError: a value of a class outside :data:`ALLOWED_MODULES`.
+    """
+    if isinstance(v, _PLAIN) or (isinstance(v, type(torch.float32))):
+        return v
+    if isinstance(v, torch.Size):
+        return {"__ds_size__": list(v)}
+    if isinstance(v, enum.Enum):
+        return {"__ds_enum__": _qual(type(v)), "value": encode(v.value, path)}
+    if isinstance(v, (set, frozenset)):
+        return {"__ds_set__": [encode(x, path) for x in sorted(v, key=repr)]}
+    if isinstance(v, dict):
+        return {k: encode(x, f"{path}/{k}") for k, x in v.items()}
+    if isinstance(v, list):
+        return [encode(x, f"{path}/{i}") for i, x in enumerate(v)]
+    if isinstance(v, tuple) and type(v) is tuple:
+        return tuple(encode(x, f"{path}/{i}") for i, x in enumerate(v))
+    cls = type(v)
+    if not cls.__module__.startswith(ALLOWED_MODULES):
+        if hasattr(v, "__array__") or type(v).__module__ == "numpy":
+            return v
+        raise UnsupportedValueError(f"DeepSpeed state at {path or '<root>'!r} holds a {_qual(cls)}; only classes of "
+                                    f"{ALLOWED_MODULES} are stored by the fastckpt DeepSpeed engine")
+    if isinstance(v, tuple):  # namedtuple
+        return {"__ds_obj__": _qual(cls), "fields": [encode(x, path) for x in v]}
+    state = {f.name: getattr(v, f.name) for f in dataclasses.fields(v)} if dataclasses.is_dataclass(v) else vars(v)
+    return {"__ds_obj__": _qual(cls), "state": encode(dict(state), path)}
+
+
+def _cls(name: str) -> type:
+    mod, _, qual = name.partition(":")
+    if not (mod + ".").startswith(ALLOWED_MODULES):
+        raise UnsupportedValueError(f"refusing to rebuild {name!r}: not in {ALLOWED_MODULES}")
+    obj: Any = importlib.import_module(mod)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def decode(v: Any) -> Any:
+    """Inverse of :func:`encode`."""
+    if isinstance(v, dict):
+        if "__ds_size__" in v:
+            return torch.Size(v["__ds_size__"])
+        if "__ds_set__" in v:
+            return {decode(x) for x in v["__ds_set__"]}
+        if "__ds_enum__" in v:
+            return _cls(v["__ds_enum__"])(decode(v["value"]))
+        if "__ds_obj__" in v:
+            cls = _cls(v["__ds_obj__"])
+            if "fields" in v:
+                return cls(*[decode(x) for x in v["fields"]])
+            obj = cls.__new__(cls)
+            obj.__dict__.update(decode(v["state"]))
+            return obj
+        return {k: decode(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [decode(x) for x in v]
+    if isinstance(v, tuple):
+        return tuple(decode(x) for x in v)
+    return v
+
+
+class FastCkptCheckpointEngine(_Base):
+    """``deepspeed.runtime.checkpoint_engine.CheckpointEngine`` writing fastckpt folders.
+
+    Args:
+        config_params: DeepSpeed passes its config here (unused).
+        threads: I/O threads per file save (default: fastckpt's default).
+    """
+
+    def __init__(self, config_params: Any = None, threads: int | None = None):
+        if _Base is not object:
+            super().__init__(config_params)
+        self.name = "FastCkptCheckpointEngine"
+        self.threads = threads
+        self._pending: list = []
+
+    def create(self, info: Any) -> None:
+        """Start of a tag (``info.tag``, ``info.save_dir``): nothing to prepare."""
+        self._pending = []
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        """Create ``path`` (the tag folder that will hold one fastckpt folder per file)."""
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        """Stage ``state_dict`` and write it in the background as the fastckpt folder ``path``.
+
+        Raises:
+            UnsupportedValueError: a value fastckpt cannot store without pickle (names its path).
+        """
+        self.wait_all()  # one staging buffer at a time, as fastckpt.async_save
+        fut = fastckpt.async_save({"ds": encode(state_dict)}, path, overwrite=True, weights={},
+                                  process_group=LOCAL, **({"threads": self.threads} if self.threads else {}))
+        self._pending.append(fut)
+
+    def wait_all(self) -> None:
+        """Wait for every staged file; re-raise the first failure with its own type."""
+        pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.result()
+
+    def commit(self, info: Any) -> bool:
+        """Return once every file this rank saved for ``info.tag`` is durable and committed."""
+        self.wait_all()
+        return True
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """Read the fastckpt folder ``path`` (as written by :meth:`save`).
+
+        Raises:
+            CheckpointNotFoundError: ``path`` is not a committed fastckpt folder (e.g. a plain
+                ``torch.save`` file: load it with DeepSpeed's own engine).
+        """
+        if not fastckpt.is_committed(path):
+            raise CheckpointNotFoundError(f"{path}: not a committed fastckpt checkpoint; files written by "
+                                          "DeepSpeed's torch engine are read with that engine")
+        device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
+        return decode(fastckpt.load(path, device=device)["ds"])
+
+    def is_decoupled(self) -> bool:
+        """DeepSpeed's synchronous protocol: ``commit`` is called inside ``save_checkpoint``."""
+        return False
+
+    def preserves_storage_sharing(self) -> bool:
+        """fastckpt keeps views that share storage (stored once, rebuilt sharing)."""
+        return True
+
+    def cleanup(self) -> None:
+        """Wait for anything still pending."""
+        self.wait_all()
+
+
+def install(engine: Any, **kwargs: Any) -> FastCkptCheckpointEngine:
+    """Make ``engine.save_checkpoint`` / ``load_checkpoint`` go through fastckpt.
+
+    Args:
+        engine: an initialized ``deepspeed.DeepSpeedEngine``.
+        **kwargs: :class:`FastCkptCheckpointEngine` arguments.
+
+    Returns:
+        The installed checkpoint engine.
+    """
+    ce = FastCkptCheckpointEngine(getattr(engine, "_config", None), **kwargs)
+    engine.checkpoint_engine = ce
+    opt = getattr(engine, "optimizer", None)
+    if opt is not None and hasattr(opt, "checkpoint_engine"):
+        opt.checkpoint_engine = ce
+    return ce
