@@ -6,9 +6,9 @@ leading pad of ``offset % 4096`` bytes, so ``chunk_bytes`` O_DIRECT reads of the
 superset land every byte in place (our data regions start 4096-aligned; foreign files work
 the same way); runs of adjacent small tensors are read through a per-thread bounce buffer.
 Each request first takes what the page cache already holds (``RWF_NOWAIT``: a warm file is
-a memory copy), then goes to the disk with O_DIRECT: no page-cache copy, no readahead, and
-``threads`` requests in flight reach the disk's deep-queue bandwidth. Without O_DIRECT:
-buffered ``preadv`` into the same buffers. No mmap, no page-fault reading; peak memory is
+a memory copy), then goes to the disk with O_DIRECT. The default is buffered ``preadv``
+(``threads`` 4 MiB requests in flight plus kernel readahead), which measured faster on the
+reference VM; O_DIRECT is ``read_tensors(..., o_direct=True)``. No mmap, no page-fault reading; peak memory is
 the loaded state plus a bounce buffer per thread for small tensors.
 """
 
@@ -200,12 +200,15 @@ class _DirectReader:
 
 def read_tensors(r: Resolved, keys: Iterable[str], *, threads: int | None = None,
                  chunk_bytes: int = READ_CHUNK_BYTES, io_backend: str | PosixBackend | None = None,
-                 verify: bool = False, o_direct: bool | None = None) -> dict[str, torch.Tensor]:
+                 verify: bool = False, o_direct: bool = False) -> dict[str, torch.Tensor]:
     """Read the stored tensors ``keys`` of a resolved checkpoint into new CPU tensors.
 
     Args:
-        o_direct: read with O_DIRECT (page-cache hits are still served from the cache); ``None``
-            (default): where the file system supports it.
+        o_direct: read with O_DIRECT where the file system supports it (page-cache hits are
+            still served from the cache). Default ``False``: buffered ``preadv`` with kernel
+            readahead measured faster on the reference VM (1.45 vs 2.4 s cold for 2.1 GB), because
+            O_DIRECT into freshly faulted 4 KiB pages serialises page pinning with the I/O there;
+            try ``True`` on bare metal with ``FASTCKPT_THP=1``.
 
     Returns:
         key -> CPU tensor owning its memory, exact dtype and shape from the header.
@@ -224,7 +227,7 @@ def read_tensors(r: Resolved, keys: Iterable[str], *, threads: int | None = None
     try:
         for f in sorted(files):
             fds[f] = be.open_read(f)
-            if o_direct is not False and O_DIRECT:
+            if o_direct and O_DIRECT:
                 try:
                     dfds[f] = be.open_read(f, o_direct=True)
                 except OSError:

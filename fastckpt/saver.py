@@ -38,6 +38,8 @@ from .staging import StagingPool, copy_into, copy_pieces
 
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
 DEFAULT_CHUNK_BYTES = 8 << 20
+#: Start writing staged units while the caller is still copying (host sources).
+_EARLY_WRITES = True
 
 
 def default_threads() -> int:
@@ -205,6 +207,8 @@ class _Job:
         self.hashes: dict[str, Any] = {}
         self.buf = self.view = None
         self.streaming = False
+        self.first_exc: BaseException | None = None  # the first failed write (raised by the save)
+        self.exc_lock = threading.Lock()
 
     def open_files(self) -> None:
         for f in self.plan.files:
@@ -212,8 +216,16 @@ class _Job:
                                            self.opts.o_direct is not False))
 
     def _write_unit(self, i: int, slot_off: int) -> None:
+        if self.first_exc is not None:
+            raise self.first_exc  # a write already failed: do not keep writing
         u = self.plan.units[i]
-        self.writers[u.file_index].write(self.view[slot_off:slot_off + u.nbytes], u.file_offset)
+        try:
+            self.writers[u.file_index].write(self.view[slot_off:slot_off + u.nbytes], u.file_offset)
+        except BaseException as e:
+            with self.exc_lock:
+                if self.first_exc is None:
+                    self.first_exc = e
+            raise
 
     def stage(self, sources: dict) -> None:
         """Copy every tensor into the staging buffer (the caller's blocking part)."""
@@ -226,7 +238,8 @@ class _Job:
         if not self.streaming:
             # host sources: each write unit goes out as soon as its bytes are staged, so the
             # disk works while the caller copies (save total ~ max(copy, write), not the sum)
-            early = all(getattr(v, "device", None) is None or v.device.type == "cpu" for v in sources.values())
+            early = _EARLY_WRITES and all(getattr(v, "device", None) is None or v.device.type == "cpu"
+                                          for v in sources.values())
             units, nxt = self.plan.units, 0
             for t in tensors:
                 n = t.spec.nbytes
@@ -282,6 +295,10 @@ class _Job:
                 for t in f.tensors:
                     s, n = t.stream_offset, t.spec.nbytes
                     self.hashes[t.spec.key] = self.exec.submit(lambda a=s, b=n: xxhash.xxh3_64(self.view[a:a + b]).hexdigest())
+        for fut in self.unit_futs.values():
+            fut.exception()
+        if self.first_exc is not None:
+            raise self.first_exc
         for fut in self.unit_futs.values():
             fut.result()
         self.hashes = {k: (v.result() if isinstance(v, Future) else v) for k, v in self.hashes.items()}
