@@ -33,6 +33,9 @@ class CheckpointManager:
         process_group: ``torch.distributed`` group that saves together (default: the world group
             when initialized, else this process alone); see :class:`fastckpt.dist_save.DistSaver`.
             Every rank calls ``save``; rank 0 holds the root lock, prunes and updates ``latest``.
+        link_unchanged: hard-link shard files whose bytes equal the newest committed step's
+            instead of rewriting them (``link_from`` of :func:`fastckpt.async_save`; default
+            ``False``). For runs whose large tensors rarely change (LoRA base weights).
 
     A ``latest`` text file in ``root`` names the newest committed step; it is replaced
     atomically after each commit. Readers trust the scan of committed folders over it
@@ -47,7 +50,7 @@ class CheckpointManager:
     """
 
     def __init__(self, root: str | os.PathLike, keep_last: int | None = None, prefix: str = "step-",
-                 lock_timeout_s: float = 0.0, process_group: Any = None):
+                 lock_timeout_s: float = 0.0, process_group: Any = None, link_unchanged: bool = False):
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
         if not prefix or "/" in prefix or prefix.startswith("."):
@@ -61,6 +64,7 @@ class CheckpointManager:
         self._pattern = re.compile(re.escape(prefix) + r"(\d+)$")
         self._lock = RootLock(self.root)
         self.lock_timeout_s = lock_timeout_s
+        self.link_unchanged = link_unchanged
 
     def path(self, step: int) -> Path:
         """Folder of ``step`` (whether or not it exists)."""
@@ -127,6 +131,9 @@ class CheckpointManager:
         self._lock.acquire(self.lock_timeout_s)  # held until this save committed or failed
         try:
             self._clean_leftovers()
+            prev = self.latest() if self.link_unchanged else None
+            if prev is not None and prev != step and "link_from" not in options:
+                options["link_from"] = self.path(prev)
             fut = self._saver.async_save(state, target, step=step, on_commit=after_commit, **options)
         except BaseException:
             self._lock.release()

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 import fastckpt
+from fastckpt.commit import clean_stale_temps
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +269,11 @@ class FastCkptCallback(_trainer_callback_base()):
 
     Args:
         save_options: keyword options passed on to :func:`fastckpt.async_save`
-            (``max_shard_bytes``, ``threads``, ``staging_bytes``, ``o_direct``).
+            (``max_shard_bytes``, ``threads``, ``staging_bytes``, ``o_direct``), plus
+            ``link_unchanged`` (default ``True``): shard files whose bytes equal the newest
+            committed checkpoint's (a LoRA run's frozen base weights) are hard-linked from it
+            instead of copied and rewritten (``link_from`` of :func:`fastckpt.async_save`;
+            checked by xxh3 of every tensor at the call, so the snapshot stays exact).
         resume_from: checkpoint folder to restore optimizer/scheduler/RNG from when the
             Trainer resumes; default None = the folder the mixin reports, else
             ``output_dir/checkpoint-{global_step}``.
@@ -284,6 +289,7 @@ class FastCkptCallback(_trainer_callback_base()):
     """
 
     def __init__(self, resume_from: str | os.PathLike | None = None, **save_options):
+        self.link_unchanged = bool(save_options.pop("link_unchanged", True))
         self.save_options = save_options
         self.resume_from = str(resume_from) if resume_from is not None else None
         self.records: list[dict[str, Any]] = []
@@ -387,9 +393,14 @@ class FastCkptCallback(_trainer_callback_base()):
         self._update_stateful_callbacks(state, control)
         extra["trainer_state.json"] = (
             json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n").encode()
+        clean_stale_temps(args.output_dir)  # leftovers of a killed earlier save (dead writers only)
+        opts = dict(self.save_options)
+        if self.link_unchanged and "link_from" not in opts:
+            prev = get_last_checkpoint(args.output_dir)
+            if prev is not None and Path(prev).resolve() != out.resolve():
+                opts["link_from"] = prev
         fut = fastckpt.async_save(snap, out, overwrite=True, weights=weights, extra_files=extra,
-                                  metadata={"producer": "fastckpt.integrations.hf_trainer"},
-                                  **self.save_options)
+                                  metadata={"producer": "fastckpt.integrations.hf_trainer"}, **opts)
         blocking = time.perf_counter() - t0
         with self._lock:
             self._pending = (fut, state.global_step, out, blocking, t0)
