@@ -109,6 +109,19 @@ def save(state: Any, path: str | os.PathLike, *, process_group: Any = None, **op
     return async_save(state, path, process_group=process_group, **options).result()
 
 
+def reserve(nbytes: int, *, background: bool = True) -> None:
+    """Pre-allocate and fault in ``nbytes`` of the staging buffer that :func:`async_save` uses.
+
+    Call it once before training (e.g. with the model's state size in bytes) so the first
+    save copies into memory that is already faulted in and blocks for one plain copy.
+
+    Args:
+        nbytes: bytes to reserve.
+        background: do it in a background thread (default ``True``).
+    """
+    _saver().reserve(nbytes, background=background)
+
+
 def wait() -> None:
     """Wait for the pending :func:`async_save` of this process; re-raise an uncollected failure."""
     _saver().wait()
@@ -116,7 +129,7 @@ def wait() -> None:
         d.wait()
 
 
-__all__ = ["save", "async_save", "load", "wait", "verify", "is_committed", "read_manifest", "open_checkpoint",
+__all__ = ["save", "async_save", "load", "wait", "reserve", "verify", "is_committed", "read_manifest", "open_checkpoint",
            "CheckpointManager", "SaveFuture", "SaveOptions", "VerifyReport", "errors", "FastCkptError",
            "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError", "HeaderError",
            "ChecksumMismatchError", "UnsupportedValueError", "UnsupportedDtypeError", "InsufficientSpaceError"]

@@ -122,7 +122,9 @@ class SaveFuture:
         path: the checkpoint folder it commits (``pathlib.Path``).
         blocking_s: seconds the ``async_save`` call blocked (validation + staging).
         total_s: seconds from the call until the commit (``None`` while pending).
-        bytes_written: bytes of all files written (set when done).
+        bytes_written: bytes of all files of the checkpoint (set when done), linked ones included.
+        bytes_linked: the part of ``bytes_written`` hard-linked from ``link_from`` instead of
+            written (0 without ``link_from``).
     """
 
     def __init__(self, path: Path):
@@ -130,6 +132,7 @@ class SaveFuture:
         self.blocking_s = 0.0
         self.total_s: float | None = None
         self.bytes_written = 0
+        self.bytes_linked = 0
         self._event = threading.Event()
         self._exc: BaseException | None = None
         self._collected = False
@@ -225,7 +228,8 @@ class _Job:
         for i, f in enumerate(self.plan.files):
             if f.name not in cands:
                 continue
-            hashes = {t.spec.key: dedupe.source_hash(sources[t.spec.key]) for t in f.tensors}
+            keys = [t.spec.key for t in f.tensors]  # hashed in parallel: xxhash releases the GIL
+            hashes = dict(zip(keys, self.exec.map(lambda k: dedupe.source_hash(sources[k]), keys)))
             if dedupe.identical(f, hashes, prev) and dedupe.link_file(self.opts.link_from, self.tmp, f.name):
                 self.linked.add(i)
                 self.hashes.update(hashes)
@@ -375,6 +379,20 @@ class Saver:
         self._pending: SaveFuture | None = None
         self._lock = threading.Lock()
 
+    def reserve(self, nbytes: int, *, background: bool = True) -> None:
+        """Pre-allocate and fault in ``nbytes`` of staging memory (e.g. at train begin).
+
+        Args:
+            nbytes: bytes to reserve (the expected state size).
+            background: do it in a daemon thread (default); a save that starts meanwhile
+                waits for it, never does the work twice.
+        """
+        if background:
+            threading.Thread(target=self.pool.reserve, args=(nbytes,), name="fastckpt-reserve",
+                             daemon=True).start()
+        else:
+            self.pool.reserve(nbytes)
+
     def wait(self) -> None:
         """Wait for the pending save; re-raise its failure if nobody collected it yet."""
         fut = self._pending
@@ -428,6 +446,7 @@ def _finish(job: _Job, col, path: Path, opts: SaveOptions, fut: SaveFuture, t0: 
         job.write_all()
         job.close(strict=True)
         fut.bytes_written = _write_metadata(job, col, opts)
+        fut.bytes_linked = sum(job.plan.files[i].size for i in job.linked)
         os.unlink(os.path.join(job.tmp, cm.OWNER))
         cm.commit_dir(job.tmp, str(path), overwrite=opts.overwrite)
         fut.total_s = time.perf_counter() - t0

@@ -51,6 +51,16 @@ class StagingPool:
             self._busy.release()
             raise
 
+    def reserve(self, nbytes: int) -> None:
+        """Allocate (if needed) and fault in at least ``nbytes`` now, so the first save copies
+        into touched memory (fresh pages fault in at ~0.3-1.3 GB/s on small VMs)."""
+        t, _ = self.acquire(nbytes)
+        try:
+            page = 4096
+            t[::page].zero_()  # one write per page faults every page in
+        finally:
+            self.release()
+
     def release(self) -> None:
         """Hand the buffer back for the next save."""
         self._busy.release()

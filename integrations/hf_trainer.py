@@ -179,6 +179,15 @@ def model_snapshot(model) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str,
 # ---------------------------------------------------------------------------------------------
 # Checkpoint folders
 # ---------------------------------------------------------------------------------------------
+def _snapshot_bytes_estimate(model) -> int:
+    """Bytes of a whole snapshot: every parameter and buffer, plus two Adam moments per trainable
+    parameter, plus 64 MiB for headers/alignment padding and small state."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return params + buffers + 2 * trainable + (64 << 20)
+
+
 def _checkpoint_dirs(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     root = Path(output_dir)
     if not root.is_dir():
@@ -314,6 +323,8 @@ class FastCkptCallback(_trainer_callback_base()):
         self._training = True
         self._refs(args, state, {"model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler})
         self._install_sigterm()
+        if model is not None and not args.save_only_model:
+            fastckpt.reserve(_snapshot_bytes_estimate(model))  # first save copies into touched memory
         if state.global_step > 0:
             self._restore(args, state, optimizer, lr_scheduler)
 
@@ -447,7 +458,8 @@ class FastCkptCallback(_trainer_callback_base()):
         path = fut.result()
         rec = {"step": step, "path": str(path), "blocking_s": blocking,
                "total_s": getattr(fut, "total_s", None) or time.perf_counter() - t0,
-               "bytes": int(getattr(fut, "bytes_written", 0) or 0)}
+               "bytes": int(getattr(fut, "bytes_written", 0) or 0),
+               "linked_bytes": int(getattr(fut, "bytes_linked", 0) or 0)}
         self.records.append(rec)
         gbps = rec["bytes"] / rec["total_s"] / 1e9 if rec["total_s"] else float("nan")
         logger.info("fastckpt: checkpoint-%d committed: %.3f s blocking, %.3f s total, %d bytes, %.3f GB/s",
