@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     failures = ks.failures + io_fail + sp_fail + fz_fail + at_fail
     rows = [
         ("kills survived", f"{ks.kills - len(ks.failures)}/{ks.kills}",
-         f"{ks.mid_save} mid-save, {ks.commits_seen} commits seen, leftovers cleaned: "
+         f"{ks.mid_save} mid-save (save ~{ks.save_s * 1e3:.0f} ms, writes paced {fk.KILL_PACE_S * 1e3:g} ms), "
+         f"{ks.commits_seen} commits seen, leftovers cleaned: "
          f"{ks.cleaned_by_save} by next save, {ks.cleaned_by_prune} by prune"),
         ("ENOSPC cases (tmpfs)", str(sp_cases), sp_note),
         ("ENOSPC/EIO cases (backend)", str(io_cases), "pwrite, fsync, close, open, fallocate"),

@@ -12,6 +12,7 @@ import errno
 import os
 import random
 import select
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -28,6 +29,12 @@ from fastckpt.io import PosixBackend
 
 #: Save options of the fault tests: several shards and write units per save.
 SAVE_OPTS = {"max_shard_bytes": 1 << 20, "chunk_bytes": 256 << 10, "threads": 4}
+
+#: Sleep (s) before each ``pwrite`` and ``fsync`` of the kill campaign's writers (:class:`PacedBackend`).
+#: A save of :func:`make_state` then lasts tens of milliseconds of wall time whatever the disk
+#: (O_DIRECT, page cache) and the CPU load, so a random kill lands inside a save most of the time
+#: instead of between saves.
+KILL_PACE_S = 0.004
 
 
 # ----------------------------------------------------------------------------- states
@@ -179,6 +186,26 @@ class KillBackend(PosixBackend):
     def close(self, fd):
         self._tick("close")
         super().close(fd)
+
+
+class PacedBackend(PosixBackend):
+    """Backend that sleeps ``delay_s`` before every ``pwrite`` and ``fsync`` (a slow, but correct, disk).
+
+    The sleep happens before the real call, so a kill during it leaves exactly what a kill
+    between two write units (or before an fsync) of a real slow disk leaves. Stateless, so it
+    is safe to share across ``fork``.
+    """
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+
+    def pwrite(self, fd, data, offset):
+        time.sleep(self.delay_s)
+        return super().pwrite(fd, data, offset)
+
+    def fsync(self, fd):
+        time.sleep(self.delay_s)
+        super().fsync(fd)
 
 
 # ----------------------------------------------------------------------------- resources
@@ -363,24 +390,38 @@ class KillStats:
     bytes_verified: int = 0
     cleaned_by_save: int = 0
     cleaned_by_prune: int = 0
+    save_s: float = 0.0  #: calibrated duration of one (paced) save, the time scale of the kills
     failures: list = field(default_factory=list)
 
 
-def calibrate_save_s(root: str) -> float:
-    """Seconds one save of :func:`make_state` takes under ``root`` (median of 3)."""
+def calibrate_save_s(root: str, backend=None) -> float:
+    """Seconds one save of :func:`make_state` takes under ``root`` through ``backend`` (median of 3)."""
     ts = []
     for i in range(3):
         t = time.perf_counter()
-        fastckpt.save(make_state(0), os.path.join(root, f"calib-{i}"), **SAVE_OPTS)
+        fastckpt.save(make_state(0), os.path.join(root, f"calib-{i}"), io_backend=backend, **SAVE_OPTS)
         ts.append(time.perf_counter() - t)
     for i in range(3):
-        import shutil
         shutil.rmtree(os.path.join(root, f"calib-{i}"), ignore_errors=True)
     return sorted(ts)[1]
 
 
-def kill_campaign(root: str, iterations: int, seed: int = 0, save_s: float | None = None) -> KillStats:
+def _wait_readable(rfd: int, timeout_s: float) -> bool:
+    """Wait until the writer's pipe has data (its first 'S' line) or EOF; False on timeout."""
+    ready, _, _ = select.select([rfd], [], [], timeout_s)
+    return bool(ready)
+
+
+def kill_campaign(root: str, iterations: int, seed: int = 0, save_s: float | None = None,
+                  pace_s: float = KILL_PACE_S, start_timeout_s: float = 60.0) -> KillStats:
     """SIGKILL forked writers at random moments, ``iterations`` times, checking the root after each kill.
+
+    Each writer saves step after step through a :class:`PacedBackend` (``pace_s`` per write
+    unit and fsync; 0: the plain backend). The kill comes at a random time, uniform in
+    ``[0, 3 * save_s)``, counted from the writer's report that its first save started (so the
+    fork and the writer's start-up, whose cost does not shrink with faster saves, do not eat
+    the window). ``save_s`` defaults to the measured duration of one save through the same
+    backend, so the kills cover about three save cycles whatever the machine speed.
 
     After each kill: the latest committed step is one that was saved, at least the newest
     reported commit, loads bit-exactly and verifies (every committed step verifies). Leftovers
@@ -389,13 +430,18 @@ def kill_campaign(root: str, iterations: int, seed: int = 0, save_s: float | Non
     """
     rng = random.Random(seed)
     st = KillStats()
-    save_s = save_s or calibrate_save_s(root)
+    backend = PacedBackend(pace_s) if pace_s > 0 else None
+    save_s = save_s or calibrate_save_s(root, backend)
+    st.save_s = save_s
     started_all: set[int] = set()
     committed_max: int | None = None
     next_step = 1
     for it in range(iterations):
-        pid, rfd = fork_writer(root, next_step)
-        time.sleep(rng.uniform(0.0, 3.0 * save_s))
+        pid, rfd = fork_writer(root, next_step, backend=backend)
+        if _wait_readable(rfd, start_timeout_s):
+            time.sleep(rng.uniform(0.0, 3.0 * save_s))
+        else:
+            st.failures.append(f"iteration {it}: the writer started no save within {start_timeout_s:.0f} s")
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
         started, committed = read_progress(rfd)

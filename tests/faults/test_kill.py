@@ -18,11 +18,18 @@ from faultkit import (SAVE_OPTS, KillBackend, check_root, fork_writer, kill_camp
 
 
 def test_random_sigkill_campaign(tmp_path):
-    """>= 10 kills at random moments of a writer saving step after step (keep_last=2)."""
+    """>= 10 kills at random moments of a writer saving step after step (keep_last=2).
+
+    The writers go through a paced backend and each kill is timed from the start of the
+    writer's first save (see ``kill_campaign``), so at least half of the kills land inside a
+    save however fast the disk is or however loaded the machine (measured: 10-12 of 12 on a
+    2-core VM with 3 CPU hogs, where unpaced saves timed from the fork gave 3-6).
+    """
     st = kill_campaign(str(tmp_path / "run"), iterations=12, seed=7)
     assert st.failures == []
     assert st.kills == 12
-    assert st.mid_save >= 6, "kills must land during saves, or the campaign proves nothing"
+    assert st.mid_save >= 6, (f"only {st.mid_save} of 12 kills landed during a save (one save "
+                              f"~{st.save_s * 1e3:.0f} ms): the campaign proves nothing")
     assert st.commits_seen + st.cleaned_by_save >= 1
 
 
