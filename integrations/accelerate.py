@@ -16,10 +16,16 @@ Usage::
 A checkpoint holds every prepared model (HF layout for the first one: ``model-*.safetensors`` +
 index + ``config.json``; ``model_1`` ... for more), every optimizer and scheduler, the
 GradScaler, registered custom objects (``accelerator.register_for_checkpointing``), the
-Python/NumPy/torch/CUDA RNG states, ``accelerator.step`` and the epoch of seedable samplers.
+Python/NumPy/torch/CUDA RNG states, ``accelerator.step``, the epoch of seedable samplers and each
+prepared dataloader's ``iteration`` and shuffle generator (``synchronized_generator``).
 With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` folders are
 ``project_dir/checkpoints/checkpoint_<iteration>`` and ``total_limit`` keeps the newest committed
-ones (the newest committed is never deleted). Only the main process writes (rank-0 state).
+ones (the newest committed is never deleted).
+
+Several processes (DDP, ``accelerate launch``): every rank calls ``save_state``/``load_state``
+(they are collective). Only the main process writes, alone (``process_group=LOCAL``): rank-0
+model/optimizer state (DDP replicas are identical) plus every rank's RNG state, gathered to it
+(``rng_per_process``); on load each rank reads the folder and restores its own RNG state.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import fastckpt
+from fastckpt.distributed import LOCAL
 
 from .hf_trainer import capture_rng_state, restore_rng_state
 
@@ -90,10 +97,16 @@ class FastCkptState:
 
     @staticmethod
     def _sampler_state(dl) -> dict | None:
+        out: dict[str, Any] = {}
         sampler = getattr(getattr(dl, "batch_sampler", None), "sampler", None) or getattr(dl, "sampler", None)
         if sampler is not None and hasattr(sampler, "epoch"):
-            return {"epoch": int(sampler.epoch)}
-        return None
+            out["epoch"] = int(sampler.epoch)
+        if isinstance(getattr(dl, "iteration", None), int):  # accelerate's epoch counter (set_epoch)
+            out["iteration"] = dl.iteration
+        gen = getattr(dl, "synchronized_generator", None)  # the shuffle generator accelerate syncs
+        if gen is not None:
+            out["generator"] = gen.get_state()
+        return out or None
 
     # -- save ----------------------------------------------------------------------------------
     def _target(self, output_dir) -> Path:
@@ -122,19 +135,41 @@ class FastCkptState:
             The previous asynchronous save's own exception, if it failed.
         """
         self.wait()
+        multi = self._distributed()
+        if multi:  # every rank checks the target before the main process creates it
+            self.acc.wait_for_everyone()
         out = self._target(output_dir)
         cfg = self.acc.project_configuration
+        rngs = self._gather_rng() if multi else None  # collective: before the main-only branch
         if self.acc.is_main_process:
             out.parent.mkdir(parents=True, exist_ok=True)
             state, weights, extra = self._snapshot()
+            if rngs is not None:
+                state["rng_per_process"] = rngs
+            # LOCAL: the main process writes alone (the default would wait for every rank)
             fut = fastckpt.async_save(state, out, overwrite=not cfg.automatic_checkpoint_naming,
-                                      weights=weights, extra_files=extra, **self.save_options)
+                                      weights=weights, extra_files=extra, process_group=LOCAL,
+                                      **self.save_options)
             self._pending = (fut, out)
             if not self.async_save:
                 self.wait()
         self.acc.wait_for_everyone()
         cfg.iteration += 1
         return str(out)
+
+    def _distributed(self) -> bool:
+        import torch.distributed as dist
+
+        return self.acc.num_processes > 1 and dist.is_available() and dist.is_initialized()
+
+    @staticmethod
+    def _gather_rng() -> list[dict[str, Any]]:
+        """Every rank's :func:`capture_rng_state`, in rank order (collective)."""
+        import torch.distributed as dist
+
+        rngs: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(rngs, capture_rng_state())
+        return rngs
 
     def wait(self) -> None:
         """Block until the pending save is committed, then apply ``total_limit``.
@@ -182,6 +217,8 @@ class FastCkptState:
         """
         self.wait()
         acc = self.acc
+        if self._distributed():  # the main process's pending save is committed for every rank
+            acc.wait_for_everyone()
         if input_dir is None:
             if not acc.project_configuration.automatic_checkpoint_naming:
                 raise ValueError("load_state() needs input_dir unless automatic_checkpoint_naming=True")
@@ -206,10 +243,23 @@ class FastCkptState:
             acc.scaler.load_state_dict(snap["scaler"])
         for dl, s in zip(acc._dataloaders, snap.get("samplers", [])):
             sampler = getattr(getattr(dl, "batch_sampler", None), "sampler", None) or getattr(dl, "sampler", None)
-            if s and sampler is not None and hasattr(sampler, "set_epoch"):
+            if s and "epoch" in s and sampler is not None and hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(s["epoch"])
+            if s and "iteration" in s and hasattr(dl, "set_epoch"):
+                dl.set_epoch(s["iteration"])
+            if s and "generator" in s and getattr(dl, "synchronized_generator", None) is not None:
+                dl.synchronized_generator.set_state(s["generator"].cpu())
         acc.step = int(snap["step"])
-        restore_rng_state(snap["rng"])
+        per_rank = snap.get("rng_per_process")
+        if per_rank is not None and len(per_rank) == acc.num_processes:
+            restore_rng_state(per_rank[acc.process_index])
+        else:
+            if per_rank is not None or acc.num_processes > 1:
+                logger.warning("fastckpt: %s holds RNG states of %s processes, this run has %d: "
+                               "every rank gets the main process's RNG state (resume not exact)",
+                               input_dir, len(per_rank) if per_rank is not None else 1,
+                               acc.num_processes)
+            restore_rng_state(snap["rng"])
         logger.info("fastckpt: loaded state from %s", input_dir)
 
 
