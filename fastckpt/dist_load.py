@@ -10,13 +10,16 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 from typing import Any
 
 import torch
 
-from .distributed import Coordinator
+from .commit import is_committed
+from .distributed import DEFAULT_TIMEOUT_S, Coordinator
 from .dist_save import RANK_KEY
 from .dtypes import str_to_dtype
 from .errors import CheckpointNotFoundError
@@ -180,3 +183,34 @@ def _to(v: Any, device: str | torch.device) -> Any:
     if isinstance(v, (list, tuple)):
         return type(v)(_to(x, device) for x in v)
     return v
+
+
+_COMMON_COUNT = itertools.count(1)  # per process: newest_common_step calls, same order on every rank
+
+
+def committed_steps(root: str | os.PathLike, prefix: str = "step-") -> list[int]:
+    """Steps ``{root}/{prefix}{n}`` that hold a valid ``manifest.json`` (commit marker), ascending."""
+    pat = re.compile(re.escape(prefix) + r"(\d+)$")
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names
+                  if (m := pat.match(n)) and is_committed(os.path.join(root, n)))
+
+
+def newest_common_step(root: str | os.PathLike, *, prefix: str = "step-", process_group: Any = None,
+                       timeout_s: float = DEFAULT_TIMEOUT_S) -> int | None:
+    """Newest step committed on every node of ``commit="marker"`` saves (restart point after a crash).
+
+    Every rank of the group calls it with its own node-local ``root``; the committed steps of all
+    ranks are exchanged through the group's store and the newest step present everywhere is
+    returned (``None``: none). A crash between node markers leaves a step some nodes committed
+    and others did not; it is skipped. In one process: the newest committed step under ``root``.
+    """
+    coord = Coordinator.for_group(process_group)
+    mine = committed_steps(root, prefix)
+    sess = coord.session(f"common{next(_COMMON_COUNT)}", timeout_s)
+    every = sess.all_gather("steps", mine, "listing committed steps")
+    common = set(every[0]).intersection(*map(set, every[1:]))
+    return max(common) if common else None

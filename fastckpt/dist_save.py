@@ -301,7 +301,12 @@ def _write_manifest(folder: str, prep: _Prep, opts: SaveOptions, reports: dict[i
             small[f"{stem}.safetensors.index.json"] = write_index(wm, total)
     small.update(opts.extra_files or {})
     for name, data in small.items():
-        cm.write_small_file(os.path.join(folder, name), data)
+        full = os.path.join(folder, name)
+        if mode == "marker" and name == cm.STATE_JSON:  # replace the placeholder of _create_folder
+            cm.write_small_file(full + ".tmp", data)
+            os.replace(full + ".tmp", full)
+        else:
+            cm.write_small_file(full, data)
         files[name] = {"bytes": len(data), "xxh3": xxhash.xxh3_64(data).hexdigest()}
     hashes: dict[str, str] = {}
     for rep in reports.values():
@@ -409,7 +414,9 @@ class DistSaver:
             # every rank makes the same saves in the same order, so this count names the save on all ranks
             seq = next(_SAVE_COUNT)
             coord = Coordinator.for_group(self.process_group)
-            tag = hashlib.sha256(os.path.abspath(os.fspath(path)).encode()).hexdigest()[:12]
+            # marker mode: each node passes its own local path, which must not split the key space
+            tag = hashlib.sha256(os.path.abspath(os.fspath(path)).encode()).hexdigest()[:12] \
+                if commit == "rename" else "marker"
             sess = coord.session(f"save{seq}-{tag}", timeout_s)
             fut = _start(coord, sess, state, Path(os.path.abspath(os.fspath(path))), opts, tuple(local_keys), commit)
             self._pending = fut
@@ -493,6 +500,9 @@ def _create_folder(path: Path, prep: _Prep, opts: SaveOptions, mode: str, local_
             shutil.rmtree(path)
         os.makedirs(path)
         folder = str(path)
+        # until its manifest exists, a state.json marks the folder as an uncommitted fastckpt save
+        # (without it readers would take the preallocated safetensors files for a plain HF folder)
+        cm.write_small_file(os.path.join(folder, cm.STATE_JSON), b"{}")
     be = get_backend(opts.io_backend)
     for f in prep.plan.files:
         fd = be.open_write(os.path.join(folder, f.name))
@@ -515,6 +525,7 @@ def _finish(*, coord, sess, job, prep, path, opts, folder, mode, group, runs, no
             own, report = e, {"ok": False, "error": _fmt(e)}
     job.close()
     exc: BaseException | None = None
+    rollback = False
     try:
         sess.publish(f"done/{rank}", report)
         if rank == 0:
@@ -522,6 +533,8 @@ def _finish(*, coord, sess, job, prep, path, opts, folder, mode, group, runs, no
         elif mode == "marker" and rank == group[0]:
             _node_commit(sess, coord, prep, opts, folder, group, runs, nodes, local_keys)
         outcome = sess.wait_for(["commit"], "waiting for rank 0's commit")[0]
+        # rank 0 wrote no marker: this node's marker (if any) names an uncommitted step, remove it
+        rollback = not outcome["ok"] and not outcome.get("committed", False)
         if not outcome["ok"]:
             failures = {int(r): e for r, e in outcome["failures"].items()}
             lines = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
@@ -531,7 +544,7 @@ def _finish(*, coord, sess, job, prep, path, opts, folder, mode, group, runs, no
         fut.bytes_written = job.bytes_written
     except BaseException as e:
         exc = e
-        if mode == "marker" and rank == group[0] and not os.path.exists(os.path.join(folder, cm.MANIFEST)):
+        if mode == "marker" and rank == group[0] and (rollback or not os.path.exists(os.path.join(folder, cm.MANIFEST))):
             shutil.rmtree(folder, ignore_errors=True)
     fut._finish(exc)
 
@@ -541,6 +554,7 @@ def _decide(sess, coord, prep, path, opts, folder, mode, runs, nodes, local_keys
     world = coord.world_size
     reports = dict(enumerate(sess.wait_for([f"done/{r}" for r in range(world)], "waiting for every rank's writes")))
     failures = {r: rep["error"] for r, rep in reports.items() if not rep["ok"]}
+    committed = False
     if not failures:
         sess.publish("decision", {"ok": True})
         mine = {r: rep for r, rep in reports.items() if r in runs}
@@ -554,6 +568,7 @@ def _decide(sess, coord, prep, path, opts, folder, mode, runs, nodes, local_keys
                 if mode == "rename":
                     os.unlink(os.path.join(folder, cm.OWNER))
                     cm.commit_dir(folder, str(path), overwrite=opts.overwrite)
+                committed = True
         except BaseException as e:
             failures[0] = f"commit: {_fmt(e)}"
         if not failures and opts.on_commit is not None:
@@ -565,7 +580,8 @@ def _decide(sess, coord, prep, path, opts, folder, mode, runs, nodes, local_keys
         sess.publish("decision", {"ok": False})
     if failures and os.path.isdir(folder) and (mode == "rename" or not os.path.exists(os.path.join(folder, cm.MANIFEST))):
         shutil.rmtree(folder, ignore_errors=True)
-    sess.publish("commit", {"ok": not failures, "failures": {str(r): e for r, e in failures.items()}})
+    sess.publish("commit", {"ok": not failures, "committed": committed,
+                            "failures": {str(r): e for r, e in failures.items()}})
 
 
 def _node_commit(sess, coord, prep, opts, folder, group, runs, nodes, local_keys) -> None:
