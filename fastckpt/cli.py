@@ -66,12 +66,23 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Re-read every byte against the manifest; exit 1 on any mismatch."""
+    from .commit import MANIFEST
     from .verify import verify
-    rep = verify(args.path, threads=args.threads)
+    path = args.path
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST)):
+        mgr = CheckpointManager(path, prefix=args.prefix or _guess_prefix(path))
+        latest = mgr.latest()
+        if latest is not None:  # a run root: verify its newest committed checkpoint
+            path = str(mgr.path(latest))
+            print(f"{args.path} is a run root: verifying its newest committed checkpoint {path}")
+    rep = verify(path, threads=args.threads)
     for p in rep.problems:
         print(f"MISMATCH {p}")
-    status = "OK" if rep.ok else f"FAILED ({len(rep.problems)} problems)"
-    print(f"{args.path}: {status}, {_human(rep.bytes_checked)} checked")
+    for n in rep.notes:
+        print(f"note: {n}")
+    n = len(rep.problems)
+    status = "OK" if rep.ok else f"FAILED ({n} problem{'s' if n != 1 else ''})"
+    print(f"{path}: {status}, {_human(rep.bytes_checked)} checked")
     return 0 if rep.ok else 1
 
 
@@ -91,14 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("root")
     ls.add_argument("--prefix", default=None, help="step folder prefix (default: guessed, step- or checkpoint-)")
     ls.set_defaults(func=cmd_ls)
-    v = sub.add_parser("verify", help="re-read every byte of a checkpoint against its checksums")
-    v.add_argument("path")
+    v = sub.add_parser("verify", help="re-read every byte of a checkpoint against its checksums",
+                       description="Re-read every byte of a committed checkpoint (or the newest committed "
+                                   "one of a run root) against the manifest's xxh3 checksums. Exit 0: all "
+                                   "match; 1: a mismatch or damaged file (named); 2: nothing to verify.")
+    v.add_argument("path", help="checkpoint folder, run root, or a foreign safetensors file/HF folder "
+                                "(headers and index validated only)")
+    v.add_argument("--prefix", default=None, help="step folder prefix of a run root (default: guessed)")
     v.add_argument("--threads", type=int, default=None, help="parallel readers (default 8-16)")
     v.set_defaults(func=cmd_verify)
     pr = sub.add_parser("prune", help="keep the newest N committed checkpoints")
     pr.add_argument("root")
     pr.add_argument("--keep", type=int, required=True, help="committed steps to keep (>= 1)")
-    pr.add_argument("--prefix", default=None)
+    pr.add_argument("--prefix", default=None, help="step folder prefix (default: guessed, step- or checkpoint-)")
     pr.set_defaults(func=cmd_prune)
     try:
         from .serve_cli import add_load_parser  # issue 4: `fastckpt load`
@@ -114,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (FastCkptError, FileNotFoundError) as e:
+    except (FastCkptError, OSError, ValueError) as e:
         print(f"fastckpt {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

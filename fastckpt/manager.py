@@ -152,9 +152,15 @@ class CheckpointManager:
     def load(self, step: int | None = None, **options: Any) -> dict:
         """Load ``step`` (default: the newest committed) with :func:`fastckpt.load` options.
 
+        A save this manager started and that is still in flight is waited for first (its
+        failure, if any, is still raised by its ``result()`` or the next save, not here).
+
         Raises:
             CheckpointNotFoundError: no committed checkpoint (or not that step).
         """
+        pending = getattr(self._saver, "_pending", None)
+        if pending is not None:
+            pending._event.wait()
         if step is None:
             step = self.latest()
             if step is None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from .errors import CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, FastCkptError
 from .format import safe_join
 from .io import get_backend, read_exact
 from .resolve import resolve
@@ -23,11 +23,13 @@ class VerifyReport:
         path: the checkpoint folder.
         bytes_checked: bytes re-read and hashed.
         problems: one line per mismatch, naming the file and the tensor.
+        notes: what could not be checked (e.g. a foreign HF folder has no checksums).
     """
 
     path: str
     bytes_checked: int = 0
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -75,11 +77,14 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
     report = VerifyReport(path)
     try:
         r = resolve(path)
-    except CorruptCheckpointError as e:
-        report.problems.append(str(e))
+    except CheckpointNotFoundError:
+        raise
+    except FastCkptError as e:  # damaged header/index/manifest, unknown dtype, unsafe path
+        report.problems.append(f"{type(e).__name__}: {e}")
         return report
     if r.manifest is None:
-        report.problems.append(f"{path}: no manifest.json; only headers were validated")
+        report.notes.append(f"{path}: no manifest.json (not a fastckpt checkpoint): every header and index "
+                            "was validated, but there are no checksums to compare the bytes against")
         return report
     jobs = []
     for name, info in r.manifest["files"].items():

@@ -153,9 +153,11 @@ def test_manifest_naming_outside_is_refused(tmp_path, bad):
 
 
 def _verify_refuses(ck):
-    with pytest.raises(UnsafePathError):
-        fastckpt.verify(ck)
-    assert cli_main(["verify", str(ck)]) == 2  # typed error -> exit 2, nothing read
+    # verify reports the unsafe name as a problem (typed, named) and reads nothing; the CLI exits 1
+    rep = fastckpt.verify(ck)
+    assert not rep.ok and rep.bytes_checked == 0
+    assert any(p.startswith("UnsafePathError:") for p in rep.problems), rep.problems
+    assert cli_main(["verify", str(ck)]) == 1
 
 
 def test_symlink_leading_outside_is_refused(tmp_path):

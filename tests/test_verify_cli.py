@@ -1,0 +1,48 @@
+"""verify on run roots and foreign folders; damaged headers are problems (exit 1); manager.load waits."""
+
+import safetensors.torch as st
+import torch
+
+import fastckpt
+from fastckpt.cli import main as cli_main
+
+
+def test_verify_run_root_takes_newest_committed(tmp_path, capsys):
+    mgr = fastckpt.CheckpointManager(tmp_path)
+    mgr.save(1, {"model": {"w": torch.arange(6.0)}})
+    mgr.save(2, {"model": {"w": torch.arange(7.0)}})
+    assert cli_main(["verify", str(tmp_path)]) == 0
+    assert "step-2" in capsys.readouterr().out
+
+
+def test_verify_foreign_file_validates_headers_and_says_so(tmp_path, capsys):
+    st.save_file({"a": torch.ones(3)}, str(tmp_path / "x.safetensors"))
+    rep = fastckpt.verify(tmp_path / "x.safetensors")
+    assert rep.ok and rep.notes and "no checksums" in rep.notes[0]
+    assert cli_main(["verify", str(tmp_path / "x.safetensors")]) == 0
+    assert "note:" in capsys.readouterr().out
+
+
+def test_flip_in_header_is_a_named_problem_exit_1(tmp_path, capsys):
+    p = fastckpt.save({"model": {"w": torch.arange(64.0)}}, tmp_path / "ck")
+    shard = p / "model-00001-of-00001.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[20] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    rep = fastckpt.verify(p)
+    assert not rep.ok and str(shard) in rep.problems[0]
+    assert cli_main(["verify", str(p)]) == 1
+    assert "FAILED (1 problem)" in capsys.readouterr().out
+
+
+def test_bad_usage_is_a_clean_error_not_a_traceback(tmp_path, capsys):
+    assert cli_main(["prune", str(tmp_path), "--keep", "0"]) == 2
+    assert "keep must be >= 1" in capsys.readouterr().err
+
+
+def test_manager_load_waits_for_its_pending_save(tmp_path):
+    mgr = fastckpt.CheckpointManager(tmp_path)
+    big = {"model": {"w": torch.randn(2048, 2048)}}
+    mgr.async_save(300, big)
+    out = mgr.load()  # must not race the background commit
+    assert torch.equal(out["model"]["w"], big["model"]["w"])
