@@ -42,14 +42,14 @@ import torch
 import xxhash
 
 from . import commit as cm
-from .collect import STATE_GROUP, Collected, collect
-from .distributed import DEFAULT_TIMEOUT_S, LOCAL, Coordinator, Session
+from .collect import Collected, collect
+from .distributed import DEFAULT_TIMEOUT_S, Coordinator, Session
 from .errors import CheckpointExistsError, DistributedSaveError, InsufficientSpaceError
-from .format import write_index
 from .io import FileWriter, get_backend, write_all
 from .memory import host_buffer
 from .planner import SavePlan, plan_save
-from .saver import SaveFuture, SaveOptions, default_threads
+from .saver import (SaveFuture, SaveOptions, default_threads, manifest_doc, tensor_entries, write_manifest,
+                    write_side_files)
 from .staging import copy_into
 from .tree import join
 
@@ -293,33 +293,11 @@ def _write_manifest(folder: str, prep: _Prep, opts: SaveOptions, reports: dict[i
                     local_keys: tuple[str, ...]) -> int:
     """Write state.json, index and extra files, then ``manifest.json`` (last). Returns bytes of all files."""
     plan = prep.plan
-    files: dict[str, dict] = {f.name: {"bytes": f.size} for f in plan.files}
-    small = {cm.STATE_JSON: json.dumps(prep.rep.skeleton, separators=(",", ":")).encode()}
-    for stem, wm in plan.index.items():
-        if stem != STATE_GROUP:
-            total = sum(t.spec.nbytes for f in plan.files for t in f.tensors if f.name in wm.values())
-            small[f"{stem}.safetensors.index.json"] = write_index(wm, total)
-    small.update(opts.extra_files or {})
-    for name, data in small.items():
-        full = os.path.join(folder, name)
-        if mode == "marker" and name == cm.STATE_JSON:  # replace the placeholder of _create_folder
-            cm.write_small_file(full + ".tmp", data)
-            os.replace(full + ".tmp", full)
-        else:
-            cm.write_small_file(full, data)
-        files[name] = {"bytes": len(data), "xxh3": xxhash.xxh3_64(data).hexdigest()}
+    files = write_side_files(folder, plan, prep.rep.skeleton, opts.extra_files, replace=mode == "marker")
     hashes: dict[str, str] = {}
     for rep in reports.values():
         hashes.update(rep["hashes"])
-    tensors: dict[str, dict] = {}
-    for f in plan.files:
-        for t in f.tensors:
-            s = t.spec
-            tensors[s.key] = {"file": f.name, "name": s.name, "dtype": s.dtype, "shape": list(s.shape),
-                              "offsets": [t.file_offset, t.file_offset + s.nbytes],
-                              "xxh3": hashes.get(s.key) or xxhash.xxh3_64(b"").hexdigest()}
-    for k, e in prep.rep.entries.items():
-        tensors[k] = {**tensors.get(k, {}), **e}
+    tensors = tensor_entries(plan, hashes, prep.rep.entries)
     written_by: dict[str, list[int]] = {}
     shards: dict[str, dict] = {}
     skeletons: dict[str, str] = {}
@@ -338,18 +316,13 @@ def _write_manifest(folder: str, prep: _Prep, opts: SaveOptions, reports: dict[i
         for kp, piece in rep["shards"].items():
             entry = shards.setdefault(kp, {"dtype": piece["dtype"], "global_shape": piece["global_shape"], "pieces": []})
             entry["pieces"].append({"rank": r, "key": piece["key"], "offsets": piece["offsets"], "shape": piece["shape"]})
-    manifest = {"format": cm.FORMAT_NAME, "format_version": cm.FORMAT_VERSION, "checksum": "xxh3_64",
-                "created_unix_s": time.time(), "step": opts.step, "world_size": world,
-                "weights": opts.weights if opts.weights is not None else {"model": "model"},
-                "bytes_total": sum(v["bytes"] for v in files.values()), "files": files, "tensors": tensors,
-                "distributed": {"mode": mode, "node": node if mode == "marker" else None, "nodes": nodes,
+    manifest = manifest_doc(opts, files, tensors, world_size=world)
+    manifest["distributed"] = {"mode": mode, "node": node if mode == "marker" else None, "nodes": nodes,
                                 "written_by": written_by,
                                 "bytes_by_rank": {str(r): rep["bytes"] for r, rep in sorted(reports.items())},
                                 "rank_local": {"keys": list(local_keys), "skeletons": skeletons},
-                                "shards": shards}}
-    data = json.dumps(manifest, indent=1).encode()
-    cm.write_small_file(os.path.join(folder, cm.MANIFEST), data)
-    return manifest["bytes_total"] + len(data)
+                                "shards": shards}
+    return write_manifest(folder, manifest)
 
 
 class DistSaver:
@@ -447,7 +420,7 @@ def _start(coord: Coordinator, sess: Session, state: Any, path: Path, opts: Save
                                      "local_bytes": prep and prep.loc_plan.file_bytes}, "planning")
     for r, i in enumerate(infos):
         if i["ok"] and infos[0]["ok"] and i["digest"] != infos[0]["digest"]:
-            i.update(ok=False, error=f"replicated state (keys, dtypes, shapes) differs from rank 0's; put "
+            i.update(ok=False, error="replicated state (keys, dtypes, shapes) differs from rank 0's; put "
                                      "per-rank values under local_keys or wrap them in Shard")
     _check_all(infos, "planning", exc)
     nodes = list(dict.fromkeys(i["node"] for i in infos)) if mode == "marker" else [coord.node]

@@ -12,7 +12,7 @@ from . import commit as cm
 from .errors import CheckpointExistsError, CheckpointNotFoundError
 from .loader import load
 from .lock import RootLock
-from .saver import SaveFuture, Saver
+from .saver import SaveFuture
 
 LATEST = "latest"
 
