@@ -3,7 +3,7 @@
 Loads the HF folder with fastckpt, saves it as a committed fastckpt checkpoint that is also an
 HF model folder, verifies it, and checks that transformers loads it and gives the same embeddings.
 
-    python examples/quickstart_minilm.py [--out DIR]
+    python examples/quickstart_minilm.py [--out DIR]     # without --out: a temp folder, removed at the end
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,8 +36,17 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="checkpoint folder to write (default: a temp folder)")
     args = ap.parse_args()
     src = minilm_folder()
-    out = Path(args.out or tempfile.mkdtemp(prefix="fastckpt-quickstart-")) / "minilm"
+    tmp = None if args.out else tempfile.mkdtemp(prefix="fastckpt-quickstart-")
+    try:
+        run(src, Path(args.out or tmp) / "minilm")
+    finally:
+        if tmp is not None:  # a temp folder we made: remove it (keep the checkpoint with --out DIR)
+            shutil.rmtree(tmp, ignore_errors=True)
+            print(f"removed the temp folder {tmp} (pass --out DIR to keep the checkpoint)")
 
+
+def run(src: Path, out: Path) -> None:
+    """Load ``src``, save it to ``out`` as a fastckpt checkpoint, verify it, compare in transformers."""
     t = time.perf_counter()
     weights = fastckpt.load(src)                      # any HF folder / safetensors file
     print(f"loaded {len(weights)} tensors from {src} in {time.perf_counter() - t:.2f} s")

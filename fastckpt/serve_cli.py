@@ -9,8 +9,9 @@
    (``--verify`` checks all files up front; otherwise tensors are checked as they are copied
    and the output is committed only if all match). Nothing appears at ``--to`` unless the
    source is sound: the output is built in a hidden sibling folder and renamed into place.
-3. With ``--to``: write a servable HF folder (config, generation config, tokenizer files,
-   sharded safetensors + index) with parallel large I/O; a LoRA adapter is merged through
+3. With ``--to``: write a servable HF folder (config, generation config, tokenizer files
+   from the checkpoint, else from the base model folder (``--base`` or the adapter's local
+   ``base_model_name_or_path``), with a warning when none exist; sharded safetensors + index) with parallel large I/O; a LoRA adapter is merged through
    peft (``--merge-lora``) or laid out as ``DIR/adapter`` for ``vllm serve --enable-lora``.
    Without ``--to``: warm the page cache with parallel sequential reads of the weights.
 4. Print the ``vllm serve ...`` command to run.
@@ -31,7 +32,7 @@ import tempfile
 from dataclasses import dataclass
 
 from . import commit as cm
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
 from .export import Entry, plan_shards, warm_files, write_shards
 from .manager import CheckpointManager
 from .resolve import Resolved, resolve
@@ -43,6 +44,8 @@ META_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json", "tok
                  "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "vocab.txt",
                  "merges.txt", "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
                  "processor_config.json", "*.tiktoken")
+#: Any of these makes ``AutoTokenizer.from_pretrained`` possible.
+TOKENIZER_PATTERNS = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken")
 _STEP_RE = re.compile(r"^(checkpoint|step)-(\d+)$")
 
 
@@ -156,6 +159,41 @@ def _copy_meta(src_dir: str, dst: str) -> list[str]:
     return copied
 
 
+def _has_tokenizer(folder: str) -> bool:
+    return any(glob.glob(os.path.join(glob.escape(folder), pat)) for pat in TOKENIZER_PATTERNS)
+
+
+def _meta_fallbacks(src: Source, args: argparse.Namespace) -> list[str]:
+    """Folders to take missing tokenizer/generation-config files from, after ``src.meta_dir``:
+    ``--base``, then the adapter's local ``base_model_name_or_path``."""
+    out = []
+    for d in (getattr(args, "base", None), src.adapter_dir and _adapter_base(src.adapter_dir)):
+        if d and os.path.isdir(d) and os.path.abspath(d) != os.path.abspath(src.meta_dir) \
+                and os.path.abspath(d) not in out:
+            out.append(os.path.abspath(d))
+    return out
+
+
+def _copy_all_meta(src: Source, dst: str, args: argparse.Namespace) -> list[str]:
+    """Copy config/generation/tokenizer files from the source, then the missing ones from the
+    base model folder when known; warn when the result has no tokenizer."""
+    copied = _copy_meta(src.meta_dir, dst)
+    for d in _meta_fallbacks(src, args):
+        if _has_tokenizer(dst) and os.path.exists(os.path.join(dst, "generation_config.json")):
+            break
+        more = _copy_meta(d, dst)
+        if more:
+            print(f"fastckpt load: copied {', '.join(more)} from the base model folder {d}", file=sys.stderr)
+        copied += more
+    if not _has_tokenizer(dst):
+        where = ", ".join([src.meta_dir] + _meta_fallbacks(src, args))
+        print(f"fastckpt load: WARNING: no tokenizer files found (looked in {where}); the output folder has "
+              f"no tokenizer and vllm serve / AutoTokenizer will fail on it. Save one into it "
+              f"(tokenizer.save_pretrained(DIR)), pass --base BASE_MODEL_DIR, or give vllm serve --tokenizer.",
+              file=sys.stderr)
+    return copied
+
+
 def _progress(total: int, desc: str, quiet: bool):
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, disable=quiet,
@@ -207,11 +245,11 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
 
     Raises:
         ChecksumMismatchError / CorruptCheckpointError: a source tensor is damaged (nothing at ``to``).
-        FileExistsError: ``to`` exists and ``--overwrite`` was not given.
+        CheckpointExistsError: ``to`` exists and ``--overwrite`` was not given.
     """
     from .loader import read_tensors
     if os.path.lexists(to) and not args.overwrite:
-        raise FileExistsError(f"{to} exists; choose another --to or pass --overwrite")
+        raise CheckpointExistsError(f"{to} exists; choose another --to or pass --overwrite")
     os.makedirs(os.path.dirname(to) or ".", exist_ok=True)
     tmp = cm.make_temp_dir(to)
     try:
@@ -227,7 +265,7 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
         plan = plan_shards(entries, args.max_shard_size)
         with _progress(plan.total_bytes, "export", args.quiet) as bar:
             write_shards(plan, fetch, tmp, threads=args.threads, progress=bar.update)
-        _copy_meta(src.meta_dir, tmp)
+        _copy_all_meta(src, tmp, args)
         if src.adapter_dir and not args.merge_lora:
             _layout_adapter(src.adapter_dir, os.path.join(tmp, "adapter"), to)
         os.unlink(os.path.join(tmp, cm.OWNER))

@@ -17,7 +17,8 @@ runs, and starts :func:`fastckpt.async_save` of a whole snapshot into ``checkpoi
 weights in HF layout (``model-0000k-of-0000n.safetensors`` + index + ``config.json``), for a
 ``PeftModel`` also ``adapter_model.safetensors`` + ``adapter_config.json``, the optimizer, the
 scheduler, Python/NumPy/torch/CUDA RNG states, the RNG state at the start of the epoch (data
-position) and ``trainer_state.json``. Training blocks only while the state is staged. A pending
+position), ``trainer_state.json``, ``generation_config.json`` and the Trainer's tokenizer files
+(``processing_class``). Training blocks only while the state is staged. A pending
 save is awaited before the next one, at the end of training and on SIGTERM; its failure is
 re-raised in the training process with its original type.
 
@@ -152,7 +153,8 @@ def model_snapshot(model) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str,
         ``(state, weights, extra_files)``: ``state["model"]`` holds the full weights under HF
         names (written as ``model-*.safetensors`` + index); for a PeftModel ``state["adapter"]``
         holds the adapter (written as ``adapter_model.safetensors``) and ``extra_files`` has
-        ``adapter_config.json``; ``config.json`` is always included when the model has a config.
+        ``adapter_config.json``; ``config.json`` is always included when the model has a config,
+        ``generation_config.json`` when it has a generation config (the base model's for a PeftModel).
     """
     extra: dict[str, bytes] = {}
     weights = {"model": "model"}
@@ -168,12 +170,31 @@ def model_snapshot(model) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str,
             cfg, indent=2, sort_keys=True, default=lambda o: sorted(o) if isinstance(o, set) else str(o)
         ).encode()
         config = model.get_base_model().config
+        gen = getattr(model.get_base_model(), "generation_config", None)
     else:
         state = {"model": _dedup_tied(model.state_dict())}
         config = getattr(model, "config", None)
+        gen = getattr(model, "generation_config", None)
     if config is not None and hasattr(config, "to_json_string"):
         extra["config.json"] = config.to_json_string().encode()
+    if gen is not None and hasattr(gen, "to_json_string"):
+        extra["generation_config.json"] = gen.to_json_string(use_diff=True).encode()
     return state, weights, extra
+
+
+def tokenizer_files(processing_class) -> dict[str, bytes]:
+    """The files ``processing_class.save_pretrained`` writes (tokenizer / processor), as bytes.
+
+    Saved once into a temporary folder; sub-folders are ignored. Empty when there is nothing
+    to save (``None`` or an object without ``save_pretrained``).
+    """
+    if processing_class is None or not hasattr(processing_class, "save_pretrained"):
+        return {}
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="fastckpt-tok-") as d:
+        processing_class.save_pretrained(d)
+        return {p.name: p.read_bytes() for p in sorted(Path(d).iterdir()) if p.is_file()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,8 +309,13 @@ class FastCkptCallback(_trainer_callback_base()):
             ``output_dir/checkpoint-{global_step}``.
 
     Attributes:
-        records: one dict per finished save: ``step``, ``path``, ``blocking_s``, ``total_s``,
-            ``bytes``.
+        records: one dict per finished save: ``step``, ``path``, ``blocking_s`` (from the start
+            of the save to the end of staging), ``total_s`` (from the same start to the commit),
+            ``bytes``, ``linked_bytes``.
+
+    Every checkpoint also carries the Trainer's tokenizer / processor files (``processing_class``,
+    saved once with ``save_pretrained`` and cached) and ``generation_config.json``, so that
+    ``fastckpt load --to DIR`` gives a folder ``vllm serve`` and ``AutoTokenizer`` accept.
 
     Raises (from the Trainer's calls):
         ValueError: ``push_to_hub=True`` (not supported; refused at train begin).
@@ -302,7 +328,9 @@ class FastCkptCallback(_trainer_callback_base()):
         self.save_options = save_options
         self.resume_from = str(resume_from) if resume_from is not None else None
         self.records: list[dict[str, Any]] = []
-        self._pending = None  # (future, step, path, blocking_s, t_start)
+        self._pending = None  # (future, step, path, blocking_s, t_start, t_call)
+        self._processing_class = None
+        self._tok_cache: tuple[int, dict[str, bytes]] | None = None  # (id(processing_class), files)
         self._lock = threading.Lock()
         self._save_after_eval = False
         self._training = False
@@ -321,7 +349,7 @@ class FastCkptCallback(_trainer_callback_base()):
                 "committed checkpoint folder with huggingface_hub.upload_folder after training"
             )
         self._training = True
-        self._refs(args, state, {"model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler})
+        self._refs(args, state, {**kw, "model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler})
         self._install_sigterm()
         if model is not None and not args.save_only_model:
             fastckpt.reserve(_snapshot_bytes_estimate(model))  # first save copies into touched memory
@@ -391,6 +419,8 @@ class FastCkptCallback(_trainer_callback_base()):
         if self._model is None:
             raise RuntimeError("FastCkptCallback has no model: the Trainer did not call on_train_begin")
         snap, weights, extra = model_snapshot(self._model)
+        for name, data in self._tokenizer_files().items():
+            extra.setdefault(name, data)
         if not args.save_only_model:
             opt, sched = self._opt_sched
             snap["optimizer"] = opt.state_dict() if opt is not None else None
@@ -410,11 +440,12 @@ class FastCkptCallback(_trainer_callback_base()):
             prev = get_last_checkpoint(args.output_dir)
             if prev is not None and Path(prev).resolve() != out.resolve():
                 opts["link_from"] = prev
+        t_call = time.perf_counter()
         fut = fastckpt.async_save(snap, out, overwrite=True, weights=weights, extra_files=extra,
                                   metadata={"producer": "fastckpt.integrations.hf_trainer"}, **opts)
         blocking = time.perf_counter() - t0
         with self._lock:
-            self._pending = (fut, state.global_step, out, blocking, t0)
+            self._pending = (fut, state.global_step, out, blocking, t0, t_call)
         state.log_history.append({"fastckpt_save_blocking_s": round(blocking, 4), "step": state.global_step})
         logger.info("fastckpt: checkpoint-%d staged in %.3f s, writing in background",
                     state.global_step, blocking)
@@ -427,6 +458,26 @@ class FastCkptCallback(_trainer_callback_base()):
         for name in ("model", "optimizer", "lr_scheduler"):
             if kw.get(name) is not None:
                 setattr(self, f"_{name}", kw[name])
+        tok = kw.get("processing_class")
+        if tok is None:
+            tok = kw.get("tokenizer")
+        if tok is not None:
+            self._processing_class = tok
+
+    def _tokenizer_files(self) -> dict[str, bytes]:
+        """Tokenizer/processor files of the Trainer's ``processing_class`` (saved once, cached)."""
+        tok = self._processing_class
+        if tok is None:
+            return {}
+        if self._tok_cache is None or self._tok_cache[0] != id(tok):
+            try:
+                files = tokenizer_files(tok)
+            except Exception as e:  # a broken tokenizer must not stop training
+                logger.warning("fastckpt: could not save the tokenizer (%s: %s); checkpoints carry no "
+                               "tokenizer files", type(e).__name__, e)
+                files = {}
+            self._tok_cache = (id(tok), files)
+        return self._tok_cache[1]
 
     @property
     def _opt_sched(self):
@@ -454,10 +505,12 @@ class FastCkptCallback(_trainer_callback_base()):
             pending, self._pending = self._pending, None
         if pending is None:
             return
-        fut, step, out, blocking, t0 = pending
+        fut, step, out, blocking, t0, t_call = pending
         path = fut.result()
+        saver_s = getattr(fut, "total_s", None)  # the saver's own: from its call to the commit
+        total = (t_call - t0) + saver_s if saver_s is not None else time.perf_counter() - t0
         rec = {"step": step, "path": str(path), "blocking_s": blocking,
-               "total_s": getattr(fut, "total_s", None) or time.perf_counter() - t0,
+               "total_s": max(total, blocking),
                "bytes": int(getattr(fut, "bytes_written", 0) or 0),
                "linked_bytes": int(getattr(fut, "bytes_linked", 0) or 0)}
         self.records.append(rec)

@@ -171,11 +171,11 @@ def parse_options(cfg, name: str | None = None) -> tuple[str, BackendOptions]:
     return name, bo
 
 
-def _load(argv: list[str]) -> dict:
-    if argv:
+def _load(config: str | None) -> dict:
+    if config:
         import yaml  # PyYAML ships with LMCache's dependencies
 
-        with open(argv[0]) as f:
+        with open(config) as f:
             return yaml.safe_load(f) or {}
     env = os.environ
     cfg: dict = {}
@@ -189,13 +189,35 @@ def _load(argv: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: check a YAML config file (or the environment); exit 1 if there are warnings."""
-    cfg = _load(sys.argv[1:] if argv is None else argv)
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m fastckpt.integrations.lmcache_config",
+        description="Check an LMCache config for the fastckpt KV backend: LMCache 0.3.x keys that 0.5.x "
+                    "ignores, unlisted or incomplete plugins, a missing path. Exit status 0 if fine, "
+                    "1 with warnings, 2 on an unreadable config.")
+    p.add_argument("config", nargs="?", default=None,
+                   help="LMCache YAML config file (default: read LMCACHE_STORAGE_PLUGINS / "
+                        "LMCACHE_EXTERNAL_BACKENDS and LMCACHE_EXTRA_CONFIG (JSON) from the environment)")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = _load(args.config)
+    except Exception as e:  # missing file, bad JSON (ValueError), bad YAML (yaml.YAMLError)
+        if not isinstance(e, (OSError, ValueError)) and not type(e).__module__.startswith("yaml"):
+            raise
+        print(f"error: cannot read {args.config or 'LMCACHE_EXTRA_CONFIG'}: {e}", file=sys.stderr)
+        return 2
+    if not isinstance(cfg, dict):
+        print(f"error: {args.config or 'the environment'} is not a mapping of LMCache options", file=sys.stderr)
+        return 2
     if "external_backends" in cfg and "storage_plugins" not in cfg:
         cfg["storage_plugins"] = cfg["external_backends"]
     warns = check_config(cfg)
     for w in warns:
         print(f"WARNING: {w}")
-    if not warns:
+    if not warns and not plugin_names(cfg):
+        print(f"ok, but {args.config or 'the LMCACHE_* environment'} configures no fastckpt storage plugin")
+    elif not warns:
         print("ok: " + ", ".join(f"{n} -> {parse_options(cfg, n)[1].store.path}" for n in plugin_names(cfg)))
     return 1 if warns else 0
 

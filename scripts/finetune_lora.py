@@ -135,8 +135,9 @@ def pick_device(name: str) -> str:
 def build_trainer(opts, device: str):
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
 
+    set_seed(opts.seed)  # before the LoRA init and the data, so that two runs are identical
     folder = models.smollm2_folder()
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -148,11 +149,12 @@ def build_trainer(opts, device: str):
         output_dir=str(opts.output), max_steps=opts.steps, per_device_train_batch_size=opts.batch_size,
         learning_rate=2e-4, lr_scheduler_type="cosine", warmup_steps=max(1, opts.steps // 10),
         logging_steps=max(1, opts.save_every // 2), save_strategy="steps", save_steps=opts.save_every,
-        save_total_limit=opts.keep, seed=1234, report_to="none", disable_tqdm=True,
+        save_total_limit=opts.keep, seed=opts.seed, report_to="none", disable_tqdm=True,
         use_cpu=device == "cpu", dataloader_num_workers=0)
     cls = type("FastCkptTrainer", (hf_trainer.FastCkptTrainerMixin, Trainer), {})
     cb = hf_trainer.FastCkptCallback()
-    return cls(model=model, args=args, train_dataset=data, callbacks=[cb]), cb
+    # processing_class: the callback saves the tokenizer into every checkpoint (servable folders)
+    return cls(model=model, args=args, train_dataset=data, processing_class=tok, callbacks=[cb]), cb
 
 
 def trainer_own_saves(trainer, n: int) -> list[tuple[float, int]]:
@@ -183,7 +185,9 @@ def trainer_own_saves(trainer, n: int) -> list[tuple[float, int]]:
 def report(cb, train_s: float, own: list[tuple[float, int]], waited_s: float) -> dict:
     recs = cb.records
     print("\nfastckpt saves (whole snapshot: base + adapter + optimizer + scheduler + RNG + state):")
-    print(f"  {'step':>5} {'blocking_s':>10} {'total_s':>8} {'MB':>8} {'linked MB':>9} {'written GB/s':>12}")
+    print("  size_MB = all files of the checkpoint; linked_MB = part hard-linked from the previous one (not rewritten)")
+    print("  written_GB/s = (size_MB - linked_MB) / total_s; blocking_s and total_s both count from the save's start")
+    print(f"  {'step':>5} {'blocking_s':>10} {'total_s':>8} {'size_MB':>8} {'linked_MB':>9} {'written_GB/s':>12}")
     for r in recs:
         linked = r.get("linked_bytes", 0)
         print(f"  {r['step']:>5} {r['blocking_s']:>10.3f} {r['total_s']:>8.3f} {r['bytes'] / 1e6:>8.1f} "
@@ -239,6 +243,8 @@ def main(argv=None) -> int:
     p.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (default 8)")
     p.add_argument("--batch-size", type=int, default=2, help="sequences per step (default 2)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
+    p.add_argument("--seed", type=int, default=1234,
+                   help="seed of the LoRA init, dropout and data order (default 1234)")
     p.add_argument("--keep", type=int, default=None, help="save_total_limit (default: keep all)")
     p.add_argument("--output", type=Path, default=REPO / "runs" / "finetune_lora",
                    help="run folder; cleared unless --resume (default runs/finetune_lora)")

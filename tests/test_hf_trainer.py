@@ -53,7 +53,17 @@ class StopAt(transformers.TrainerCallback):
             control.should_training_stop = True
 
 
-def make_trainer(out, *, peft=False, callbacks=(), mixin=True, **args):
+def tiny_tokenizer():
+    """A word-level fast tokenizer over the 128 ids of the tiny models (built with ``tokenizers``)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "[PAD]": 1, "<s>": 2, "</s>": 3, **{f"w{i}": i for i in range(4, VOCAB)}}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]",
+                                                bos_token="<s>", eos_token="</s>")
+
+
+def make_trainer(out, *, peft=False, callbacks=(), mixin=True, processing_class=None, **args):
     from transformers import Trainer, TrainingArguments
 
     model = tiny_llama(seed=0)
@@ -71,7 +81,7 @@ def make_trainer(out, *, peft=False, callbacks=(), mixin=True, **args):
     cls = type("T", (hf_trainer.FastCkptTrainerMixin, Trainer), {}) if mixin else Trainer
     evalset = IntDataset() if defaults.get("eval_strategy", "no") != "no" else None
     return cls(model=model, args=TrainingArguments(**defaults), train_dataset=IntDataset(),
-               eval_dataset=evalset, callbacks=list(callbacks))
+               eval_dataset=evalset, callbacks=list(callbacks), processing_class=processing_class)
 
 
 def losses(trainer):
@@ -138,6 +148,33 @@ def test_peft_checkpoint_is_loadable(tmp_path):
         want = tr.model(x).logits
         assert torch.equal(pm(x).logits, want)
         assert torch.allclose(auto(x).logits, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("peft", [False, True])
+def test_checkpoint_has_tokenizer_and_load_to_is_servable(tmp_path, capsys, peft):
+    """The callback saves the Trainer's tokenizer + generation config; `fastckpt load --to` keeps them."""
+    from fastckpt.cli import main
+
+    tok = tiny_tokenizer()
+    cb = hf_trainer.FastCkptCallback()
+    tr = make_trainer(tmp_path / "run", peft=peft, callbacks=[cb], processing_class=tok, save_steps=8,
+                      num_train_epochs=1)
+    tr.train()
+    for name in ("checkpoint-8", "checkpoint-16"):
+        names = {p.name for p in (tmp_path / "run" / name).iterdir()}
+        assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= names, names
+    assert all(r["total_s"] >= r["blocking_s"] for r in cb.records)
+    out = tmp_path / "serve"
+    assert main(["load", str(tmp_path / "run"), "--to", str(out), "-q"]) == 0
+    assert "WARNING" not in capsys.readouterr().err
+    assert (out / "generation_config.json").is_file()
+    got = transformers.AutoTokenizer.from_pretrained(out)
+    assert got("w5 w9 w77")["input_ids"] == tok("w5 w9 w77")["input_ids"] == [5, 9, 77]
+    transformers.GenerationConfig.from_pretrained(out)
+    # an existing --to without --overwrite: one-line error, exit 2, no traceback
+    assert main(["load", str(tmp_path / "run"), "--to", str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "exists" in err and "--overwrite" in err and "Traceback" not in err
 
 
 def test_save_total_limit_and_best_kept(tmp_path):

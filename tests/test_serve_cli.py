@@ -156,3 +156,41 @@ def test_run_root_without_commit_refused(tmp_path, capsys):
     (tmp_path / "checkpoint-1").mkdir()
     rc, _ = _run(capsys, tmp_path, "--warm")
     assert rc == 2
+
+
+def _tiny_tokenizer():
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "[PAD]": 1, **{f"w{i}": i for i in range(2, 128)}}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]")
+
+
+def test_tokenizer_taken_from_local_base_model_folder(tmp_path, capsys):
+    """A checkpoint without tokenizer files: they come from adapter_config's local base model folder."""
+    base = tmp_path / "base"
+    _tiny_llama(2).save_pretrained(base)
+    _tiny_tokenizer().save_pretrained(base)
+    pm = _lora(transformers.AutoModelForCausalLM.from_pretrained(base))
+    state, weights, extra = model_snapshot(pm)
+    assert json.loads(extra["adapter_config.json"])["base_model_name_or_path"] == str(base)
+    fastckpt.save(state, tmp_path / "run" / "checkpoint-1", weights=weights, extra_files=extra)
+    out = tmp_path / "serve"
+    rc, _ = _run(capsys, tmp_path / "run", "--to", out)
+    assert rc == 0 and "tokenizer.json" in _run.err and str(base) in _run.err
+    assert transformers.AutoTokenizer.from_pretrained(out)("w3 w7")["input_ids"] == [3, 7]
+
+
+def test_no_tokenizer_anywhere_warns(lora_run, tmp_path, capsys):
+    root, _ = lora_run
+    rc, _ = _run(capsys, root, "--to", tmp_path / "out")
+    assert rc == 0 and "WARNING: no tokenizer files found" in _run.err
+
+
+def test_existing_to_without_overwrite_is_one_line_error(hf_folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    rc, cmd = _run(capsys, hf_folder[0], "--to", out)
+    assert rc == 2 and cmd == ""
+    want = f"fastckpt load: error: {out} exists; choose another --to or pass --overwrite"
+    assert _run.err.strip().splitlines()[-1] == want
