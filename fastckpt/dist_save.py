@@ -48,8 +48,8 @@ from .errors import CheckpointExistsError, DistributedSaveError, InsufficientSpa
 from .io import FileWriter, get_backend, write_all
 from .memory import host_buffer
 from .planner import SavePlan, plan_save
-from .saver import (SaveFuture, SaveOptions, default_threads, manifest_doc, tensor_entries, write_manifest,
-                    write_side_files)
+from .manifest import manifest_doc, tensor_entries, write_manifest, write_side_files
+from .saver import SaveFuture, SaveOptions, default_threads
 from .staging import copy_into
 from .tree import join
 

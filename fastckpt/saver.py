@@ -15,7 +15,6 @@ One save path: :func:`save` is ``async_save(...).result()``. Call order of one s
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import shutil
 import threading
@@ -30,9 +29,10 @@ import xxhash
 
 from . import commit as cm
 from . import dedupe
-from .collect import STATE_GROUP, collect
+from .collect import collect
+from .manifest import manifest_doc, tensor_entries, write_manifest, write_side_files
 from .errors import CheckpointExistsError, InsufficientSpaceError
-from .format import check_metadata, write_index
+from .format import check_metadata
 from .io import FileWriter, PosixBackend, get_backend, write_all
 from .planner import SavePlan, plan_save
 from .staging import StagingPool, copy_into, copy_pieces
@@ -457,72 +457,6 @@ def _finish(job: _Job, col, path: Path, opts: SaveOptions, fut: SaveFuture, t0: 
         job.close()
         shutil.rmtree(job.tmp, ignore_errors=True)
     fut._finish(exc)
-
-
-def write_side_files(folder: str, plan: SavePlan, skeleton: Any, extra_files: dict[str, bytes] | None, *,
-                     replace: bool = False) -> dict[str, dict]:
-    """Write ``state.json``, the HF index files and the extra files into ``folder`` (each fsynced).
-
-    Args:
-        folder: the (temporary) checkpoint folder.
-        plan: the save plan (its shard files get ``bytes``/``header_bytes``/``header_xxh3`` entries).
-        skeleton: the state skeleton for ``state.json``.
-        extra_files: file name -> bytes.
-        replace: replace files that already exist (through a ``.tmp`` name and ``os.replace``).
-
-    Returns:
-        The manifest's ``files`` map for the shards and every file written here.
-    """
-    files: dict[str, dict] = {f.name: {"bytes": f.size, "header_bytes": len(f.prefix),
-                                       "header_xxh3": xxhash.xxh3_64(f.prefix).hexdigest()} for f in plan.files}
-    small: dict[str, bytes] = {cm.STATE_JSON: json.dumps(skeleton, separators=(",", ":")).encode()}
-    for stem, wm in plan.index.items():
-        if stem != STATE_GROUP:
-            total = sum(t.spec.nbytes for f in plan.files for t in f.tensors if f.name in wm.values())
-            small[f"{stem}.safetensors.index.json"] = write_index(wm, total)
-    small.update(extra_files or {})
-    for name, data in small.items():
-        full = os.path.join(folder, name)
-        if replace and os.path.exists(full):
-            cm.write_small_file(full + ".tmp", data)
-            os.replace(full + ".tmp", full)
-        else:
-            cm.write_small_file(full, data)
-        files[name] = {"bytes": len(data), "xxh3": xxhash.xxh3_64(data).hexdigest()}
-    return files
-
-
-def tensor_entries(plan: SavePlan, hashes: dict[str, str], entries: dict[str, dict]) -> dict[str, dict]:
-    """The manifest's ``tensors`` map: every planned tensor (file, name, dtype, shape, absolute
-    offsets, xxh3) plus alias/view/ndarray entries from :func:`fastckpt.collect.collect`."""
-    empty = xxhash.xxh3_64(b"").hexdigest()
-    tensors: dict[str, dict] = {}
-    for f in plan.files:
-        for t in f.tensors:
-            s = t.spec
-            tensors[s.key] = {"file": f.name, "name": s.name, "dtype": s.dtype, "shape": list(s.shape),
-                              "offsets": [t.file_offset, t.file_offset + s.nbytes],
-                              "xxh3": hashes.get(s.key) or empty}
-    for k, e in entries.items():
-        tensors[k] = {**tensors.get(k, {}), **e}
-    return tensors
-
-
-def manifest_doc(opts: SaveOptions, files: dict[str, dict], tensors: dict[str, dict], *,
-                 world_size: int = 1) -> dict:
-    """The manifest (format v1, docs/FORMAT.md) for ``files`` and ``tensors``."""
-    return {"format": cm.FORMAT_NAME, "format_version": cm.FORMAT_VERSION, "checksum": "xxh3_64",
-            "created_unix_s": time.time(), "step": opts.step, "world_size": world_size,
-            "metadata": opts.metadata,  # also kept when the state has no tensor (no shard)
-            "weights": opts.weights if opts.weights is not None else {"model": "model"},
-            "bytes_total": sum(v["bytes"] for v in files.values()), "files": files, "tensors": tensors}
-
-
-def write_manifest(folder: str, manifest: dict) -> int:
-    """Write ``manifest.json`` (last, fsynced); returns the bytes of all files of the checkpoint."""
-    data = json.dumps(manifest, indent=1).encode()
-    cm.write_small_file(os.path.join(folder, cm.MANIFEST), data)
-    return manifest["bytes_total"] + len(data)
 
 
 def _write_metadata(job: _Job, col, opts: SaveOptions) -> int:

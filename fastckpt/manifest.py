@@ -1,0 +1,88 @@
+"""The manifest: ``state.json``, HF index files, extra files, and ``manifest.json`` written last.
+
+Shared by the single-process saver and the multi-rank writer so that both produce the same
+format (docs/FORMAT.md, version :data:`fastckpt.commit.FORMAT_VERSION`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from . import commit as cm
+from .collect import STATE_GROUP
+from .format import write_index
+from .planner import SavePlan
+
+if TYPE_CHECKING:
+    from .saver import SaveOptions
+
+
+def write_side_files(folder: str, plan: SavePlan, skeleton: Any, extra_files: dict[str, bytes] | None, *,
+                     replace: bool = False) -> dict[str, dict]:
+    """Write ``state.json``, the HF index files and the extra files into ``folder`` (each fsynced).
+
+    Args:
+        folder: the (temporary) checkpoint folder.
+        plan: the save plan (its shard files get ``bytes``/``header_bytes``/``header_xxh3`` entries).
+        skeleton: the state skeleton for ``state.json``.
+        extra_files: file name -> bytes.
+        replace: replace files that already exist (through a ``.tmp`` name and ``os.replace``).
+
+    Returns:
+        The manifest's ``files`` map for the shards and every file written here.
+    """
+    files: dict[str, dict] = {f.name: {"bytes": f.size, "header_bytes": len(f.prefix),
+                                       "header_xxh3": xxhash.xxh3_64(f.prefix).hexdigest()} for f in plan.files}
+    small: dict[str, bytes] = {cm.STATE_JSON: json.dumps(skeleton, separators=(",", ":")).encode()}
+    for stem, wm in plan.index.items():
+        if stem != STATE_GROUP:
+            total = sum(t.spec.nbytes for f in plan.files for t in f.tensors if f.name in wm.values())
+            small[f"{stem}.safetensors.index.json"] = write_index(wm, total)
+    small.update(extra_files or {})
+    for name, data in small.items():
+        full = os.path.join(folder, name)
+        if replace and os.path.exists(full):
+            cm.write_small_file(full + ".tmp", data)
+            os.replace(full + ".tmp", full)
+        else:
+            cm.write_small_file(full, data)
+        files[name] = {"bytes": len(data), "xxh3": xxhash.xxh3_64(data).hexdigest()}
+    return files
+
+
+def tensor_entries(plan: SavePlan, hashes: dict[str, str], entries: dict[str, dict]) -> dict[str, dict]:
+    """The manifest's ``tensors`` map: every planned tensor (file, name, dtype, shape, absolute
+    offsets, xxh3) plus alias/view/ndarray entries from :func:`fastckpt.collect.collect`."""
+    empty = xxhash.xxh3_64(b"").hexdigest()
+    tensors: dict[str, dict] = {}
+    for f in plan.files:
+        for t in f.tensors:
+            s = t.spec
+            tensors[s.key] = {"file": f.name, "name": s.name, "dtype": s.dtype, "shape": list(s.shape),
+                              "offsets": [t.file_offset, t.file_offset + s.nbytes],
+                              "xxh3": hashes.get(s.key) or empty}
+    for k, e in entries.items():
+        tensors[k] = {**tensors.get(k, {}), **e}
+    return tensors
+
+
+def manifest_doc(opts: "SaveOptions", files: dict[str, dict], tensors: dict[str, dict], *,
+                 world_size: int = 1) -> dict:
+    """The manifest (format v1, docs/FORMAT.md) for ``files`` and ``tensors``."""
+    return {"format": cm.FORMAT_NAME, "format_version": cm.FORMAT_VERSION, "checksum": "xxh3_64",
+            "created_unix_s": time.time(), "step": opts.step, "world_size": world_size,
+            "metadata": opts.metadata,  # also kept when the state has no tensor (no shard)
+            "weights": opts.weights if opts.weights is not None else {"model": "model"},
+            "bytes_total": sum(v["bytes"] for v in files.values()), "files": files, "tensors": tensors}
+
+
+def write_manifest(folder: str, manifest: dict) -> int:
+    """Write ``manifest.json`` (last, fsynced); returns the bytes of all files of the checkpoint."""
+    data = json.dumps(manifest, indent=1).encode()
+    cm.write_small_file(os.path.join(folder, cm.MANIFEST), data)
+    return manifest["bytes_total"] + len(data)
