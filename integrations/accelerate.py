@@ -40,7 +40,7 @@ from typing import Any
 import fastckpt
 from fastckpt.distributed import LOCAL
 
-from .hf_trainer import capture_rng_state, restore_rng_state
+from .hf_snapshot import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class FastCkptState:
         for i, model in enumerate(acc._models):
             key = "model" if i == 0 else f"model_{i}"
             sd = acc.unwrap_model(model).state_dict()
-            from .hf_trainer import _dedup_tied
+            from .hf_snapshot import _dedup_tied
 
             state[key] = _dedup_tied(sd)
             weights[key] = key
