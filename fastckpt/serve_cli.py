@@ -347,7 +347,7 @@ def add_load_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``fastckpt load`` to the ``fastckpt`` subcommands (called by :mod:`fastckpt.cli`)."""
     from .cli import parse_bytes
     p = subparsers.add_parser("load", help="prepare a checkpoint for vllm serve: verify, merge LoRA, export or warm",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__.replace("``", "`"), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="run root, checkpoint folder, HF model folder or peft adapter folder")
     p.add_argument("--to", default=None, help="write a servable HF folder here (a fast local disk)")
     p.add_argument("--merge-lora", action="store_true", help="merge the LoRA adapter into the weights (peft)")

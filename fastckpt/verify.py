@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, FastCkptError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, FastCkptError, UnsafePathError
 from .format import safe_join
 from .io import get_backend, read_exact
-from .resolve import resolve
+from .commit import read_manifest
+from .resolve import Resolved, resolve
 from .saver import DEFAULT_CHUNK_BYTES, default_threads
 
 
@@ -55,6 +56,21 @@ def _hash_range(path: str, offset: int, nbytes: int, chunk: int) -> str:
     return h.hexdigest()
 
 
+def _jobs(path: str, manifest: dict) -> list[tuple[str, str, int, int, str]]:
+    """``(what, file path, offset, nbytes, xxh3)`` for every checksummed range of ``manifest``."""
+    jobs = []
+    for name, info in manifest["files"].items():
+        if "xxh3" in info:
+            jobs.append((f"file {name!r}", safe_join(path, name), 0, info["bytes"], info["xxh3"]))
+        if "header_xxh3" in info:  # header + padding: a flip there can leave valid JSON (e.g. metadata)
+            jobs.append((f"header of {name!r}", safe_join(path, name), 0, info["header_bytes"], info["header_xxh3"]))
+    for key, e in manifest["tensors"].items():
+        if "file" in e:
+            s, end = e["offsets"]
+            jobs.append((f"tensor {key!r} in {e['file']!r}", safe_join(path, e["file"]), s, end - s, e["xxh3"]))
+    return jobs
+
+
 def verify(path: str | os.PathLike, *, threads: int | None = None,
            chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> VerifyReport:
     """Re-read every file of the committed checkpoint ``path`` and compare checksums.
@@ -81,21 +97,22 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
         raise
     except FastCkptError as e:  # damaged header/index/manifest, unknown dtype, unsafe path
         report.problems.append(f"{type(e).__name__}: {e}")
-        return report
+        try:  # still re-read every other byte the manifest covers, so every damaged file is named
+            r = Resolved(path, manifest=read_manifest(path))
+        except (OSError, FastCkptError):
+            return report
+        if isinstance(e, UnsafePathError):
+            return report  # never read through a name that leaves the folder
     if r.manifest is None:
         report.notes.append(f"{path}: no manifest.json (not a fastckpt checkpoint): every header and index "
                             "was validated, but there are no checksums to compare the bytes against")
         return report
-    jobs = []
-    for name, info in r.manifest["files"].items():
-        if "xxh3" in info:
-            jobs.append((f"file {name!r}", safe_join(path, name), 0, info["bytes"], info["xxh3"]))
-        if "header_xxh3" in info:  # header + padding: a flip there can leave valid JSON (e.g. metadata)
-            jobs.append((f"header of {name!r}", safe_join(path, name), 0, info["header_bytes"], info["header_xxh3"]))
-    for key, e in r.manifest["tensors"].items():
-        if "file" in e:
-            s, end = e["offsets"]
-            jobs.append((f"tensor {key!r} in {e['file']!r}", safe_join(path, e["file"]), s, end - s, e["xxh3"]))
+    try:
+        jobs = _jobs(path, r.manifest)
+    except (KeyError, TypeError, ValueError, AttributeError) as ex:  # malformed entries (named by resolve)
+        if not report.problems:
+            report.problems.append(f"{path}: malformed manifest entry: {type(ex).__name__}: {ex}")
+        return report
 
     def run(job):
         what, fpath, off, n, want = job

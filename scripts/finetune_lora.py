@@ -137,8 +137,8 @@ def build_trainer(opts, device: str):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
 
+    folder = models.smollm2_folder()  # the one-time GGUF conversion draws random numbers: seed after it
     set_seed(opts.seed)  # before the LoRA init and the data, so that two runs are identical
-    folder = models.smollm2_folder()
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(r=opts.lora_rank, lora_alpha=2 * opts.lora_rank,

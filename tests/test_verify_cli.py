@@ -32,7 +32,20 @@ def test_flip_in_header_is_a_named_problem_exit_1(tmp_path, capsys):
     rep = fastckpt.verify(p)
     assert not rep.ok and str(shard) in rep.problems[0]
     assert cli_main(["verify", str(p)]) == 1
-    assert "FAILED (1 problem)" in capsys.readouterr().out
+    assert "FAILED (" in capsys.readouterr().out
+
+
+def test_a_damaged_header_does_not_hide_damage_in_other_files(tmp_path):
+    p = fastckpt.save({"model": {"w": torch.arange(64.0)}, "opt": {"m": torch.arange(32.0)}}, tmp_path / "ck")
+    state_shard = p / "state-00001-of-00001.safetensors"
+    model_shard = p / "model-00001-of-00001.safetensors"
+    for f, pos in ((state_shard, 20), (model_shard, 4096 + 8)):  # header of one, data of the other
+        raw = bytearray(f.read_bytes())
+        raw[pos] ^= 0x01
+        f.write_bytes(bytes(raw))
+    rep = fastckpt.verify(p)
+    assert any(str(state_shard) in x for x in rep.problems), rep.problems
+    assert any("tensor 'model/w'" in x for x in rep.problems), rep.problems
 
 
 def test_bad_usage_is_a_clean_error_not_a_traceback(tmp_path, capsys):
