@@ -31,6 +31,9 @@ import time
 import torch
 from safetensors.torch import load_file, save_file
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+
 
 def make_model(folder: str, gib: float, shards: int) -> list[str]:
     """Write ``shards`` safetensors files holding ``gib`` GiB of random bf16 (reused if present)."""
@@ -49,19 +52,15 @@ def make_model(folder: str, gib: float, shards: int) -> list[str]:
 
 def drop_cache(paths: list[str]) -> str:
     """Evict ``paths`` from the page cache; returns how."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
+    if C.drop_caches():
         return "drop_caches"
-    except OSError:
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        return "fadvise_dontneed"
+    for p in paths:  # not root: per-file eviction
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "fadvise_dontneed"
 
 
 def raw_read_s(paths: list[str], block: int = 16 << 20) -> float:

@@ -91,37 +91,32 @@ def maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def fsync_tree(path: str) -> None:
-    """fsync every file and folder under ``path`` (for contenders that do not fsync themselves)."""
-    for root, dirs, files in os.walk(path):
-        for f in files:
-            fd = os.open(os.path.join(root, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def fsync_file(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync one file or folder."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    """fsync every file and folder under ``path`` (for contenders that do not fsync themselves)."""
+    for root, dirs, files in os.walk(path):
+        for f in files:
+            fsync_path(os.path.join(root, f))
+        fsync_path(root)
+
+
+def fsync_file(path: str) -> None:
+    """fsync a file and its folder."""
+    fsync_path(path)
     fsync_tree_dir(os.path.dirname(path) or ".")
 
 
 def fsync_tree_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """fsync a folder (so new entries in it are durable)."""
+    fsync_path(folder)
 
 
 def rm(path: str) -> None:
