@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fastckpt
-from fastckpt import dist_load, dist_save
+from fastckpt import dist_commit, dist_load
 from fastckpt.dist_save import shard_dim0
 from fastckpt.errors import CheckpointNotFoundError, DistributedSaveError
 from fastckpt.io import PosixBackend
@@ -69,25 +69,25 @@ def _phase1(rank: int, tmp: str) -> dict:
         out["fail"] = {str(k): v for k, v in e.failures.items()}
     out["exists_2"] = os.path.exists(os.path.join(_root(tmp, rank), "step-2"))
     # step 3: node 1 wrote its marker, then rank 0 fails to write its own -> node 1's is rolled back
-    real = dist_save._write_manifest
+    real = dist_commit._write_manifest
     if rank == 0:
         def boom(*a, **k):
             raise OSError(errno.ENOSPC, "injected ENOSPC writing rank 0's marker")
-        dist_save._write_manifest = boom
+        dist_commit._write_manifest = boom
     try:
         _save(rank, tmp, 3)
         out["commit_fail"] = None
     except DistributedSaveError as e:
         out["commit_fail"] = {str(k): v for k, v in e.failures.items()}
     finally:
-        dist_save._write_manifest = real
+        dist_commit._write_manifest = real
     out["exists_3"] = os.path.exists(os.path.join(_root(tmp, rank), "step-3"))
     out["common_3"] = dist_load.newest_common_step(_root(tmp, rank))
     with open(os.path.join(tmp, f"out{rank}.json"), "w") as f:
         json.dump(out, f)
     # step 4: rank 0 dies between node 1's marker and its own (a crash of the committer)
     if rank == 0:
-        dist_save._write_manifest = lambda *a, **k: os._exit(0)
+        dist_commit._write_manifest = lambda *a, **k: os._exit(0)
     try:
         _save(rank, tmp, 4, timeout_s=3)
         crash = "returned"
