@@ -15,6 +15,7 @@ This module is pure decision logic plus one ``os.link``; the saver calls it.
 from __future__ import annotations
 
 import errno
+import weakref
 import os
 
 import torch
@@ -79,3 +80,60 @@ def source_hash(t) -> str | None:
     if t.numel() == 0:
         return xxhash.xxh3_64(b"").hexdigest()
     return xxhash.xxh3_64(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+#: :meth:`HashCache.lookup` result for a tracked tensor written since its hash was taken.
+CHANGED = "changed"
+
+
+class HashCache:
+    """xxh3-64 of CPU tensors seen by earlier saves, valid while their memory is provably unchanged.
+
+    Used by ``link_check="version"``: a later save takes a tensor as unchanged, without hashing
+    it at the call, when it is backed by the very same storage object (held by a weak reference,
+    so the cache never keeps memory alive and a freed-and-reused address never matches) with the
+    same dtype, shape, storage offset and autograd version counter (``Tensor._version``, bumped by
+    every in-place op that goes through torch, including optimizer steps under ``no_grad``).
+    Writes that bypass the counter (``.data``, NumPy views) are caught by the saver's background
+    re-hash before the commit (:class:`fastckpt.errors.LinkedTensorChangedError`).
+
+    One cache belongs to one :class:`fastckpt.saver.Saver`; entries are keyed by key path.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[weakref.ref, tuple, str]] = {}
+
+    @staticmethod
+    def ident(t: torch.Tensor) -> tuple[weakref.ref, tuple] | None:
+        """``(storage weakref, (dtype, shape, storage_offset, version))`` of a contiguous CPU
+        tensor, or ``None`` where it cannot be tracked (device, non-contiguous, inference tensor)."""
+        if t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        try:
+            return weakref.ref(t.untyped_storage()), (t.dtype, tuple(t.shape), t.storage_offset(), t._version)
+        except (RuntimeError, TypeError):  # inference tensors have no version counter
+            return None
+
+    def lookup(self, key: str, t: torch.Tensor) -> str | None:
+        """The recorded hash of ``key`` if ``t`` is provably the tensor it was computed from, unchanged;
+        :data:`CHANGED` if ``t`` is that tensor but written in place since (version counter moved);
+        ``None`` if there is no record for this memory."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        ref, sig, digest = entry
+        now = self.ident(t)
+        if now is None or ref() is not t.untyped_storage():
+            return None
+        return digest if now[1] == sig else CHANGED
+
+    def record(self, key: str, ident: tuple[weakref.ref, tuple] | None, digest: str) -> None:
+        """Remember ``digest`` (xxh3-64 hex of the bytes at the time ``ident`` was taken)."""
+        if ident is None:
+            self._entries.pop(key, None)
+        else:
+            self._entries[key] = (ident[0], ident[1], digest)
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        self._entries.clear()

@@ -58,6 +58,13 @@ class SaveFailedError(FastCkptError, RuntimeError):
     """A save failed; raised only where the original error cannot be re-raised as is."""
 
 
+class LinkedTensorChangedError(SaveFailedError):
+    """A tensor taken as unchanged by ``link_check="version"`` (same storage, same version
+    counter) had different bytes when checked before the commit: it was written in a way the
+    version counter does not see (``.data``, a NumPy view, another tensor over the same memory).
+    The save is not committed; earlier checkpoints are untouched."""
+
+
 class UnsafePathError(FastCkptError, ValueError):
     """A file name taken from an index or manifest leaves the checkpoint folder."""
 

@@ -31,7 +31,7 @@ from . import commit as cm
 from . import dedupe
 from .collect import collect
 from .manifest import manifest_doc, tensor_entries, write_manifest, write_side_files
-from .errors import CheckpointExistsError, InsufficientSpaceError
+from .errors import CheckpointExistsError, InsufficientSpaceError, LinkedTensorChangedError
 from .format import check_metadata
 from .io import FileWriter, PosixBackend, get_backend, write_all
 from .planner import SavePlan, plan_save
@@ -76,6 +76,16 @@ class SaveOptions:
             xxh3-64 of every tensor, hashed from the source CPU tensors at the call) is
             hard-linked instead of staged and written; see :mod:`fastckpt.dedupe`. Hashing
             runs at ~10 GB/s, so unchanged frozen weights (LoRA) cost a fraction of a copy.
+        link_check: how ``link_from`` proves a tensor unchanged at the call. ``"hash"``
+            (default): xxh3 of the source tensor in the caller's thread. ``"version"``: a CPU
+            tensor backed by the same storage object, with the same dtype/shape/offset and the
+            same version counter as when this process's saver last hashed it (staged or linked
+            by an earlier save), is taken as unchanged without hashing at the call; it is
+            re-hashed in the background before the commit, and a mismatch that its version
+            counter did not show (a write through ``.data`` or a NumPy view) fails the save with
+            :class:`~fastckpt.errors.LinkedTensorChangedError`. Tensors without a record fall
+            back to ``"hash"``. A tensor written in place after the call (version counter
+            bumped) is trusted on its version at the call.
     """
 
     overwrite: bool = False
@@ -92,6 +102,7 @@ class SaveOptions:
     min_free_bytes: int = 0
     on_commit: Callable[[Path], None] | None = field(default=None, repr=False)
     link_from: str | os.PathLike | None = None
+    link_check: str = "hash"
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first bad option."""
@@ -108,6 +119,8 @@ class SaveOptions:
         for n in self.extra_files or {}:
             if "/" in n or n.startswith(".") or n in (cm.MANIFEST, cm.STATE_JSON):
                 raise ValueError(f"extra file name {n!r} is reserved or not a plain file name")
+        if self.link_check not in ("hash", "version"):
+            raise ValueError(f"link_check must be 'hash' or 'version', got {self.link_check!r}")
         check_metadata(self.metadata)
 
 
@@ -208,8 +221,13 @@ def _warn_uncollected() -> None:
 class _Job:
     """One save in flight: files, staging buffer, writer pool."""
 
-    def __init__(self, plan: SavePlan, tmp: str, opts: SaveOptions, pool: StagingPool):
+    def __init__(self, plan: SavePlan, tmp: str, opts: SaveOptions, pool: StagingPool,
+                 cache: dedupe.HashCache | None = None):
         self.plan, self.tmp, self.opts, self.pool = plan, tmp, opts, pool
+        # link_check="version": hashes of earlier saves, and what this save adds to them
+        self.cache = cache if opts.link_check == "version" else None
+        self.idents: dict[str, Any] = {}  # key -> HashCache.ident at the call (staged/hashed tensors)
+        self.to_verify: list[tuple[str, Any, str, int]] = []  # (key, tensor, xxh3, version at call)
         self.be = get_backend(opts.io_backend)
         self.writers: list[FileWriter] = []
         self.exec = ThreadPoolExecutor(opts.threads or default_threads(), thread_name_prefix="fastckpt-io")
@@ -228,11 +246,54 @@ class _Job:
         for i, f in enumerate(self.plan.files):
             if f.name not in cands:
                 continue
-            keys = [t.spec.key for t in f.tensors]  # hashed in parallel: xxhash releases the GIL
+            keys = [t.spec.key for t in f.tensors]
+            if self.cache is not None:
+                known = {k: self.cache.lookup(k, sources[k]) for k in keys}
+                if dedupe.CHANGED in known.values():
+                    continue  # written in place since the last save (optimizer step): stage it
+                if all(known.values()) and dedupe.identical(f, known, prev) \
+                        and dedupe.link_file(self.opts.link_from, self.tmp, f.name):
+                    self.linked.add(i)
+                    self.hashes.update(known)
+                    self.to_verify += [(k, sources[k], known[k], sources[k]._version) for k in keys]
+                    continue
+                self.idents.update((k, dedupe.HashCache.ident(sources[k])) for k in keys)
+            # hashed in parallel: xxhash releases the GIL
             hashes = dict(zip(keys, self.exec.map(lambda k: dedupe.source_hash(sources[k]), keys)))
             if dedupe.identical(f, hashes, prev) and dedupe.link_file(self.opts.link_from, self.tmp, f.name):
                 self.linked.add(i)
                 self.hashes.update(hashes)
+
+    def verify_links(self) -> None:
+        """Background half of ``link_check="version"``: re-hash every tensor linked on its version
+        counter alone; raise :class:`LinkedTensorChangedError` where the bytes differ although the
+        counter did not move (a write that bypassed it)."""
+        items, self.to_verify = self.to_verify, []
+
+        def changed(item) -> bool:
+            key, t, want, version = item
+            for _ in range(2):  # a second look: an in-place op may bump the counter only when done
+                if t._version != version or dedupe.source_hash(t) == want:
+                    return False
+            return t._version == version
+        bad = [it[0] for it, c in zip(items, self.exec.map(changed, items)) if c]
+        if bad:
+            for k in bad:  # their records are proven stale: the next save hashes them again
+                self.cache.record(k, None, "")
+            raise LinkedTensorChangedError(
+                f"{len(bad)} tensor(s) hard-linked as unchanged from {self.opts.link_from} (same storage "
+                f"and version counter as at the last save) have different bytes, e.g. {bad[0]!r}: they "
+                "were written without the version counter seeing it (.data, a NumPy view); nothing was "
+                "committed; save with link_check='hash'")
+
+    def record_hashes(self) -> None:
+        """Give the cache the hash of every tensor this save hashed, for the next save."""
+        if self.cache is None:
+            return
+        for k, ident in self.idents.items():
+            h = self.hashes.get(k)
+            if isinstance(h, str):
+                self.cache.record(k, ident, h)
 
     def open_files(self) -> None:
         for i, f in enumerate(self.plan.files):
@@ -261,6 +322,8 @@ class _Job:
         self.buf, self.view = self.pool.acquire(size)
         tensors = sorted((t for i, f in enumerate(p.files) if i not in self.linked for t in f.tensors),
                          key=lambda t: t.stream_offset)
+        if self.cache is not None:
+            self.idents.update((t.spec.key, dedupe.HashCache.ident(sources[t.spec.key])) for t in tensors)
         if not self.streaming:
             # host sources: each write unit goes out as soon as its bytes are staged, so the
             # disk works while the caller copies (save total ~ max(copy, write), not the sum)
@@ -376,6 +439,8 @@ class Saver:
 
     def __init__(self) -> None:
         self.pool = StagingPool()
+        self.hash_cache = dedupe.HashCache()  # for link_check="version"
+        self._plan_memo: tuple[tuple, SavePlan] | None = None  # last (inputs, plan): saves repeat
         self._pending: SaveFuture | None = None
         self._lock = threading.Lock()
 
@@ -411,17 +476,27 @@ class Saver:
             self.wait()
             return self._start(state, Path(os.path.abspath(os.fspath(path))), opts)
 
+    def _plan(self, specs: list, opts: SaveOptions) -> SavePlan:
+        """:func:`plan_save`, memoised on its inputs (a training run saves the same layout each time)."""
+        key = (tuple(specs), opts.max_shard_bytes, opts.chunk_bytes, tuple(sorted((opts.metadata or {}).items())))
+        memo = self._plan_memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        plan = plan_save(specs, max_shard_bytes=opts.max_shard_bytes, chunk_bytes=opts.chunk_bytes,
+                         metadata=opts.metadata)
+        self._plan_memo = (key, plan)
+        return plan
+
     def _start(self, state: Any, path: Path, opts: SaveOptions) -> SaveFuture:
         t0 = time.perf_counter()
         if path.exists() and not opts.overwrite:
             raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it atomically")
         col = collect(state, opts.weights if opts.weights is not None else {"model": "model"})
-        plan = plan_save(col.specs, max_shard_bytes=opts.max_shard_bytes, chunk_bytes=opts.chunk_bytes,
-                         metadata=opts.metadata)
+        plan = self._plan(col.specs, opts)
         path.parent.mkdir(parents=True, exist_ok=True)
         _check_space(path.parent, plan.file_bytes + opts.min_free_bytes)
         tmp = cm.make_temp_dir(str(path))
-        job = _Job(plan, tmp, opts, self.pool)
+        job = _Job(plan, tmp, opts, self.pool, self.hash_cache)
         fut = SaveFuture(path)
         try:
             if opts.link_from is not None:
@@ -444,6 +519,8 @@ def _finish(job: _Job, col, path: Path, opts: SaveOptions, fut: SaveFuture, t0: 
     exc: BaseException | None = None
     try:
         job.write_all()
+        job.verify_links()
+        job.record_hashes()
         job.close(strict=True)
         fut.bytes_written = _write_metadata(job, col, opts)
         fut.bytes_linked = sum(job.plan.files[i].size for i in job.linked)

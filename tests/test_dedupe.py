@@ -2,11 +2,14 @@
 
 import os
 import shutil
+import threading
 
+import pytest
 import torch
 
 import fastckpt
 from fastckpt import CheckpointManager
+from fastckpt.errors import LinkedTensorChangedError
 
 W = {"model": "model", "adapter": "adapter_model.safetensors"}
 
@@ -66,3 +69,122 @@ def test_manager_link_unchanged_and_retention(tmp_path):
     out = mgr.load()
     assert torch.equal(out["model"]["w"], base["w"]) and out["opt"]["m"].tolist() == [3.0, 3.0, 3.0]
     assert fastckpt.verify(mgr.path(3)).ok
+
+
+# ---- link_check="version": unchanged tensors proven by storage identity + version counter ----------
+SHARD = "model-00001-of-00001.safetensors"
+
+
+def _params():
+    base = {f"w{i}": torch.nn.Parameter(torch.randn(256, 256), requires_grad=False) for i in range(3)}
+    lora = {"a": torch.nn.Parameter(torch.randn(8, 256))}
+    return base, lora
+
+
+def _snap(base, lora):  # like model.state_dict(): detached views share the version counter
+    return _state({k: v.detach() for k, v in base.items()}, {k: v.detach() for k, v in lora.items()})
+
+
+def _hash_threads(monkeypatch):
+    """Record the data pointer of every source tensor the saver hashes."""
+    from fastckpt import dedupe
+    seen = []
+    real = dedupe.source_hash
+
+    def spy(t):
+        seen.append(t.data_ptr())
+        return real(t)
+    monkeypatch.setattr(dedupe, "source_hash", spy)
+    return seen
+
+
+def test_version_link_skips_hashing_at_the_call_and_verifies_later(tmp_path, monkeypatch):
+    base, lora = _params()
+    fastckpt.save(_snap(base, lora), tmp_path / "c1", weights=W, link_check="version")
+    with torch.no_grad():
+        lora["a"].add_(1)
+    seen = _hash_threads(monkeypatch)
+    from fastckpt import saver
+    go, real_write_all = threading.Event(), saver._Job.write_all
+    monkeypatch.setattr(saver._Job, "write_all", lambda job: (go.wait(30), real_write_all(job))[1])
+    fut = fastckpt.async_save(_snap(base, lora), tmp_path / "c2", weights=W, link_from=tmp_path / "c1",
+                              link_check="version")
+    at_call = list(seen)  # the background part has not started yet
+    go.set()
+    fut.result()
+    frozen = {v.data_ptr() for v in base.values()}
+    # while the caller waited, neither the frozen tensors (known unchanged) nor the adapter
+    # (known changed: version counter moved) were hashed; only the new optimizer tensor was
+    assert not frozen & set(at_call) and lora["a"].data_ptr() not in at_call and len(at_call) == 1
+    assert sorted(seen[len(at_call):]) == sorted(frozen)  # every linked tensor re-hashed in the background
+    assert os.stat(tmp_path / "c2" / SHARD).st_ino == os.stat(tmp_path / "c1" / SHARD).st_ino
+    assert fut.bytes_linked > 0
+    out = fastckpt.load(tmp_path / "c2")
+    for k, v in base.items():
+        assert _raw(out["model"][k]) == _raw(v)
+    assert _raw(out["adapter"]["a"]) == _raw(lora["a"])
+
+
+def test_version_link_rewrites_a_tensor_changed_in_place(tmp_path):
+    base, lora = _params()
+    fastckpt.save(_snap(base, lora), tmp_path / "c1", weights=W, link_check="version")
+    with torch.no_grad():
+        base["w1"][0, 0] += 1.0  # a tracked in-place write bumps the version counter
+    fastckpt.save(_snap(base, lora), tmp_path / "c2", weights=W, link_from=tmp_path / "c1", link_check="version")
+    assert os.stat(tmp_path / "c2" / SHARD).st_ino != os.stat(tmp_path / "c1" / SHARD).st_ino
+    assert _raw(fastckpt.load(tmp_path / "c2")["model"]["w1"]) == _raw(base["w1"])
+
+
+def test_version_link_catches_a_write_through_data(tmp_path):
+    base, lora = _params()
+    fastckpt.save(_snap(base, lora), tmp_path / "c1", weights=W, link_check="version")
+    before = _raw(base["w2"])
+    base["w2"].data[5, 5] += 3.0  # bypasses the version counter
+    fut = fastckpt.async_save(_snap(base, lora), tmp_path / "c2", weights=W, link_from=tmp_path / "c1",
+                              link_check="version")
+    with pytest.raises(LinkedTensorChangedError, match="w2"):
+        fut.result()
+    assert not (tmp_path / "c2").exists()
+    assert fastckpt.verify(tmp_path / "c1").ok
+    assert _raw(fastckpt.load(tmp_path / "c1")["model"]["w2"]) == before
+    # the failed save's tensors have no record: the next save hashes them and writes the new bytes
+    fastckpt.save(_snap(base, lora), tmp_path / "c3", weights=W, link_from=tmp_path / "c1", link_check="version")
+    assert _raw(fastckpt.load(tmp_path / "c3")["model"]["w2"]) == _raw(base["w2"])
+
+
+def test_version_link_keeps_call_time_bytes_when_written_after_the_call(tmp_path):
+    base, lora = _params()
+    fastckpt.save(_snap(base, lora), tmp_path / "c1", weights=W, link_check="version")
+    expect = _raw(base["w0"])
+    fut = fastckpt.async_save(_snap(base, lora), tmp_path / "c2", weights=W, link_from=tmp_path / "c1",
+                              link_check="version")
+    with torch.no_grad():
+        base["w0"].mul_(2)  # tracked write after the call: the checkpoint keeps the call-time bytes
+    fut.result()
+    assert _raw(fastckpt.load(tmp_path / "c2")["model"]["w0"]) == expect
+
+
+def test_version_link_never_matches_a_new_tensor(tmp_path):
+    base, lora = _params()
+    fastckpt.save(_snap(base, lora), tmp_path / "c1", weights=W, link_check="version")
+    # same keys, shapes, dtype and version 0, other memory and bytes (e.g. a reloaded model)
+    base = {k: torch.nn.Parameter(torch.randn(256, 256), requires_grad=False) for k in base}
+    fastckpt.save(_snap(base, lora), tmp_path / "c2", weights=W, link_from=tmp_path / "c1", link_check="version")
+    assert os.stat(tmp_path / "c2" / SHARD).st_nlink == 1
+    out = fastckpt.load(tmp_path / "c2")
+    for k, v in base.items():
+        assert _raw(out["model"][k]) == _raw(v)
+
+
+def test_link_check_is_validated(tmp_path):
+    with pytest.raises(ValueError, match="link_check"):
+        fastckpt.save({"x": torch.zeros(2)}, tmp_path / "c", link_check="mtime")
+
+
+def test_plan_memo_follows_metadata(tmp_path):
+    from safetensors import safe_open
+    t = {"w": torch.arange(6.0)}
+    fastckpt.save({"model": t}, tmp_path / "a", metadata={"run": "one"})
+    fastckpt.save({"model": t}, tmp_path / "b", metadata={"run": "two"})
+    with safe_open(str(tmp_path / "b" / SHARD), "pt") as f:
+        assert f.metadata()["run"] == "two"
