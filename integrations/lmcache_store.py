@@ -25,42 +25,37 @@ Rules (case C8 of ``shared/cases``):
       shared by all processes through the lock file and recomputed from a scan on
       start, before eviction (at most once per ``min_rescan_interval_s``) and after
       any anomaly (file gone, size changed).
+
+What lives where: this module writes and reads chunk files (:class:`KVFileStore`:
+``write``, ``open_chunk``, ``read_piece``, ``close_chunk``). Its base class
+:class:`~.lmcache_index.KVFolderIndex` (:mod:`.lmcache_index`) holds the lock file and
+shared counters, the folder scan, the LRU index, pins, removal and eviction. Options,
+stats, the chunk handle, ``chunk_name`` and the I/O helpers are in :mod:`.lmcache_format`.
+All of them stay importable from here.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
-import logging
 import os
-import re
-import socket
-import struct
-import threading
 import time
-from collections import OrderedDict
 
 import xxhash
 
-from fastckpt.errors import CorruptCheckpointError, InsufficientSpaceError
+from fastckpt.errors import CorruptCheckpointError
 from fastckpt.format import encode_header, read_header_fd
 
 from .lmcache_format import (  # noqa: F401  (re-exported: the store's public types)
     FORMAT_TAG, HEADER_ALIGN, LOCK_NAME, SUFFIX, ChunkHandle, KVStats, StoreOptions, _address,
     _fsync_dir, _pread_into, _pwrite_all, _unlink_quiet, chunk_name, piece_hashes,
 )
-
-logger = logging.getLogger(__name__)
-
-_LOCK_FMT = struct.Struct("<8sQQ")
-_LOCK_MAGIC = b"FCKVLCK1"
-_FINAL_RE = re.compile(r"^([0-9a-f]{32})\.kv\.safetensors$")
-_TMP_RE = re.compile(r"^\.tmp\.([0-9a-f]{32})\.([^.]+)\.(\d+)\.[0-9a-f]+$")
-_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
+from .lmcache_index import (  # noqa: F401  (re-exported: the base class, its constants, the logger)
+    _FINAL_RE, _HOST, _LOCK_FMT, _LOCK_MAGIC, _TMP_RE, KVFolderIndex, logger,
+)
 
 
-class KVFileStore:
+class KVFileStore(KVFolderIndex):
     """Chunk files under one shared folder, with a shared capacity limit.
 
     Thread-safe; several processes (on one or several hosts) may open the same
@@ -74,262 +69,8 @@ class KVFileStore:
     """
 
     def __init__(self, options: StoreOptions):
-        self.opts = options
-        self.root = os.path.abspath(options.path)
-        os.makedirs(self.root, exist_ok=True)
-        self.stats = KVStats()
-        self._tlock = threading.RLock()
-        self._depth = 0
-        self._lock_fd = os.open(os.path.join(self.root, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
-        self._index: OrderedDict[str, int] = OrderedDict()  # name -> bytes, LRU first
-        self._pins: dict[str, int] = {}
-        self._writing: set[str] = set()
-        self._last_scan = 0.0
-        self._my_gen = -1
         self._direct_ok = options.o_direct and hasattr(os, "O_DIRECT")
-        with self._locked():
-            self._rescan_locked()
-
-    # ----- paths and shared counters -------------------------------------------------
-    def path_for(self, name: str) -> str:
-        """Final path of chunk ``name``."""
-        return os.path.join(self.root, name[:2], name + SUFFIX)
-
-    def _locked(self):
-        store = self
-
-        class _Ctx:  # re-entrant in one thread: the flock is taken at depth 0 -> 1 only
-            def __enter__(self):
-                store._tlock.acquire()
-                store._depth += 1
-                if store._depth == 1:
-                    fcntl.flock(store._lock_fd, fcntl.LOCK_EX)
-
-            def __exit__(self, *exc):
-                store._depth -= 1
-                if store._depth == 0:
-                    fcntl.flock(store._lock_fd, fcntl.LOCK_UN)
-                store._tlock.release()
-
-        return _Ctx()
-
-    def _read_counters(self) -> tuple[int, int] | None:
-        raw = os.pread(self._lock_fd, _LOCK_FMT.size, 0)
-        if len(raw) != _LOCK_FMT.size:
-            return None
-        magic, used, gen = _LOCK_FMT.unpack(raw)
-        return (used, gen) if magic == _LOCK_MAGIC else None
-
-    def _write_counters(self, used: int) -> None:
-        cur = self._read_counters()
-        gen = (cur[1] if cur else 0) + 1
-        os.pwrite(self._lock_fd, _LOCK_FMT.pack(_LOCK_MAGIC, max(0, used), gen), 0)
-        self._my_gen = gen
-
-    def _adjust_used(self, delta: int) -> None:
-        cur = self._read_counters()
-        if cur is None:
-            self._rescan_locked()
-            cur = self._read_counters()
-        self._write_counters(cur[0] + delta)
-
-    def used_bytes(self) -> int:
-        """Bytes of all files in the folder (all processes), per the shared counter."""
-        with self._locked():
-            cur = self._read_counters()
-            if cur is None:
-                self._rescan_locked()
-                cur = self._read_counters()
-            return cur[0]
-
-    def disk_bytes(self) -> int:
-        """Bytes of all chunk and temp files, measured now by a scan (no side effects)."""
-        total = 0
-        for sub in self._subdirs():
-            for e in self._entries(sub):
-                try:
-                    total += e.stat(follow_symlinks=False).st_size
-                except FileNotFoundError:
-                    pass
-        return total
-
-    # ----- scanning ------------------------------------------------------------------
-    def _subdirs(self) -> list[str]:
-        try:
-            return [e.path for e in os.scandir(self.root) if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
-        except FileNotFoundError:
-            return []
-
-    @staticmethod
-    def _entries(sub: str) -> list:
-        try:
-            return [e for e in os.scandir(sub) if _FINAL_RE.match(e.name) or _TMP_RE.match(e.name)]
-        except FileNotFoundError:
-            return []
-
-    def _tmp_is_stale(self, m: re.Match, mtime: float, now: float) -> bool:
-        if now - mtime > self.opts.stale_tmp_s:
-            return True
-        if m.group(2) == _HOST:
-            pid = int(m.group(3))
-            if pid == os.getpid():
-                return m.group(1) not in self._writing
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:
-                return False
-        return False
-
-    def _rescan_locked(self) -> None:
-        """Rebuild the index and the shared used-bytes counter from the folder (lock held)."""
-        now = time.time()
-        found: list[tuple[float, str, int]] = []
-        used = 0
-        for sub in self._subdirs():
-            for e in self._entries(sub):
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                tm = _TMP_RE.match(e.name)
-                if tm is not None:
-                    if self._tmp_is_stale(tm, st.st_mtime, now):
-                        _unlink_quiet(e.path)
-                        logger.info("fastckpt kv: removed stale temp file %s (%d bytes)", e.path, st.st_size)
-                        continue
-                    used += st.st_size
-                    continue
-                used += st.st_size
-                found.append((st.st_mtime, e.name[:32], st.st_size))
-        recency = {n: i for i, n in enumerate(self._index)}
-        found.sort(key=lambda t: (recency.get(t[1], -1), t[0]))  # unseen files first, oldest first
-        self._index = OrderedDict((n, size) for _, n, size in found)
-        self._write_counters(used)
-        self._last_scan = time.monotonic()
-        self.stats.add(rescans=1)
-
-    def rescan(self) -> None:
-        """Rebuild the index and the shared counter from the folder now."""
-        with self._locked():
-            self._rescan_locked()
-
-    def names(self) -> list[str]:
-        """Chunk names this process knows of, least recently used first."""
-        with self._tlock:
-            return list(self._index)
-
-    # ----- lookup, pins, removal -------------------------------------------------------
-    def contains(self, name: str) -> bool:
-        """True if chunk ``name`` is committed (one ``stat``; sees other processes' puts)."""
-        try:
-            size = os.stat(self.path_for(name)).st_size
-        except FileNotFoundError:
-            with self._tlock:
-                self._index.pop(name, None)
-            return False
-        with self._tlock:
-            if name not in self._index:
-                self._index[name] = size
-        return True
-
-    def is_writing(self, name: str) -> bool:
-        """True while this process is writing chunk ``name``."""
-        with self._tlock:
-            return name in self._writing
-
-    def pin(self, name: str) -> None:
-        """Protect ``name`` from this process's evictions until :meth:`unpin`."""
-        with self._tlock:
-            self._pins[name] = self._pins.get(name, 0) + 1
-
-    def unpin(self, name: str) -> bool:
-        """Undo one :meth:`pin`; False if ``name`` was not pinned."""
-        with self._tlock:
-            n = self._pins.get(name, 0)
-            if n <= 1:
-                self._pins.pop(name, None)
-            else:
-                self._pins[name] = n - 1
-            return n > 0
-
-    def touch(self, name: str) -> None:
-        """Mark ``name`` most recently used."""
-        with self._tlock:
-            if name in self._index:
-                self._index.move_to_end(name)
-
-    def remove(self, name: str, ino: int | None = None) -> bool:
-        """Delete chunk ``name`` (only if its inode is ``ino``, when given); True if deleted."""
-        path = self.path_for(name)
-        with self._locked():
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                self._index.pop(name, None)
-                return False
-            if ino is not None and st.st_ino != ino:
-                return False
-            _unlink_quiet(path)
-            recorded = self._index.pop(name, None)
-            if recorded != st.st_size:
-                self._rescan_locked()  # changed behind our back: recount from the folder
-            else:
-                self._adjust_used(-st.st_size)
-            return True
-
-    def drop_corrupt(self, handle: ChunkHandle, why: str) -> None:
-        """Delete a chunk that failed validation (a miss from now on) and log ``why``."""
-        logger.warning("fastckpt kv: dropping %s: %s", handle.path if handle else "?", why)
-        self.stats.add(corrupt_dropped=1)
-        if handle is not None:
-            self.remove(handle.name, handle.ino)
-
-    # ----- capacity ----------------------------------------------------------------------
-    def _make_room_locked(self, need: int) -> None:
-        """Evict LRU chunks until ``need`` more bytes fit (lock held).
-
-        Raises:
-            InsufficientSpaceError: ``need`` exceeds the capacity, or pinned and
-                in-flight chunks leave too little evictable space.
-        """
-        cap = self.opts.max_bytes
-        if cap == 0:
-            return
-        if need > cap:
-            raise InsufficientSpaceError(
-                f"{self.root}: a {need}-byte chunk exceeds the capacity of {cap} bytes; raise max_bytes")
-        used = self._read_counters()[0]
-        if used + need <= cap:
-            return
-        if time.monotonic() - self._last_scan >= self.opts.min_rescan_interval_s:
-            self._rescan_locked()
-            used = self._read_counters()[0]
-        for attempt in range(2):
-            for name in list(self._index):
-                if used + need <= cap:
-                    return
-                if self._pins.get(name) or name in self._writing:
-                    continue
-                size = self._index.pop(name)  # what the shared counter holds for it
-                path = self.path_for(name)
-                try:
-                    disk = os.stat(path).st_size  # smaller if someone truncated it
-                    os.unlink(path)
-                    self.stats.add(evictions=1, evicted_bytes=disk)
-                except FileNotFoundError:
-                    pass  # removed by someone else: its bytes are gone too
-                used -= size
-                self._write_counters(used)
-            if used + need <= cap or attempt:
-                break
-            self._rescan_locked()  # other processes' chunks are unknown to the index
-            used = self._read_counters()[0]
-        if used + need > cap:
-            raise InsufficientSpaceError(
-                f"{self.root}: {need} bytes do not fit: {used} of {cap} bytes used and the rest is "
-                "pinned or being written; raise max_bytes or lower the request's working set")
+        super().__init__(options)
 
     # ----- writing -------------------------------------------------------------------------
     def write(self, name: str, key: str, fmt: str, groups: list, buf: memoryview) -> bool:
@@ -506,9 +247,3 @@ class KVFileStore:
             if fd >= 0:
                 os.close(fd)
         h.fd = h.fd_direct = -1
-
-    def close(self) -> None:
-        """Close the lock file; the store must not be used afterwards."""
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
