@@ -36,12 +36,17 @@ class Collected:
         entries: key path -> manifest entry for arrays not stored under their own key
             (``{"alias": key}`` or ``{"view": blob, "offset", "dtype", "shape", "stride"}``),
             plus ``{"ndarray": True}`` markers.
+        frozen: key paths whose value was a ``torch.nn.Parameter`` with ``requires_grad=False``
+            (no optimizer steps it), stored under its own key.
+        trainable: key paths whose value was a ``torch.nn.Parameter`` with ``requires_grad=True``.
     """
 
     skeleton: Any
     specs: list[ArraySpec] = field(default_factory=list)
     sources: dict[str, torch.Tensor] = field(default_factory=dict)
     entries: dict[str, dict] = field(default_factory=dict)
+    frozen: set[str] = field(default_factory=set)
+    trainable: set[str] = field(default_factory=set)
 
     @property
     def nbytes(self) -> int:
@@ -95,6 +100,8 @@ def collect(state: Any, weights: dict[str, str]) -> Collected:
     groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
     for key, v in arrays:
         t = _as_tensor(key, v)
+        if isinstance(v, torch.nn.Parameter):
+            (out.trainable if v.requires_grad else out.frozen).add(key)
         dtype_to_str(t.dtype, tensor=key)
         if isinstance(v, np.ndarray):
             out.entries[key] = {"ndarray": True}
@@ -119,6 +126,9 @@ def _add(out: Collected, key: str, t: torch.Tensor, names: dict[str, tuple[str, 
 
 
 def _add_group(out: Collected, members: list[tuple[str, torch.Tensor]], names: dict) -> None:
+    if len(members) == 1:  # the common case: a tensor that shares its storage with no other
+        _add(out, members[0][0], members[0][1], names)
+        return
     views = {_view_key(t) for _, t in members}
     first_key, first = members[0]
     if len(views) == 1:

@@ -77,15 +77,18 @@ class SaveOptions:
             hard-linked instead of staged and written; see :mod:`fastckpt.dedupe`. Hashing
             runs at ~10 GB/s, so unchanged frozen weights (LoRA) cost a fraction of a copy.
         link_check: how ``link_from`` proves a tensor unchanged at the call. ``"hash"``
-            (default): xxh3 of the source tensor in the caller's thread. ``"version"``: a CPU
-            tensor backed by the same storage object, with the same dtype/shape/offset and the
-            same version counter as when this process's saver last hashed it (staged or linked
-            by an earlier save), is taken as unchanged without hashing at the call; it is
-            re-hashed in the background before the commit, and a mismatch that its version
-            counter did not show (a write through ``.data`` or a NumPy view) fails the save with
-            :class:`~fastckpt.errors.LinkedTensorChangedError`. Tensors without a record fall
-            back to ``"hash"``. A tensor written in place after the call (version counter
-            bumped) is trusted on its version at the call.
+            (default): xxh3 of every source tensor of a candidate file, in the caller's thread.
+            ``"version"``, for states holding the live ``torch.nn.Parameter`` objects: a frozen
+            parameter (``requires_grad=False``, CPU) backed by the same storage object, with the
+            same dtype/shape/offset and version counter as when this process's saver last
+            hashed it, is taken as unchanged without hashing at the call; it is re-hashed in the
+            background before the commit, and a mismatch its version counter did not show (a
+            write through ``.data`` or a NumPy view) fails the save with
+            :class:`~fastckpt.errors.LinkedTensorChangedError`. Files holding a trainable
+            parameter are staged without hashing (fused optimizers such as
+            ``AdamW(fused=True)`` step parameters without bumping the counter, so it is never
+            trusted for them); other tensors are hashed as with ``"hash"``. A frozen parameter
+            written in place after the call (counter bumped) is trusted on its version at the call.
     """
 
     overwrite: bool = False
@@ -239,30 +242,31 @@ class _Job:
         self.exc_lock = threading.Lock()
         self.linked: set[int] = set()  # file indexes hard-linked from opts.link_from
 
-    def link_unchanged(self, sources: dict) -> None:
+    def link_unchanged(self, col) -> None:
         """Hard-link files whose bytes equal the previous checkpoint's (see :mod:`fastckpt.dedupe`)."""
+        sources = col.sources
         prev = dedupe.previous_manifest(self.opts.link_from)
         cands = dedupe.candidate_files(self.plan.files, prev)
         for i, f in enumerate(self.plan.files):
             if f.name not in cands:
                 continue
             keys = [t.spec.key for t in f.tensors]
+            known: dict[str, str | None] = dict.fromkeys(keys)
             if self.cache is not None:
-                known = {k: self.cache.lookup(k, sources[k]) for k in keys}
+                if any(k in col.trainable for k in keys):
+                    continue  # an optimizer steps it (fused ones without a version bump): stage
+                for k in keys:
+                    if k in col.frozen:
+                        known[k] = self.cache.lookup(k, sources[k])
+                        self.idents[k] = dedupe.HashCache.ident(sources[k])
                 if dedupe.CHANGED in known.values():
-                    continue  # written in place since the last save (optimizer step): stage it
-                if all(known.values()) and dedupe.identical(f, known, prev) \
-                        and dedupe.link_file(self.opts.link_from, self.tmp, f.name):
-                    self.linked.add(i)
-                    self.hashes.update(known)
-                    self.to_verify += [(k, sources[k], known[k], sources[k]._version) for k in keys]
-                    continue
-                self.idents.update((k, dedupe.HashCache.ident(sources[k])) for k in keys)
-            # hashed in parallel: xxhash releases the GIL
-            hashes = dict(zip(keys, self.exec.map(lambda k: dedupe.source_hash(sources[k]), keys)))
+                    continue  # written in place since the last save: stage it
+            todo = [k for k in keys if known[k] is None]  # hashed in parallel: xxhash releases the GIL
+            hashes = {**known, **dict(zip(todo, self.exec.map(lambda k: dedupe.source_hash(sources[k]), todo)))}
             if dedupe.identical(f, hashes, prev) and dedupe.link_file(self.opts.link_from, self.tmp, f.name):
                 self.linked.add(i)
                 self.hashes.update(hashes)
+                self.to_verify += [(k, sources[k], known[k], sources[k]._version) for k in keys if known[k]]
 
     def verify_links(self) -> None:
         """Background half of ``link_check="version"``: re-hash every tensor linked on its version
@@ -313,7 +317,7 @@ class _Job:
                     self.first_exc = e
             raise
 
-    def stage(self, sources: dict) -> None:
+    def stage(self, sources: dict, frozen: set[str] = frozenset()) -> None:
         """Copy every tensor into the staging buffer (the caller's blocking part)."""
         p, chunk = self.plan, self.plan.chunk_bytes
         budget = self.opts.staging_bytes
@@ -322,8 +326,9 @@ class _Job:
         self.buf, self.view = self.pool.acquire(size)
         tensors = sorted((t for i, f in enumerate(p.files) if i not in self.linked for t in f.tensors),
                          key=lambda t: t.stream_offset)
-        if self.cache is not None:
-            self.idents.update((t.spec.key, dedupe.HashCache.ident(sources[t.spec.key])) for t in tensors)
+        if self.cache is not None:  # frozen parameters: their hashes let the next save link them
+            self.idents.update((t.spec.key, dedupe.HashCache.ident(sources[t.spec.key]))
+                               for t in tensors if t.spec.key in frozen)
         if not self.streaming:
             # host sources: each write unit goes out as soon as its bytes are staged, so the
             # disk works while the caller copies (save total ~ max(copy, write), not the sum)
@@ -500,9 +505,9 @@ class Saver:
         fut = SaveFuture(path)
         try:
             if opts.link_from is not None:
-                job.link_unchanged(col.sources)
+                job.link_unchanged(col)
             job.open_files()
-            job.stage(col.sources)
+            job.stage(col.sources, col.frozen)
         except BaseException:
             job.close()
             shutil.rmtree(tmp, ignore_errors=True)

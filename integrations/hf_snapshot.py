@@ -113,31 +113,103 @@ def model_snapshot(model) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str,
         holds the adapter (written as ``adapter_model.safetensors``) and ``extra_files`` has
         ``adapter_config.json``; ``config.json`` is always included when the model has a config,
         ``generation_config.json`` when it has a generation config (the base model's for a PeftModel).
+        Tensors are detached views of the live parameters/buffers (no copy).
     """
-    extra: dict[str, bytes] = {}
-    weights = {"model": "model"}
     if _is_peft(model):
         from peft import get_peft_model_state_dict
 
-        state = {"model": _peft_base_weights(model)}
-        name = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapters[0]
-        state["adapter"] = dict(get_peft_model_state_dict(model, adapter_name=name))
-        weights["adapter"] = "adapter_model.safetensors"
-        cfg = model.peft_config[name].to_dict()
+        state = {"model": _peft_base_weights(model),
+                 "adapter": dict(get_peft_model_state_dict(model, adapter_name=_adapter_name(model)))}
+    else:
+        state = {"model": _dedup_tied(model.state_dict())}
+    return state, _weights_map(model), _model_files(model)
+
+
+def _adapter_name(model) -> str:
+    return model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapters[0]
+
+
+def _weights_map(model) -> dict[str, str]:
+    if _is_peft(model):
+        return {"model": "model", "adapter": "adapter_model.safetensors"}
+    return {"model": "model"}
+
+
+def _model_files(model) -> dict[str, bytes]:
+    """``config.json``, ``generation_config.json`` and (peft) ``adapter_config.json`` as bytes."""
+    extra: dict[str, bytes] = {}
+    if _is_peft(model):
+        cfg = model.peft_config[_adapter_name(model)].to_dict()
         extra["adapter_config.json"] = json.dumps(
             cfg, indent=2, sort_keys=True, default=lambda o: sorted(o) if isinstance(o, set) else str(o)
         ).encode()
-        config = model.get_base_model().config
-        gen = getattr(model.get_base_model(), "generation_config", None)
-    else:
-        state = {"model": _dedup_tied(model.state_dict())}
-        config = getattr(model, "config", None)
-        gen = getattr(model, "generation_config", None)
+        model = model.get_base_model()
+    config = getattr(model, "config", None)
+    gen = getattr(model, "generation_config", None)
     if config is not None and hasattr(config, "to_json_string"):
         extra["config.json"] = config.to_json_string().encode()
     if gen is not None and hasattr(gen, "to_json_string"):
         extra["generation_config.json"] = gen.to_json_string(use_diff=True).encode()
-    return state, weights, extra
+    return extra
+
+
+class ModelSnapshotter:
+    """:func:`model_snapshot` that remembers which parameter or buffer backs each saved tensor.
+
+    Building the state dicts of a peft model walks every module twice (~25 ms for SmolLM2-135M,
+    measured); a training run saves the same structure every time. After the first call the
+    snapshotter keeps ``(section, key, parameter-or-buffer)`` triples and returns the live
+    ``torch.nn.Parameter`` objects themselves (so :func:`fastckpt.async_save` sees which are
+    frozen, see its ``link_check="version"``) and ``buffer.detach()`` for buffers: no copy. This
+    holds as long as the model is the same object with the same parameter and buffer objects
+    (ids of all of them, ~3 ms to check) and the same active adapter. Any tensor of the snapshot
+    that is not exactly a parameter or buffer view (e.g. computed by a state-dict hook) turns the
+    shortcut off for that model (then it returns :func:`model_snapshot`'s detached state dicts).
+    ``extra_files`` (configs) are rebuilt every call.
+
+    Call: ``snapshotter(model) -> (state, weights, extra_files)``, as :func:`model_snapshot`.
+    """
+
+    def __init__(self) -> None:
+        self._sig: tuple | None = None
+        self._plan: list[tuple[str, str, torch.Tensor]] | None = None
+
+    @staticmethod
+    def _signature(model) -> tuple:
+        adapter = _adapter_name(model) if _is_peft(model) else None
+        return (id(model), adapter, tuple(map(id, model.parameters())), tuple(map(id, model.buffers())))
+
+    def __call__(self, model):
+        sig = self._signature(model)
+        if self._plan is None or sig != self._sig:
+            state, weights, extra = model_snapshot(model)
+            self._sig, self._plan = sig, _backing_objects(model, state)
+            if self._plan is None:
+                return state, weights, extra
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for section, key, obj in self._plan:
+            state.setdefault(section, {})[key] = obj if isinstance(obj, torch.nn.Parameter) else obj.detach()
+        return state, _weights_map(model), _model_files(model)
+
+
+def _view_id(t: torch.Tensor) -> tuple:
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), tuple(t.stride()))
+
+
+def _backing_objects(model, state) -> list[tuple[str, str, torch.Tensor]] | None:
+    """(section, key, parameter/buffer) for every tensor of ``state``, or ``None`` if one has none."""
+    owners = {}
+    for _, obj in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        if obj is not None:
+            owners.setdefault(_view_id(obj), obj)
+    plan = []
+    for section, tensors in state.items():
+        for key, t in tensors.items():
+            obj = owners.get(_view_id(t)) if isinstance(t, torch.Tensor) else None
+            if obj is None:
+                return None
+            plan.append((section, key, obj))
+    return plan
 
 
 def tokenizer_files(processing_class) -> dict[str, bytes]:

@@ -60,7 +60,8 @@ _CKPT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 from .hf_snapshot import (  # noqa: E402,F401  (re-exported: accelerate plugin, scripts)
-    capture_rng_state, restore_rng_state, _dedup_tied, _is_peft, _peft_base_weights, model_snapshot, tokenizer_files, _snapshot_bytes_estimate)
+    capture_rng_state, restore_rng_state, _dedup_tied, _is_peft, _peft_base_weights, model_snapshot, tokenizer_files, _snapshot_bytes_estimate,
+    ModelSnapshotter)
 
 
 def _checkpoint_dirs(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -156,8 +157,11 @@ class FastCkptCallback(_trainer_callback_base()):
             (``max_shard_bytes``, ``threads``, ``staging_bytes``, ``o_direct``), plus
             ``link_unchanged`` (default ``True``): shard files whose bytes equal the newest
             committed checkpoint's (a LoRA run's frozen base weights) are hard-linked from it
-            instead of copied and rewritten (``link_from`` of :func:`fastckpt.async_save`;
-            checked by xxh3 of every tensor at the call, so the snapshot stays exact).
+            instead of copied and rewritten (``link_from`` of :func:`fastckpt.async_save` with
+            ``link_check="version"``: a frozen tensor whose storage and version counter are
+            those of the previous save is not hashed at the call but re-hashed by xxh3 in the
+            background before the commit, so the snapshot stays exact; pass
+            ``link_check="hash"`` to hash at the call instead).
         resume_from: checkpoint folder to restore optimizer/scheduler/RNG from when the
             Trainer resumes; default None = the folder the mixin reports, else
             ``output_dir/checkpoint-{global_step}``.
@@ -179,6 +183,8 @@ class FastCkptCallback(_trainer_callback_base()):
 
     def __init__(self, resume_from: str | os.PathLike | None = None, **save_options):
         self.link_unchanged = bool(save_options.pop("link_unchanged", True))
+        save_options.setdefault("link_check", "version")
+        self._snapshot = ModelSnapshotter()  # key -> parameter map, built once (at train begin)
         self.save_options = save_options
         self.resume_from = str(resume_from) if resume_from is not None else None
         self.records: list[dict[str, Any]] = []
@@ -205,8 +211,10 @@ class FastCkptCallback(_trainer_callback_base()):
         self._training = True
         self._refs(args, state, {**kw, "model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler})
         self._install_sigterm()
-        if model is not None and not args.save_only_model:
-            fastckpt.reserve(_snapshot_bytes_estimate(model))  # first save copies into touched memory
+        if model is not None:
+            self._snapshot(model)  # learn the key -> parameter map now, not during the first save
+            if not args.save_only_model:
+                fastckpt.reserve(_snapshot_bytes_estimate(model))  # first save copies into touched memory
         if state.global_step > 0:
             self._restore(args, state, optimizer, lr_scheduler)
 
@@ -272,7 +280,7 @@ class FastCkptCallback(_trainer_callback_base()):
         t0 = time.perf_counter()
         if self._model is None:
             raise RuntimeError("FastCkptCallback has no model: the Trainer did not call on_train_begin")
-        snap, weights, extra = model_snapshot(self._model)
+        snap, weights, extra = self._snapshot(self._model)
         for name, data in self._tokenizer_files().items():
             extra.setdefault(name, data)
         if not args.save_only_model:

@@ -81,8 +81,8 @@ def _params():
     return base, lora
 
 
-def _snap(base, lora):  # like model.state_dict(): detached views share the version counter
-    return _state({k: v.detach() for k, v in base.items()}, {k: v.detach() for k, v in lora.items()})
+def _snap(base, lora):  # the live parameters, as the Trainer callback's snapshot gives them
+    return _state(dict(base), dict(lora))
 
 
 def _hash_threads(monkeypatch):
@@ -188,3 +188,23 @@ def test_plan_memo_follows_metadata(tmp_path):
     fastckpt.save({"model": t}, tmp_path / "b", metadata={"run": "two"})
     with safe_open(str(tmp_path / "b" / SHARD), "pt") as f:
         assert f.metadata()["run"] == "two"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_version_link_never_trusts_trainable_parameters(tmp_path, fused):
+    """AdamW(fused=True) steps parameters without bumping their version counter: a file that
+    holds trainable parameters is always staged and written, never linked on the counter."""
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    opt = torch.optim.AdamW([w], lr=0.1, fused=fused)
+    frozen = torch.nn.Parameter(torch.randn(64, 64), requires_grad=False)
+    state = lambda: {"model": {"w": w, "frozen": frozen}, "optimizer": opt.state_dict()}  # noqa: E731
+    fastckpt.save(state(), tmp_path / "c1", link_check="version")
+    v = w._version
+    (w * frozen).sum().backward()
+    opt.step()
+    assert fused == (w._version == v)  # the trap this guards against
+    fastckpt.save(state(), tmp_path / "c2", link_from=tmp_path / "c1", link_check="version")
+    out = fastckpt.load(tmp_path / "c2")
+    assert _raw(out["model"]["w"]) == _raw(w) and _raw(out["model"]["frozen"]) == _raw(frozen)
+    assert os.stat(tmp_path / "c2" / SHARD).st_nlink == 1
+
