@@ -52,6 +52,7 @@ import numpy as np
 
 import fastckpt
 from fastckpt.commit import clean_stale_temps
+from fastckpt.errors import LinkedTensorChangedError
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,7 @@ class FastCkptCallback(_trainer_callback_base()):
         records: one dict per finished save: ``step``, ``path``, ``blocking_s`` (from the start
             of the save to the end of staging), ``total_s`` (from the same start to the commit),
             ``bytes``, ``linked_bytes``.
+        failed_saves: ``{"step", "path", "error"}`` of saves dropped by :meth:`wait`.
 
     Every checkpoint also carries the Trainer's tokenizer / processor files (``processing_class``,
     saved once with ``save_pretrained`` and cached) and ``generation_config.json``, so that
@@ -188,6 +190,7 @@ class FastCkptCallback(_trainer_callback_base()):
         self.save_options = save_options
         self.resume_from = str(resume_from) if resume_from is not None else None
         self.records: list[dict[str, Any]] = []
+        self.failed_saves: list[dict[str, Any]] = []
         self._pending = None  # (future, step, path, blocking_s, t_start, t_call)
         self._processing_class = None
         self._tok_cache: tuple[int, dict[str, bytes]] | None = None  # (id(processing_class), files)
@@ -312,7 +315,8 @@ class FastCkptCallback(_trainer_callback_base()):
         logger.info("fastckpt: checkpoint-%d staged in %.3f s, writing in background",
                     state.global_step, blocking)
         if state.max_steps and state.global_step >= state.max_steps:
-            self.wait(args)  # last save: let load_best_model_at_end and the caller see it
+            if not self.wait(args):  # last save: let load_best_model_at_end and the caller see it
+                self._save(args, state, control)  # dropped: training is over, save again by hashing
 
     def _refs(self, args, state, kw) -> None:
         """Keep the live objects the Trainer hands to every event."""
@@ -357,18 +361,32 @@ class FastCkptCallback(_trainer_callback_base()):
         for name, states in grouped.items():
             state.stateful_callbacks[name] = states if len(states) > 1 else states[0]
 
-    def wait(self, args=None) -> None:
+    def wait(self, args=None) -> bool:
         """Block until the pending save is committed, record its timings, apply rotation.
 
+        Returns:
+            False if the pending save was dropped because a frozen weight changed behind its
+            version counter (:class:`~fastckpt.errors.LinkedTensorChangedError`, e.g. peft's
+            ``merge_adapter``/``unmerge_adapter`` write through ``.data``): logged as a WARNING,
+            listed in ``failed_saves``, and later saves hash frozen weights at the call
+            (``link_check="hash"``); the earlier checkpoints are untouched. True otherwise.
+
         Raises:
-            The background save's own exception (original type), once.
+            The background save's own exception (original type), once, for any other failure.
         """
         with self._lock:
             pending, self._pending = self._pending, None
         if pending is None:
-            return
+            return True
         fut, step, out, blocking, t0, t_call = pending
-        path = fut.result()
+        try:
+            path = fut.result()
+        except LinkedTensorChangedError as e:
+            self.save_options["link_check"] = "hash"
+            self.failed_saves.append({"step": step, "path": str(out), "error": str(e)})
+            logger.warning("fastckpt: checkpoint-%d was not committed: %s. Later saves hash frozen "
+                           "weights at the call (link_check='hash').", step, e)
+            return False
         saver_s = getattr(fut, "total_s", None)  # the saver's own: from its call to the commit
         total = (t_call - t0) + saver_s if saver_s is not None else time.perf_counter() - t0
         rec = {"step": step, "path": str(path), "blocking_s": blocking,
@@ -381,6 +399,7 @@ class FastCkptCallback(_trainer_callback_base()):
                     step, blocking, rec["total_s"], rec["bytes"], gbps)
         if args is not None:
             rotate_checkpoints(args.output_dir, args.save_total_limit, self._best_dir)
+        return True
 
     def _poll(self) -> None:
         with self._lock:

@@ -232,6 +232,36 @@ def test_background_failure_surfaces(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("checkpoint-*"))
 
 
+class WriteThroughData(transformers.TrainerCallback):
+    """At one step, change a frozen base weight through ``.data`` (no version bump), as peft's
+    ``merge_adapter``/``unmerge_adapter`` do."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        if state.global_step == self.step:
+            model.get_base_model().model.norm.weight.data.add_(1.0)
+
+
+def test_frozen_weight_changed_behind_the_version_counter(tmp_path, caplog):
+    """The background re-hash catches it: that save is dropped with a warning, never committed
+    with stale bytes; the final save is redone by hashing and holds the live weight."""
+    caplog.set_level("WARNING", logger="fastckpt.integrations.hf_trainer")
+    tr = make_trainer(tmp_path, peft=True, callbacks=[WriteThroughData(10)], save_steps=8, num_train_epochs=1)
+    before = tr.model.get_base_model().model.norm.weight.detach().clone()
+    tr.train()
+    cb = next(c for c in tr.callback_handler.callbacks if isinstance(c, hf_trainer.FastCkptCallback))
+    assert [f["step"] for f in cb.failed_saves] == [16] and "model.norm.weight" in cb.failed_saves[0]["error"]
+    assert "checkpoint-16 was not committed" in caplog.text
+    assert [r["step"] for r in cb.records] == [8, 16]
+    live = tr.model.get_base_model().model.norm.weight.detach()
+    assert torch.equal(live, before + 1.0)
+    assert torch.equal(fastckpt.load(tmp_path / "checkpoint-16")["model"]["model.norm.weight"], live)
+    assert torch.equal(fastckpt.load(tmp_path / "checkpoint-8")["model"]["model.norm.weight"], before)
+    assert fastckpt.verify(tmp_path / "checkpoint-16").ok
+
+
 def test_get_last_checkpoint_skips_uncommitted(tmp_path, caplog):
     tr = make_trainer(tmp_path, save_steps=8, num_train_epochs=1)
     tr.train()
