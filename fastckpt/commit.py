@@ -19,7 +19,9 @@ import re
 import secrets
 import shutil
 import socket
+import threading
 import time
+from collections import OrderedDict
 
 from .errors import CorruptCheckpointError
 from .io import fsync_dir
@@ -147,13 +149,39 @@ def read_manifest(path: str) -> dict:
     return m
 
 
+_SHARED: "OrderedDict[str, tuple[tuple, dict]]" = OrderedDict()
+_SHARED_LOCK = threading.Lock()
+
+
+def read_manifest_shared(path: str | os.PathLike) -> dict:
+    """:func:`read_manifest`, memoised on the manifest file's identity (device, inode, size,
+    mtime in ns): a committed manifest is never rewritten in place, so a repeated call (the
+    Trainer callback checks the newest checkpoint before every save) costs one ``stat``.
+    The returned dict is shared: read it, never modify it. Raises as :func:`read_manifest`."""
+    path = os.fspath(path)
+    st = os.stat(os.path.join(path, MANIFEST))
+    ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    key = os.path.abspath(path)
+    with _SHARED_LOCK:
+        hit = _SHARED.get(key)
+        if hit is not None and hit[0] == ident:
+            _SHARED.move_to_end(key)
+            return hit[1]
+    m = read_manifest(path)
+    with _SHARED_LOCK:
+        _SHARED[key] = (ident, m)
+        while len(_SHARED) > 16:
+            _SHARED.popitem(last=False)
+    return m
+
+
 def is_committed(path: str | os.PathLike) -> bool:
     """True if ``path`` is a committed fastckpt checkpoint folder (visible name + valid manifest)."""
     path = os.fspath(path)
     if os.path.basename(os.path.normpath(path)).startswith("."):
         return False
     try:
-        read_manifest(path)
+        read_manifest_shared(path)
         return True
     except (OSError, CorruptCheckpointError):
         return False

@@ -21,7 +21,7 @@ import os
 import torch
 import xxhash
 
-from .commit import read_manifest
+from .commit import read_manifest_shared
 from .errors import CorruptCheckpointError
 from .planner import FilePlan
 
@@ -31,7 +31,7 @@ def previous_manifest(link_from: str | os.PathLike | None) -> dict | None:
     if link_from is None:
         return None
     try:
-        return read_manifest(os.fspath(link_from))
+        return read_manifest_shared(os.fspath(link_from))
     except (OSError, CorruptCheckpointError):
         return None
 

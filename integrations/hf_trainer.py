@@ -214,6 +214,7 @@ class FastCkptCallback(_trainer_callback_base()):
         self._training = True
         self._refs(args, state, {**kw, "model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler})
         self._install_sigterm()
+        self._tokenizer_files()  # saved once now, not during the first save
         if model is not None:
             self._snapshot(model)  # learn the key -> parameter map now, not during the first save
             if not args.save_only_model:
