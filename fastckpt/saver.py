@@ -15,6 +15,8 @@ One save path: :func:`save` is ``async_save(...).result()``. Call order of one s
 from __future__ import annotations
 
 import atexit
+import contextlib
+import gc
 import os
 import shutil
 import threading
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import xxhash
 
 from . import commit as cm
@@ -231,6 +234,7 @@ class _Job:
         self.cache = cache if opts.link_check == "version" else None
         self.idents: dict[str, Any] = {}  # key -> HashCache.ident at the call (staged/hashed tensors)
         self.to_verify: list[tuple[str, Any, str, int]] = []  # (key, tensor, xxh3, version at call)
+        self.verifying: dict = {}  # to_verify item -> _Pick of "changed?" (see start_verify)
         self.be = get_backend(opts.io_backend)
         self.writers: list[FileWriter] = []
         self.exec = ThreadPoolExecutor(opts.threads or default_threads(), thread_name_prefix="fastckpt-io")
@@ -253,8 +257,8 @@ class _Job:
             keys = [t.spec.key for t in f.tensors]
             known: dict[str, str | None] = dict.fromkeys(keys)
             if self.cache is not None:
-                if any(k in col.trainable for k in keys):
-                    continue  # an optimizer steps it (fused ones without a version bump): stage
+                if any(k in col.trainable for k in keys) or not any(k in col.frozen for k in keys):
+                    continue  # no frozen weights to link, or an optimizer steps them: stage
                 for k in keys:
                     if k in col.frozen:
                         known[k] = self.cache.lookup(k, sources[k])
@@ -262,25 +266,55 @@ class _Job:
                 if dedupe.CHANGED in known.values():
                     continue  # written in place since the last save: stage it
             todo = [k for k in keys if known[k] is None]  # hashed in parallel: xxhash releases the GIL
-            hashes = {**known, **dict(zip(todo, self.exec.map(lambda k: dedupe.source_hash(sources[k]), todo)))}
+            hashes = {**known, **self.batched(todo, lambda k: sources[k].numel() * sources[k].element_size(),
+                                              lambda k: dedupe.source_hash(sources[k]))}
             if dedupe.identical(f, hashes, prev) and dedupe.link_file(self.opts.link_from, self.tmp, f.name):
                 self.linked.add(i)
                 self.hashes.update(hashes)
                 self.to_verify += [(k, sources[k], known[k], sources[k]._version) for k in keys if known[k]]
 
-    def verify_links(self) -> None:
-        """Background half of ``link_check="version"``: re-hash every tensor linked on its version
-        counter alone; raise :class:`LinkedTensorChangedError` where the bytes differ although the
-        counter did not move (a write that bypassed it)."""
+    def batched(self, items: list, size: Callable[[Any], int], fn: Callable[[Any], Any], *,
+                wait: bool = True) -> dict:
+        """``{item: fn(item)}``, computed on the I/O pool in batches of >= :data:`_BATCH_BYTES`
+        (one task per tensor costs more than hashing a small one). With ``wait=False`` the
+        values are futures of the batches' results. A single batch runs in the caller's thread."""
+        batches, cur, cur_bytes = [], [], 0
+        for it in items:
+            cur.append(it)
+            cur_bytes += size(it)
+            if cur_bytes >= _BATCH_BYTES:
+                batches.append(cur)
+                cur, cur_bytes = [], 0
+        if cur:
+            batches.append(cur)
+        run = lambda b: [fn(it) for it in b]  # noqa: E731  (xxhash releases the GIL on big buffers)
+        if wait and len(batches) <= 1:
+            return {it: v for b in batches for it, v in zip(b, run(b))}
+        futs = [(b, self.exec.submit(run, b)) for b in batches]
+        if not wait:
+            return {it: _Pick(f, i) for b, f in futs for i, it in enumerate(b)}
+        return {it: v for b, f in futs for it, v in zip(b, f.result())}
+
+    def start_verify(self) -> None:
+        """Background half of ``link_check="version"``, started before the writes (it overlaps
+        them): re-hash every tensor linked on its version counter alone."""
         items, self.to_verify = self.to_verify, []
 
-        def changed(item) -> bool:
-            key, t, want, version = item
-            for _ in range(2):  # a second look: an in-place op may bump the counter only when done
-                if t._version != version or dedupe.source_hash(t) == want:
-                    return False
-            return t._version == version
-        bad = [it[0] for it, c in zip(items, self.exec.map(changed, items)) if c]
+        self.verifying = self.batched(items, lambda it: it[1].numel() * it[1].element_size(), _changed,
+                                      wait=False)
+
+    def verify_links(self) -> None:
+        """Raise :class:`LinkedTensorChangedError` where :meth:`start_verify` found bytes that
+        differ although the version counter did not move (a write that bypassed it)."""
+        found, self.verifying = self.verifying, {}
+        suspects = [it for it, res in found.items() if res.result()]
+        # an in-place op running right now bumps the counter only when it is done: look again
+        for pause in (0.001, 0.01, 0.1, 1.0):
+            if not suspects:
+                break
+            time.sleep(pause)
+            suspects = [it for it in suspects if _changed(it)]
+        bad = [it[0] for it in suspects]
         if bad:
             for k in bad:  # their records are proven stale: the next save hashes them again
                 self.cache.record(k, None, "")
@@ -335,11 +369,15 @@ class _Job:
             early = _EARLY_WRITES and all(getattr(v, "device", None) is None or v.device.type == "cpu"
                                           for v in sources.values())
             units, nxt = self.plan.units, 0
-            for t in tensors:
-                n = t.spec.nbytes
-                copy_into(self.buf[t.stream_offset:t.stream_offset + n], sources[t.spec.key])
+            for run in _copy_runs(tensors, sources):
+                a, b = run[0].stream_offset, run[-1].stream_offset + run[-1].spec.nbytes
+                if len(run) == 1:
+                    copy_into(self.buf[a:b], sources[run[0].spec.key])
+                else:  # one op for many small tensors: per-tensor views and copies cost ~10 us each
+                    torch.cat([sources[t.spec.key].reshape(-1) for t in run],
+                              out=self.buf[a:b].view(sources[run[0].spec.key].dtype))
                 if early:
-                    cursor = t.stream_offset + n
+                    cursor = b
                     while nxt < len(units) and units[nxt].stream_offset + units[nxt].nbytes <= cursor:
                         if units[nxt].file_index not in self.linked:
                             self.unit_futs[nxt] = self.exec.submit(self._write_unit, nxt, units[nxt].stream_offset)
@@ -387,19 +425,18 @@ class _Job:
             for i, u in enumerate(self.plan.units):
                 if i not in self.unit_futs and u.file_index not in self.linked:
                     self.unit_futs[i] = self.exec.submit(self._write_unit, i, u.stream_offset)
-            for fi, f in enumerate(self.plan.files):
-                if fi in self.linked:
-                    continue
-                for t in f.tensors:
-                    s, n = t.stream_offset, t.spec.nbytes
-                    self.hashes[t.spec.key] = self.exec.submit(lambda a=s, b=n: xxhash.xxh3_64(self.view[a:a + b]).hexdigest())
+            staged = [t for fi, f in enumerate(self.plan.files) if fi not in self.linked for t in f.tensors]
+            self.hashes.update((t.spec.key, h) for t, h in self.batched(
+                staged, lambda t: t.spec.nbytes,
+                lambda t: xxhash.xxh3_64(self.view[t.stream_offset:t.stream_offset + t.spec.nbytes]).hexdigest(),
+                wait=False).items())
         for fut in self.unit_futs.values():
             fut.exception()
         if self.first_exc is not None:
             raise self.first_exc
         for fut in self.unit_futs.values():
             fut.result()
-        self.hashes = {k: (v.result() if isinstance(v, Future) else v) for k, v in self.hashes.items()}
+        self.hashes = {k: (v.result() if isinstance(v, _Pick) else v) for k, v in self.hashes.items()}
         self.pool.release()
         self.buf = self.view = None
         writers = [w for w in self.writers if w is not None]
@@ -425,6 +462,70 @@ class _Job:
             self.pool.release()
         if strict and err is not None:
             raise err
+
+
+def _changed(item: tuple) -> bool:
+    """True if a ``(key, tensor, xxh3, version at the call)`` item now hashes differently while
+    its version counter has not moved."""
+    _, t, want, version = item
+    return t._version == version and dedupe.source_hash(t) != want
+
+
+#: Bytes of one batched staging copy (small enough for writes to start while the caller copies).
+_RUN_BYTES = 64 << 20
+
+
+def _copy_runs(tensors: list, sources: dict) -> list[list]:
+    """Split planned tensors (stream order) into runs that one ``torch.cat`` can stage: same
+    dtype, contiguous CPU sources, back to back in the stream, <= :data:`_RUN_BYTES`."""
+    runs: list[list] = []
+    end, dtype, nbytes = -1, None, 0
+    for t in tensors:
+        src = sources[t.spec.key]
+        ok = src.device.type == "cpu" and src.is_contiguous() and src.numel() > 0
+        if ok and runs and t.stream_offset == end and src.dtype == dtype and nbytes + t.spec.nbytes <= _RUN_BYTES:
+            runs[-1].append(t)
+            nbytes += t.spec.nbytes
+        else:
+            runs.append([t])
+            nbytes = t.spec.nbytes
+            dtype = src.dtype if ok else None  # a device/strided/empty source stays alone
+        end = t.stream_offset + t.spec.nbytes if ok else -1
+    return runs
+
+
+#: Bytes of tensors hashed per I/O-pool task (tiny tasks cost more in scheduling than in hashing).
+_BATCH_BYTES = 16 << 20
+
+
+class _Pick:
+    """Element ``i`` of a future's list result (one batch of :meth:`_Job.batched`)."""
+
+    __slots__ = ("fut", "i")
+
+    def __init__(self, fut: Future, i: int):
+        self.fut, self.i = fut, i
+
+    def result(self) -> Any:
+        return self.fut.result()[self.i]
+
+
+@contextlib.contextmanager
+def no_gc():
+    """Defer Python's cyclic garbage collector for the caller's blocking part of a save.
+
+    Walking a large state allocates thousands of small objects; in a process holding a model
+    (~450k tracked objects with transformers loaded) the collections they trigger cost more
+    than the walk itself (collect: 24 ms with, 8 ms without, SmolLM2 + LoRA + AdamW state).
+    Nothing is leaked: collection resumes, as it was, on exit.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _sync_devices(sources: dict) -> None:
@@ -479,7 +580,8 @@ class Saver:
         opts.check()
         with self._lock:
             self.wait()
-            return self._start(state, Path(os.path.abspath(os.fspath(path))), opts)
+            with no_gc():
+                return self._start(state, Path(os.path.abspath(os.fspath(path))), opts)
 
     def _plan(self, specs: list, opts: SaveOptions) -> SavePlan:
         """:func:`plan_save`, memoised on its inputs (a training run saves the same layout each time)."""
@@ -523,6 +625,7 @@ class Saver:
 def _finish(job: _Job, col, path: Path, opts: SaveOptions, fut: SaveFuture, t0: float) -> None:
     exc: BaseException | None = None
     try:
+        job.start_verify()
         job.write_all()
         job.verify_links()
         job.record_hashes()

@@ -53,6 +53,7 @@ import numpy as np
 import fastckpt
 from fastckpt.commit import clean_stale_temps
 from fastckpt.errors import LinkedTensorChangedError
+from fastckpt.saver import no_gc
 
 logger = logging.getLogger(__name__)
 
@@ -279,6 +280,10 @@ class FastCkptCallback(_trainer_callback_base()):
     def _save(self, args, state, control) -> None:
         if not args.should_save:
             return
+        with no_gc():  # building the snapshot allocates thousands of objects (see fastckpt.saver.no_gc)
+            self._save_now(args, state, control)
+
+    def _save_now(self, args, state, control) -> None:
         self.wait(args)
         out = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         t0 = time.perf_counter()
@@ -316,7 +321,7 @@ class FastCkptCallback(_trainer_callback_base()):
         logger.info("fastckpt: checkpoint-%d staged in %.3f s, writing in background",
                     state.global_step, blocking)
         if state.max_steps and state.global_step >= state.max_steps:
-            if not self.wait(args):  # last save: let load_best_model_at_end and the caller see it
+            if self.wait(args) is False:  # last save: let load_best_model_at_end and the caller see it
                 self._save(args, state, control)  # dropped: training is over, save again by hashing
 
     def _refs(self, args, state, kw) -> None:

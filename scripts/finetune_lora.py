@@ -276,8 +276,10 @@ def main(argv=None) -> int:
 
     def timed_wait(args=None):  # count time training waits for a pending save
         s = time.perf_counter()
-        real_wait(args)
-        cb_wait[0] += time.perf_counter() - s
+        try:
+            return real_wait(args)
+        finally:
+            cb_wait[0] += time.perf_counter() - s
     cb.wait = timed_wait
     out = trainer.train(resume_from_checkpoint=resume)
     train_s = time.perf_counter() - t1
