@@ -106,6 +106,7 @@ def save(state: Any, path: str | os.PathLike, *, process_group: Any = None, **op
         The errors of :func:`async_save`, and any I/O failure (``OSError`` with its errno,
         e.g. ENOSPC, EIO) of the background writers, with nothing committed.
     """
+    options.setdefault("early_writes", True)  # the caller waits for the whole save: overlap copy and disk
     return async_save(state, path, process_group=process_group, **options).result()
 
 

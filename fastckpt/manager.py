@@ -142,7 +142,9 @@ class CheckpointManager:
         return fut
 
     def save(self, step: int, state: Any, **options: Any) -> Path:
-        """Save ``state`` as ``step`` and return its folder once durable and committed."""
+        """Save ``state`` as ``step`` and return its folder once durable and committed
+        (``early_writes`` on by default, as :func:`fastckpt.save`)."""
+        options.setdefault("early_writes", True)
         return self.async_save(step, state, **options).result()
 
     def wait(self) -> None:

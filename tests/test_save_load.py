@@ -459,3 +459,28 @@ def test_many_small_mixed_tensors_stage_in_batched_runs(tmp_path):
     theirs = load_file(str(tmp_path / "c" / "model-00001-of-00001.safetensors"))
     for k, v in state["model"].items():
         assert raw(theirs[k]) == raw(v), k
+
+
+@pytest.mark.parametrize("call, expect_early", [("async_save", False), ("save", True)])
+def test_early_writes_only_where_the_caller_waits_for_the_whole_save(tmp_path, monkeypatch, call, expect_early):
+    """async_save: the disk starts after the copy (training waits only for the copy);
+    save: writes overlap the copy (the caller waits for both anyway)."""
+    from fastckpt import saver
+    staged, during = [False], []
+    real_stage, real_write = saver._Job.stage, saver._Job._write_unit
+
+    def stage(job, *a, **kw):
+        real_stage(job, *a, **kw)
+        staged[0] = True
+
+    def write_unit(job, *a, **kw):
+        during.append(not staged[0])
+        return real_write(job, *a, **kw)
+    monkeypatch.setattr(saver._Job, "stage", stage)
+    monkeypatch.setattr(saver._Job, "_write_unit", write_unit)
+    state = {"model": {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(16)}}  # 64 MiB, 8 units
+    out = getattr(fastckpt, call)(state, tmp_path / "c")
+    if call == "async_save":
+        out.result()
+    assert len(during) >= 8 and any(during) == expect_early
+    assert_tree_same(fastckpt.load(tmp_path / "c"), state)
