@@ -478,16 +478,20 @@ def _changed(item: tuple) -> bool:
 
 #: Bytes of one batched staging copy (small enough for writes to start while the caller copies).
 _RUN_BYTES = 64 << 20
+#: Tensors below this size are staged in batches (their per-tensor overhead exceeds the copy).
+_SMALL_BYTES = 1 << 20
 
 
 def _copy_runs(tensors: list, sources: dict) -> list[list]:
-    """Split planned tensors (stream order) into runs that one ``torch.cat`` can stage: same
-    dtype, contiguous CPU sources, back to back in the stream, <= :data:`_RUN_BYTES`."""
+    """Split planned tensors (stream order) into runs that one ``torch.cat`` can stage: small
+    (< :data:`_SMALL_BYTES`), same dtype, contiguous CPU sources, back to back in the stream,
+    <= :data:`_RUN_BYTES` per run. Large tensors stay alone: their ``copy_`` runs on all
+    intra-op threads (``cat`` copies on one, which is slower into freshly faulted memory)."""
     runs: list[list] = []
     end, dtype, nbytes = -1, None, 0
     for t in tensors:
         src = sources[t.spec.key]
-        ok = src.device.type == "cpu" and src.is_contiguous() and src.numel() > 0
+        ok = src.device.type == "cpu" and src.is_contiguous() and 0 < t.spec.nbytes < _SMALL_BYTES
         if ok and runs and t.stream_offset == end and src.dtype == dtype and nbytes + t.spec.nbytes <= _RUN_BYTES:
             runs[-1].append(t)
             nbytes += t.spec.nbytes
