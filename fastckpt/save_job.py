@@ -1,0 +1,330 @@
+"""One save in flight: the files, the staging copy, the writes, the link decisions.
+
+:class:`_Job` is what :class:`fastckpt.saver.Saver` runs for each save: the caller's thread runs
+``link_unchanged`` (``link_from``), ``open_files`` and ``stage``; the background thread runs
+``start_verify``, ``write_all``, ``verify_links``, ``record_hashes`` and ``close``. Small helpers
+for batched staging copies and batched hashing live here too.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import xxhash
+
+from . import dedupe
+from .errors import LinkedTensorChangedError
+from .io import FileWriter, get_backend, write_all
+from .planner import SavePlan
+from .staging import StagingPool, copy_into, copy_pieces
+
+if TYPE_CHECKING:
+    from .saver import SaveOptions
+
+
+def default_threads() -> int:
+    """Default I/O thread count: 8 on small machines, up to 16 with more cores."""
+    return min(16, max(8, os.cpu_count() or 1))
+
+
+class _Job:
+    """One save in flight: files, staging buffer, writer pool."""
+
+    def __init__(self, plan: SavePlan, tmp: str, opts: SaveOptions, pool: StagingPool,
+                 cache: dedupe.HashCache | None = None):
+        self.plan, self.tmp, self.opts, self.pool = plan, tmp, opts, pool
+        # link_check="version": hashes of earlier saves, and what this save adds to them
+        self.cache = cache if opts.link_check == "version" else None
+        self.idents: dict[str, Any] = {}  # key -> HashCache.ident at the call (staged/hashed tensors)
+        self.to_verify: list[tuple[str, Any, str, int]] = []  # (key, tensor, xxh3, version at call)
+        self.verifying: dict = {}  # to_verify item -> _Pick of "changed?" (see start_verify)
+        self.be = get_backend(opts.io_backend)
+        self.writers: list[FileWriter] = []
+        self.exec = ThreadPoolExecutor(opts.threads or default_threads(), thread_name_prefix="fastckpt-io")
+        self.unit_futs: dict[int, Future] = {}
+        self.hashes: dict[str, Any] = {}
+        self.buf = self.view = None
+        self.streaming = False
+        self.first_exc: BaseException | None = None  # the first failed write (raised by the save)
+        self.exc_lock = threading.Lock()
+        self.linked: set[int] = set()  # file indexes hard-linked from opts.link_from
+
+    def link_unchanged(self, col) -> None:
+        """Hard-link files whose bytes equal the previous checkpoint's (see :mod:`fastckpt.dedupe`)."""
+        sources = col.sources
+        prev = dedupe.previous_manifest(self.opts.link_from)
+        cands = dedupe.candidate_files(self.plan.files, prev)
+        for i, f in enumerate(self.plan.files):
+            if f.name not in cands:
+                continue
+            keys = [t.spec.key for t in f.tensors]
+            known: dict[str, str | None] = dict.fromkeys(keys)
+            if self.cache is not None:
+                if any(k in col.trainable for k in keys) or not any(k in col.frozen for k in keys):
+                    continue  # no frozen weights to link, or an optimizer steps them: stage
+                for k in keys:
+                    if k in col.frozen:
+                        known[k] = self.cache.lookup(k, sources[k])
+                        self.idents[k] = dedupe.HashCache.ident(sources[k])
+                if dedupe.CHANGED in known.values():
+                    continue  # written in place since the last save: stage it
+            todo = [k for k in keys if known[k] is None]  # hashed in parallel: xxhash releases the GIL
+            hashes = {**known, **self.batched(todo, lambda k: sources[k].numel() * sources[k].element_size(),
+                                              lambda k: dedupe.source_hash(sources[k]))}
+            if dedupe.identical(f, hashes, prev) and dedupe.link_file(self.opts.link_from, self.tmp, f.name):
+                self.linked.add(i)
+                self.hashes.update(hashes)
+                self.to_verify += [(k, sources[k], known[k], sources[k]._version) for k in keys if known[k]]
+
+    def batched(self, items: list, size: Callable[[Any], int], fn: Callable[[Any], Any], *,
+                wait: bool = True) -> dict:
+        """``{item: fn(item)}``, computed on the I/O pool in batches of >= :data:`_BATCH_BYTES`
+        (one task per tensor costs more than hashing a small one). With ``wait=False`` the
+        values are futures of the batches' results. A single batch runs in the caller's thread."""
+        batches, cur, cur_bytes = [], [], 0
+        for it in items:
+            cur.append(it)
+            cur_bytes += size(it)
+            if cur_bytes >= _BATCH_BYTES:
+                batches.append(cur)
+                cur, cur_bytes = [], 0
+        if cur:
+            batches.append(cur)
+        run = lambda b: [fn(it) for it in b]  # noqa: E731  (xxhash releases the GIL on big buffers)
+        if wait and len(batches) <= 1:
+            return {it: v for b in batches for it, v in zip(b, run(b))}
+        futs = [(b, self.exec.submit(run, b)) for b in batches]
+        if not wait:
+            return {it: _Pick(f, i) for b, f in futs for i, it in enumerate(b)}
+        return {it: v for b, f in futs for it, v in zip(b, f.result())}
+
+    def start_verify(self) -> None:
+        """Background half of ``link_check="version"``, started before the writes (it overlaps
+        them): re-hash every tensor linked on its version counter alone."""
+        items, self.to_verify = self.to_verify, []
+
+        self.verifying = self.batched(items, lambda it: it[1].numel() * it[1].element_size(), _changed,
+                                      wait=False)
+
+    def verify_links(self) -> None:
+        """Raise :class:`LinkedTensorChangedError` where :meth:`start_verify` found bytes that
+        differ although the version counter did not move (a write that bypassed it)."""
+        found, self.verifying = self.verifying, {}
+        suspects = [it for it, res in found.items() if res.result()]
+        # an in-place op running right now bumps the counter only when it is done: look again
+        for pause in (0.001, 0.01, 0.1, 1.0):
+            if not suspects:
+                break
+            time.sleep(pause)
+            suspects = [it for it in suspects if _changed(it)]
+        bad = [it[0] for it in suspects]
+        if bad:
+            for k in bad:  # their records are proven stale: the next save hashes them again
+                self.cache.record(k, None, "")
+            raise LinkedTensorChangedError(
+                f"{len(bad)} tensor(s) hard-linked as unchanged from {self.opts.link_from} (same storage "
+                f"and version counter as at the last save) have different bytes, e.g. {bad[0]!r}: they "
+                "were written without the version counter seeing it (.data, a NumPy view); nothing was "
+                "committed; save with link_check='hash'")
+
+    def record_hashes(self) -> None:
+        """Give the cache the hash of every tensor this save hashed, for the next save."""
+        if self.cache is None:
+            return
+        for k, ident in self.idents.items():
+            h = self.hashes.get(k)
+            if isinstance(h, str):
+                self.cache.record(k, ident, h)
+
+    def open_files(self) -> None:
+        for i, f in enumerate(self.plan.files):
+            self.writers.append(None if i in self.linked else  # type: ignore[arg-type]
+                                FileWriter(self.be, os.path.join(self.tmp, f.name), f.size,
+                                           self.opts.o_direct is not False))
+
+    def _write_unit(self, i: int, slot_off: int) -> None:
+        if self.first_exc is not None:
+            raise self.first_exc  # a write already failed: do not keep writing
+        u = self.plan.units[i]
+        try:
+            self.writers[u.file_index].write(self.view[slot_off:slot_off + u.nbytes], u.file_offset)
+        except BaseException as e:
+            with self.exc_lock:
+                if self.first_exc is None:
+                    self.first_exc = e
+            raise
+
+    def stage(self, sources: dict, frozen: set[str] = frozenset()) -> None:
+        """Copy every tensor into the staging buffer (the caller's blocking part)."""
+        p, chunk = self.plan, self.plan.chunk_bytes
+        budget = self.opts.staging_bytes
+        self.streaming = budget is not None and budget < p.stream_bytes
+        size = max(2, budget // chunk) * chunk if self.streaming else p.stream_bytes
+        self.buf, self.view = self.pool.acquire(size)
+        tensors = sorted((t for i, f in enumerate(p.files) if i not in self.linked for t in f.tensors),
+                         key=lambda t: t.stream_offset)
+        if self.cache is not None:  # frozen parameters: their hashes let the next save link them
+            self.idents.update((t.spec.key, dedupe.HashCache.ident(sources[t.spec.key]))
+                               for t in tensors if t.spec.key in frozen)
+        if not self.streaming:
+            # host sources: each write unit goes out as soon as its bytes are staged, so the
+            # disk works while the caller copies (save total ~ max(copy, write), not the sum)
+            early = self.opts.early_writes and all(getattr(v, "device", None) is None or v.device.type == "cpu"
+                                          for v in sources.values())
+            units, nxt = self.plan.units, 0
+            for run in _copy_runs(tensors, sources):
+                a, b = run[0].stream_offset, run[-1].stream_offset + run[-1].spec.nbytes
+                if len(run) == 1:
+                    copy_into(self.buf[a:b], sources[run[0].spec.key])
+                else:  # one op for many small tensors: per-tensor views and copies cost ~10 us each
+                    torch.cat([sources[t.spec.key].reshape(-1) for t in run],
+                              out=self.buf[a:b].view(sources[run[0].spec.key].dtype))
+                if early:
+                    cursor = b
+                    while nxt < len(units) and units[nxt].stream_offset + units[nxt].nbytes <= cursor:
+                        if units[nxt].file_index not in self.linked:
+                            self.unit_futs[nxt] = self.exec.submit(self._write_unit, nxt, units[nxt].stream_offset)
+                        nxt += 1
+            _sync_devices(sources)
+            return
+        self._stage_streaming(tensors, sources, size // chunk)
+
+    def _stage_streaming(self, tensors: list, sources: dict, n_slots: int) -> None:
+        chunk = self.plan.chunk_bytes
+        grid = {u.stream_offset // chunk: i for i, u in enumerate(self.plan.units)}
+        next_unit = 0
+
+        def slot_of(g: int):
+            submit_ready(g * chunk)  # everything before grid line g is staged
+            old = grid.get(g - n_slots)
+            if old is not None and old in self.unit_futs:
+                self.unit_futs[old].result()
+            s = (g % n_slots) * chunk
+            return self.buf[s:s + chunk]
+
+        def submit_ready(cursor: int) -> int:
+            nonlocal next_unit
+            while next_unit < len(self.plan.units):
+                u = self.plan.units[next_unit]
+                if u.stream_offset + u.nbytes > cursor:
+                    break
+                slot = ((u.stream_offset // chunk) % n_slots) * chunk
+                if u.file_index not in self.linked:
+                    self.unit_futs[next_unit] = self.exec.submit(self._write_unit, next_unit, slot)
+                next_unit += 1
+            return next_unit
+
+        for t in tensors:
+            h = xxhash.xxh3_64()
+            copy_pieces(sources[t.spec.key], t.stream_offset, chunk, slot_of, h)
+            _sync_devices({0: sources[t.spec.key]})
+            self.hashes[t.spec.key] = h.hexdigest()
+            submit_ready(t.stream_offset + t.spec.nbytes)
+        submit_ready(self.plan.stream_bytes)
+
+    def write_all(self) -> None:
+        """Background part: remaining writes, checksums, headers, fsync."""
+        if not self.streaming:
+            for i, u in enumerate(self.plan.units):
+                if i not in self.unit_futs and u.file_index not in self.linked:
+                    self.unit_futs[i] = self.exec.submit(self._write_unit, i, u.stream_offset)
+            staged = [t for fi, f in enumerate(self.plan.files) if fi not in self.linked for t in f.tensors]
+            self.hashes.update((t.spec.key, h) for t, h in self.batched(
+                staged, lambda t: t.spec.nbytes,
+                lambda t: xxhash.xxh3_64(self.view[t.stream_offset:t.stream_offset + t.spec.nbytes]).hexdigest(),
+                wait=False).items())
+        for fut in self.unit_futs.values():
+            fut.exception()
+        if self.first_exc is not None:
+            raise self.first_exc
+        for fut in self.unit_futs.values():
+            fut.result()
+        self.hashes = {k: (v.result() if isinstance(v, _Pick) else v) for k, v in self.hashes.items()}
+        self.pool.release()
+        self.buf = self.view = None
+        writers = [w for w in self.writers if w is not None]
+        for w, f in zip(self.writers, self.plan.files):
+            if w is not None:
+                write_all(self.be, w.fd, memoryview(f.prefix), 0)  # buffered fd: bytes are not page aligned
+        list(self.exec.map(lambda w: w.sync(), writers))
+
+    def close(self, strict: bool = False) -> None:
+        """Close files and threads; safe on any path. ``strict``: re-raise the first close() error
+        (a write error reported only at close, e.g. NFS or quota, must fail the save)."""
+        err: OSError | None = None
+        for w in self.writers:
+            if w is None:
+                continue
+            try:
+                w.close()
+            except OSError as e:
+                err = err or e
+        self.exec.shutdown(wait=True, cancel_futures=True)
+        if self.buf is not None:
+            self.buf = self.view = None
+            self.pool.release()
+        if strict and err is not None:
+            raise err
+
+
+def _changed(item: tuple) -> bool:
+    """True if a ``(key, tensor, xxh3, version at the call)`` item now hashes differently while
+    its version counter has not moved."""
+    _, t, want, version = item
+    return t._version == version and dedupe.source_hash(t) != want
+
+
+#: Bytes of one batched staging copy (small enough for writes to start while the caller copies).
+_RUN_BYTES = 64 << 20
+#: Tensors below this size are staged in batches (their per-tensor overhead exceeds the copy).
+_SMALL_BYTES = 1 << 20
+
+
+def _copy_runs(tensors: list, sources: dict) -> list[list]:
+    """Split planned tensors (stream order) into runs that one ``torch.cat`` can stage: small
+    (< :data:`_SMALL_BYTES`), same dtype, contiguous CPU sources, back to back in the stream,
+    <= :data:`_RUN_BYTES` per run. Large tensors stay alone: their ``copy_`` runs on all
+    intra-op threads (``cat`` copies on one, which is slower into freshly faulted memory)."""
+    runs: list[list] = []
+    end, dtype, nbytes = -1, None, 0
+    for t in tensors:
+        src = sources[t.spec.key]
+        ok = src.device.type == "cpu" and src.is_contiguous() and 0 < t.spec.nbytes < _SMALL_BYTES
+        if ok and runs and t.stream_offset == end and src.dtype == dtype and nbytes + t.spec.nbytes <= _RUN_BYTES:
+            runs[-1].append(t)
+            nbytes += t.spec.nbytes
+        else:
+            runs.append([t])
+            nbytes = t.spec.nbytes
+            dtype = src.dtype if ok else None  # a device/strided/empty source stays alone
+        end = t.stream_offset + t.spec.nbytes if ok else -1
+    return runs
+
+
+#: Bytes of tensors hashed per I/O-pool task (tiny tasks cost more in scheduling than in hashing).
+_BATCH_BYTES = 16 << 20
+
+
+class _Pick:
+    """Element ``i`` of a future's list result (one batch of :meth:`_Job.batched`)."""
+
+    __slots__ = ("fut", "i")
+
+    def __init__(self, fut: Future, i: int):
+        self.fut, self.i = fut, i
+
+    def result(self) -> Any:
+        return self.fut.result()[self.i]
+
+
+def _sync_devices(sources: dict) -> None:
+    for t in sources.values():
+        if t.device.type == "cuda":
+            import torch
+            torch.cuda.synchronize()
+            return
