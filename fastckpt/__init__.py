@@ -68,7 +68,9 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
         path: checkpoint folder to create; its parent is created if needed.
         **options: see :class:`fastckpt.saver.SaveOptions` (``overwrite``, ``weights``,
             ``extra_files``, ``metadata``, ``step``, ``max_shard_bytes``, ``chunk_bytes``,
-            ``threads``, ``staging_bytes``, ``o_direct``, ``io_backend``, ...).
+            ``threads``, ``staging_bytes``, ``o_direct``, ``io_backend``, ``link_from``,
+            ``link_check``, ``early_writes`` (default ``False`` here: the call returns after the
+            copy and the writes start then), ...).
         process_group: ``torch.distributed`` group whose ranks all save this checkpoint together
             (default: the world group when initialized; with one rank, or
             ``fastckpt.distributed.LOCAL``, this process saves alone). Multi-rank options:
@@ -99,7 +101,8 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
 def save(state: Any, path: str | os.PathLike, *, process_group: Any = None, **options: Any) -> Path:
     """Write ``state`` to ``path`` and return once every byte is durable and committed.
 
-    Same as ``async_save(state, path, **options).result()``; the folder appears only
+    Same as ``async_save(state, path, early_writes=True, **options).result()`` (writes start
+    while the state is still being copied, since the caller waits for both); the folder appears only
     complete (written to a hidden sibling, fsynced, renamed).
 
     Raises:
