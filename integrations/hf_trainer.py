@@ -123,6 +123,11 @@ def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | No
     return victims
 
 
+def _logged(state) -> bool:
+    """True if ``state.log_history`` already has the training log entry of the current step."""
+    return any(h.get("step") == state.global_step and "loss" in h for h in state.log_history[-4:])
+
+
 def _new_best(args, state, metrics: dict[str, float]) -> bool:
     """Mirror of ``Trainer._determine_best_metric``; updates ``state`` and returns is-new-best."""
     name = args.metric_for_best_model
@@ -197,6 +202,7 @@ class FastCkptCallback(_trainer_callback_base()):
         self._tok_cache: tuple[int, dict[str, bytes]] | None = None  # (id(processing_class), files)
         self._lock = threading.Lock()
         self._save_after_eval = False
+        self._save_after_log = False
         self._training = False
         self._epoch_rng: dict[str, Any] | None = None
         self._resume_rng: tuple[str, dict[str, Any]] | None = None  # (when, rng)
@@ -231,6 +237,7 @@ class FastCkptCallback(_trainer_callback_base()):
         self._epoch_rng = capture_rng_state()
 
     def on_step_begin(self, args, state, control, **kw):
+        self._flush_deferred(args, state, control)
         if self._resume_rng is not None and self._resume_rng[0] == "step":
             restore_rng_state(self._resume_rng[1])
             self._resume_rng = None
@@ -260,6 +267,7 @@ class FastCkptCallback(_trainer_callback_base()):
 
     def on_train_end(self, args, state, control, **kw):
         try:
+            self._flush_deferred(args, state, control)
             self.wait(args)
         finally:
             self._training = False
@@ -274,7 +282,23 @@ class FastCkptCallback(_trainer_callback_base()):
             return
         if control.should_evaluate:
             self._save_after_eval = True  # save after metrics/best are known, as the Trainer does
+        elif control.should_log and not _logged(state):
+            # the Trainer logs this step right after on_step_end and saves after logging: save in
+            # on_log, so trainer_state.json holds this step's log entry as the Trainer's own would
+            self._save_after_log = True
         else:
+            self._save(args, state, control)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if self._save_after_log and not self._save_after_eval:
+            self._save_after_log = False
+            self._refs(args, state, kw)
+            self._save(args, state, control)
+
+    def _flush_deferred(self, args, state, control) -> None:
+        """A save deferred to on_log whose log never came: do it now rather than never."""
+        if self._save_after_log:
+            self._save_after_log = False
             self._save(args, state, control)
 
     def _save(self, args, state, control) -> None:

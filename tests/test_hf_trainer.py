@@ -117,6 +117,8 @@ def test_callback_takes_over_saving(tmp_path):
     assert any("fastckpt_save_blocking_s" in h for h in tr.state.log_history)
     st = json.loads((tmp_path / "checkpoint-8" / "trainer_state.json").read_text())
     assert st["global_step"] == 8
+    # saved after the Trainer logged step 8, as its own save is: the step's log entry is kept
+    assert [h["step"] for h in st["log_history"] if "loss" in h] == list(range(1, 9))
     # the folder is an HF model folder with the live weights of step 16
     m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-16")
     live = tr.model.state_dict()
