@@ -122,6 +122,8 @@ class SaveOptions:
         for n in self.extra_files or {}:
             if "/" in n or n.startswith(".") or n in (cm.MANIFEST, cm.STATE_JSON):
                 raise ValueError(f"extra file name {n!r} is reserved or not a plain file name")
+        if not isinstance(self.early_writes, bool):
+            raise ValueError(f"early_writes must be True or False, got {self.early_writes!r}")
         if self.link_check not in ("hash", "version"):
             raise ValueError(f"link_check must be 'hash' or 'version', got {self.link_check!r}")
         check_metadata(self.metadata)

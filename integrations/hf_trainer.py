@@ -123,6 +123,12 @@ def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | No
     return victims
 
 
+#: SaveOptions the callback passes through (it sets overwrite, weights, extra_files, metadata itself).
+_CALLBACK_SAVE_OPTIONS = frozenset({"max_shard_bytes", "chunk_bytes", "threads", "staging_bytes", "o_direct",
+                                    "io_backend", "min_free_bytes", "link_from", "link_check", "early_writes",
+                                    "step"})
+
+
 def _logged(state) -> bool:
     """True if ``state.log_history`` already has the training log entry of the current step."""
     return any(h.get("step") == state.global_step and "loss" in h for h in state.log_history[-4:])
@@ -183,6 +189,9 @@ class FastCkptCallback(_trainer_callback_base()):
     saved once with ``save_pretrained`` and cached) and ``generation_config.json``, so that
     ``fastckpt load --to DIR`` gives a folder ``vllm serve`` and ``AutoTokenizer`` accept.
 
+    Raises:
+        TypeError: at construction, a save option :func:`fastckpt.async_save` would not take here.
+
     Raises (from the Trainer's calls):
         ValueError: ``push_to_hub=True`` (not supported; refused at train begin).
         FastCkptError / OSError: a background save failed (re-raised with its type at the next
@@ -192,6 +201,10 @@ class FastCkptCallback(_trainer_callback_base()):
     def __init__(self, resume_from: str | os.PathLike | None = None, **save_options):
         self.link_unchanged = bool(save_options.pop("link_unchanged", True))
         save_options.setdefault("link_check", "version")
+        unknown = sorted(set(save_options) - _CALLBACK_SAVE_OPTIONS)
+        if unknown:  # a typo must not surface only at the first save, mid-training
+            raise TypeError(f"FastCkptCallback got unknown save option(s) {unknown}; "
+                            f"valid: {sorted(_CALLBACK_SAVE_OPTIONS)} and link_unchanged")
         self._snapshot = ModelSnapshotter()  # key -> parameter map, built once (at train begin)
         self.save_options = save_options
         self.resume_from = str(resume_from) if resume_from is not None else None

@@ -221,7 +221,7 @@ def report(cb, train_s: float, own: list[tuple[float, int]], waited_s: float) ->
         res["later_blocking_x_memcpy"] = later / res["memcpy_s"] if later is not None else None
         print(f"one memory copy of the saved state ({res['bytes_per_save'] / 1e6:.1f} MB, touched memory): "
               f"{res['memcpy_s']:.3f} s; worst blocking per save = {worst / res['memcpy_s']:.2f}x that"
-              + (f" (the first save copies everything; later saves: at most {res['later_blocking_x_memcpy']:.2f}x)"
+              + (f" (the first save of a process copies everything, or on --resume hashes the base weights once to link them; later saves: at most {res['later_blocking_x_memcpy']:.2f}x)"
                  if later is not None else ""))
         print(f"unchanged frozen base weights hard-linked from the previous checkpoint: {linked / 1e6:.1f} MB "
               "(frozen parameters with an unchanged version counter; re-hashed by xxh3 in the background "

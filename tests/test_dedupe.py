@@ -179,6 +179,9 @@ def test_version_link_never_matches_a_new_tensor(tmp_path):
 def test_link_check_is_validated(tmp_path):
     with pytest.raises(ValueError, match="link_check"):
         fastckpt.save({"x": torch.zeros(2)}, tmp_path / "c", link_check="mtime")
+    with pytest.raises(ValueError, match="early_writes"):
+        fastckpt.save({"x": torch.zeros(2)}, tmp_path / "c", early_writes="yes")
+    assert not (tmp_path / "c").exists()
 
 
 def test_plan_memo_follows_metadata(tmp_path):

@@ -202,6 +202,12 @@ def test_save_strategy_best_and_save_only_model(tmp_path):
     assert "optimizer" not in snap and "rng" not in snap
 
 
+def test_unknown_save_option_refused_at_construction():
+    with pytest.raises(TypeError, match="thread"):
+        hf_trainer.FastCkptCallback(thread=4)  # a typo of threads, caught before training starts
+    hf_trainer.FastCkptCallback(threads=4, link_unchanged=False, staging_bytes=1 << 26)
+
+
 def test_push_to_hub_refused(tmp_path):
     tr = make_trainer(tmp_path, num_train_epochs=1)
     tr.args.push_to_hub = True
