@@ -29,6 +29,7 @@ import shlex
 import shutil
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 
 from . import commit as cm
@@ -254,7 +255,13 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
     tmp = cm.make_temp_dir(to)
     try:
         if args.merge_lora and src.adapter_dir:
-            sd, entries = merged_state(src)
+            with warnings.catch_warnings():
+                if args.quiet:  # -q: also transformers' own "Loading weights" bar and notices
+                    import transformers
+                    transformers.utils.logging.disable_progress_bar()
+                    transformers.utils.logging.set_verbosity_error()
+                    warnings.simplefilter("ignore", FutureWarning)
+                sd, entries = merged_state(src)
             fetch = lambda names: {n: sd[n] for n in names}  # noqa: E731
         else:
             entries = _entries(src)
