@@ -130,10 +130,10 @@ class HashCache:
     def record(self, key: str, ident: tuple[weakref.ref, tuple] | None, digest: str) -> None:
         """Remember ``digest`` (xxh3-64 hex of the bytes at the time ``ident`` was taken)."""
         if ident is None:
-            self._entries.pop(key, None)
+            self.forget(key)
         else:
             self._entries[key] = (ident[0], ident[1], digest)
 
-    def clear(self) -> None:
-        """Forget every entry."""
-        self._entries.clear()
+    def forget(self, key: str) -> None:
+        """Drop the record of ``key`` (proven stale): the next save hashes it again."""
+        self._entries.pop(key, None)

@@ -124,8 +124,8 @@ class _Job:
             suspects = [it for it in suspects if _changed(it)]
         bad = [it[0] for it in suspects]
         if bad:
-            for k in bad:  # their records are proven stale: the next save hashes them again
-                self.cache.record(k, None, "")
+            for k in bad:
+                self.cache.forget(k)
             raise LinkedTensorChangedError(
                 f"{len(bad)} tensor(s) hard-linked as unchanged from {self.opts.link_from} (same storage "
                 f"and version counter as at the last save) have different bytes, e.g. {bad[0]!r}: they "
