@@ -58,7 +58,9 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
     """Stage ``state`` into host memory and write it to ``path`` in the background.
 
     Returns as soon as every tensor is copied into the staging buffer: the checkpoint holds
-    the values the tensors had at the call even if they change right after. A second call
+    the values the tensors had at the call even if they change right after (except frozen
+    parameters under ``defer_frozen=True``, copied later and checked, see
+    :class:`~fastckpt.saver.SaveOptions`). A second call
     waits for the previous save of the same process (staging memory stays bounded) and
     raises its failure if nobody collected it.
 
@@ -70,7 +72,7 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
             ``extra_files``, ``metadata``, ``step``, ``max_shard_bytes``, ``chunk_bytes``,
             ``threads``, ``staging_bytes``, ``o_direct``, ``io_backend``, ``link_from``,
             ``link_check``, ``early_writes`` (default ``False`` here: the call returns after the
-            copy and the writes start then), ...).
+            copy and the writes start then), ``defer_frozen``, ...).
         process_group: ``torch.distributed`` group whose ranks all save this checkpoint together
             (default: the world group when initialized; with one rank, or
             ``fastckpt.distributed.LOCAL``, this process saves alone). Multi-rank options:
@@ -126,6 +128,20 @@ def reserve(nbytes: int, *, background: bool = True) -> None:
     _saver().reserve(nbytes, background=background)
 
 
+def prime_hashes(state: Any, *, weights: dict[str, str] | None = None, background: bool = True) -> int:
+    """Hash the frozen ``nn.Parameter`` values of ``state`` for later :func:`async_save` calls
+    with ``link_check="version"`` (see :meth:`fastckpt.saver.Saver.prime_hashes`).
+
+    Call it once before training (after loading or resuming): the first save can then link the
+    frozen weights from an earlier checkpoint, or with ``defer_frozen=True`` copy them in the
+    background, instead of hashing or copying them while training waits.
+
+    Returns:
+        Bytes to hash (in a background thread by default; a save waits for it).
+    """
+    return _saver().prime_hashes(state, weights=weights, background=background)
+
+
 def wait() -> None:
     """Wait for the pending :func:`async_save` of this process; re-raise an uncollected failure."""
     _saver().wait()
@@ -133,7 +149,7 @@ def wait() -> None:
         d.wait()
 
 
-__all__ = ["save", "async_save", "load", "wait", "reserve", "verify", "is_committed", "read_manifest", "open_checkpoint",
+__all__ = ["save", "async_save", "load", "wait", "reserve", "prime_hashes", "verify", "is_committed", "read_manifest", "open_checkpoint",
            "CheckpointManager", "SaveFuture", "SaveOptions", "VerifyReport", "errors", "FastCkptError",
            "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError", "HeaderError",
            "ChecksumMismatchError", "UnsupportedValueError", "UnsupportedDtypeError", "InsufficientSpaceError"]

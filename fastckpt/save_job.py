@@ -2,12 +2,13 @@
 
 :class:`_Job` is what :class:`fastckpt.saver.Saver` runs for each save: the caller's thread runs
 ``link_unchanged`` (``link_from``), ``open_files`` and ``stage``; the background thread runs
-``start_verify``, ``write_all``, ``verify_links``, ``record_hashes`` and ``close``. Small helpers
+``start_verify``, ``write_all`` (which first stages ``defer_frozen`` tensors), ``verify_links``, ``record_hashes`` and ``close``. Small helpers
 for batched staging copies and batched hashing live here too.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
@@ -53,6 +54,9 @@ class _Job:
         self.first_exc: BaseException | None = None  # the first failed write (raised by the save)
         self.exc_lock = threading.Lock()
         self.linked: set[int] = set()  # file indexes hard-linked from opts.link_from
+        # defer_frozen: key -> (recorded xxh3, version at the call) of tensors staged by write_all
+        self.deferred: dict[str, tuple[str, int]] = {}
+        self.sources: dict[str, torch.Tensor] = {}
 
     def link_unchanged(self, col) -> None:
         """Hard-link files whose bytes equal the previous checkpoint's (see :mod:`fastckpt.dedupe`)."""
@@ -171,28 +175,101 @@ class _Job:
         if self.cache is not None:  # frozen parameters: their hashes let the next save link them
             self.idents.update((t.spec.key, dedupe.HashCache.ident(sources[t.spec.key]))
                                for t in tensors if t.spec.key in frozen)
+        host = all(getattr(v, "device", None) is None or v.device.type == "cpu" for v in sources.values())
+        if self.cache is not None and self.opts.defer_frozen and host and not self.streaming:
+            self._defer(tensors, sources, frozen)
+            tensors = [t for t in tensors if t.spec.key not in self.deferred]
         if not self.streaming:
             # host sources: each write unit goes out as soon as its bytes are staged, so the
             # disk works while the caller copies (save total ~ max(copy, write), not the sum)
-            early = self.opts.early_writes and all(getattr(v, "device", None) is None or v.device.type == "cpu"
-                                          for v in sources.values())
+            early = self.opts.early_writes and host and not self.deferred
             units, nxt = self.plan.units, 0
             for run in _copy_runs(tensors, sources):
-                a, b = run[0].stream_offset, run[-1].stream_offset + run[-1].spec.nbytes
-                if len(run) == 1:
-                    copy_into(self.buf[a:b], sources[run[0].spec.key])
-                else:  # one op for many small tensors: per-tensor views and copies cost ~10 us each
-                    torch.cat([sources[t.spec.key].reshape(-1) for t in run],
-                              out=self.buf[a:b].view(sources[run[0].spec.key].dtype))
+                b = self._copy_run(run, sources)
                 if early:
-                    cursor = b
-                    while nxt < len(units) and units[nxt].stream_offset + units[nxt].nbytes <= cursor:
+                    while nxt < len(units) and units[nxt].stream_offset + units[nxt].nbytes <= b:
                         if units[nxt].file_index not in self.linked:
                             self.unit_futs[nxt] = self.exec.submit(self._write_unit, nxt, units[nxt].stream_offset)
                         nxt += 1
             _sync_devices(sources)
             return
         self._stage_streaming(tensors, sources, size // chunk)
+
+    def _copy_run(self, run: list, sources: dict) -> int:
+        """Stage one run of :func:`_copy_runs`; returns the stream offset just past it."""
+        a, b = run[0].stream_offset, run[-1].stream_offset + run[-1].spec.nbytes
+        if len(run) == 1:
+            copy_into(self.buf[a:b], sources[run[0].spec.key])
+        else:  # one op for many small tensors: per-tensor views and copies cost ~10 us each
+            torch.cat([sources[t.spec.key].reshape(-1) for t in run],
+                      out=self.buf[a:b].view(sources[run[0].spec.key].dtype))
+        return b
+
+    def _defer(self, tensors: list, sources: dict, frozen: set[str]) -> None:
+        """``defer_frozen``: leave to :meth:`write_all` the copy of every frozen tensor whose
+        recorded hash its version counter vouches for (checked against that hash there)."""
+        for t in tensors:
+            k = t.spec.key
+            if k in frozen:
+                h = self.cache.lookup(k, sources[k])
+                if h is not None and h is not dedupe.CHANGED:
+                    self.deferred[k] = (h, sources[k]._version)
+        if self.deferred:
+            self.sources = sources
+
+    def _stage_deferred(self) -> None:
+        """Background half of ``defer_frozen``: copy the deferred tensors into their staging
+        slots, submitting each write unit once every byte of it is staged."""
+        p = self.plan
+        tensors = sorted((t for f in p.files for t in f.tensors if t.spec.key in self.deferred),
+                         key=lambda t: t.stream_offset)
+        spans = [(t.stream_offset, t.stream_offset + t.spec.nbytes) for t in tensors]
+        starts = [a for a, _ in spans]
+        waiting = []  # (units that overlap a deferred tensor, in stream order)
+        for i, u in enumerate(p.units):
+            if u.file_index in self.linked:
+                continue
+            j = bisect.bisect_right(starts, u.stream_offset + u.nbytes - 1) - 1
+            overlaps = False
+            while j >= 0 and spans[j][1] > u.stream_offset:
+                overlaps = spans[j][0] < u.stream_offset + u.nbytes
+                if overlaps:
+                    break
+                j -= 1
+            if overlaps:
+                waiting.append(i)
+            else:
+                self.unit_futs[i] = self.exec.submit(self._write_unit, i, u.stream_offset)
+        nxt = 0
+        for run in _copy_runs(tensors, self.sources):
+            for t in run:
+                k = t.spec.key
+                if self.sources[k]._version != self.deferred[k][1]:
+                    self.cache.forget(k)
+                    raise LinkedTensorChangedError(
+                        f"frozen tensor {k!r} was written in place (version counter "
+                        f"{self.deferred[k][1]} -> {self.sources[k]._version}) after the save call and "
+                        "before its background copy (defer_frozen=True); nothing was committed")
+            b = self._copy_run(run, self.sources)
+            while nxt < len(waiting) and p.units[waiting[nxt]].stream_offset + p.units[waiting[nxt]].nbytes <= b:
+                i = waiting[nxt]
+                self.unit_futs[i] = self.exec.submit(self._write_unit, i, p.units[i].stream_offset)
+                nxt += 1
+        for i in waiting[nxt:]:
+            self.unit_futs[i] = self.exec.submit(self._write_unit, i, p.units[i].stream_offset)
+
+    def _check_deferred(self) -> None:
+        """Raise :class:`LinkedTensorChangedError` where a deferred tensor's staged bytes do not
+        hash to the value recorded when its version counter was last seen."""
+        bad = [k for k, (h, _) in self.deferred.items() if self.hashes.get(k) != h]
+        if bad:
+            for k in bad:
+                self.cache.forget(k)
+            raise LinkedTensorChangedError(
+                f"{len(bad)} frozen tensor(s) copied in the background (defer_frozen=True, same storage "
+                f"and version counter as when last hashed) have different bytes, e.g. {bad[0]!r}: they "
+                "were written without the version counter seeing it (.data, a NumPy view); nothing was "
+                "committed; save with link_check='hash'")
 
     def _stage_streaming(self, tensors: list, sources: dict, n_slots: int) -> None:
         chunk = self.plan.chunk_bytes
@@ -229,6 +306,8 @@ class _Job:
 
     def write_all(self) -> None:
         """Background part: remaining writes, checksums, headers, fsync."""
+        if self.deferred:
+            self._stage_deferred()
         if not self.streaming:
             for i, u in enumerate(self.plan.units):
                 if i not in self.unit_futs and u.file_index not in self.linked:
@@ -245,6 +324,8 @@ class _Job:
         for fut in self.unit_futs.values():
             fut.result()
         self.hashes = {k: (v.result() if isinstance(v, _Pick) else v) for k, v in self.hashes.items()}
+        if self.deferred:
+            self._check_deferred()
         self.pool.release()
         self.buf = self.view = None
         writers = [w for w in self.writers if w is not None]

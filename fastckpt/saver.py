@@ -88,6 +88,15 @@ class SaveOptions:
             ``AdamW(fused=True)`` step parameters without bumping the counter, so it is never
             trusted for them); other tensors are hashed as with ``"hash"``. A frozen parameter
             written in place after the call (counter bumped) is trusted on its version at the call.
+        defer_frozen: with ``link_check="version"``, a frozen parameter whose recorded hash its
+            version counter still vouches for (see :meth:`Saver.prime_hashes`) is copied into
+            staging by the background thread instead of during the call, and its staged bytes
+            are checked against that hash before they can be committed. This takes the frozen
+            base weights of a LoRA snapshot off the caller's blocking copy when there is no
+            previous checkpoint to link them from (the first save of a run). The caller must not
+            write those parameters until the save is done: a write is detected (version counter,
+            or the hash for writes that bypass it) and fails the save with
+            :class:`~fastckpt.errors.LinkedTensorChangedError`, nothing committed. Default ``False``.
     """
 
     overwrite: bool = False
@@ -106,6 +115,7 @@ class SaveOptions:
     link_from: str | os.PathLike | None = None
     link_check: str = "hash"
     early_writes: bool = False
+    defer_frozen: bool = False
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first bad option."""
@@ -122,8 +132,9 @@ class SaveOptions:
         for n in self.extra_files or {}:
             if "/" in n or n.startswith(".") or n in (cm.MANIFEST, cm.STATE_JSON):
                 raise ValueError(f"extra file name {n!r} is reserved or not a plain file name")
-        if not isinstance(self.early_writes, bool):
-            raise ValueError(f"early_writes must be True or False, got {self.early_writes!r}")
+        for name in ("early_writes", "defer_frozen"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.link_check not in ("hash", "version"):
             raise ValueError(f"link_check must be 'hash' or 'version', got {self.link_check!r}")
         check_metadata(self.metadata)
@@ -253,6 +264,7 @@ class Saver:
         self.hash_cache = dedupe.HashCache()  # for link_check="version"
         self._plan_memo: tuple[tuple, SavePlan] | None = None  # last (inputs, plan): saves repeat
         self._pending: SaveFuture | None = None
+        self._priming: threading.Thread | None = None  # prime_hashes in the background
         self._lock = threading.Lock()
 
     def reserve(self, nbytes: int, *, background: bool = True) -> None:
@@ -268,6 +280,54 @@ class Saver:
                              daemon=True).start()
         else:
             self.pool.reserve(nbytes)
+
+    def prime_hashes(self, state: Any, *, weights: dict[str, str] | None = None,
+                     background: bool = True) -> int:
+        """Hash the frozen parameters of ``state`` now, for later saves with ``link_check="version"``.
+
+        Every value of ``state`` that is a ``torch.nn.Parameter`` with ``requires_grad=False``
+        (contiguous, CPU) is hashed with xxh3-64 and recorded in :attr:`hash_cache` under its key
+        path, with its storage and version counter taken *before* hashing (a torch in-place
+        write meanwhile makes the record stale; one bypassing the counter is caught by the save
+        that uses the record). A later save of the same key paths then links these tensors
+        (``link_from``) or, with ``defer_frozen=True``, copies them in the background, without
+        hashing them at the call: call it at train begin, e.g. after loading or resuming.
+
+        Args:
+            state: the state, or the part of it holding the frozen parameters, with the key
+                paths the saves will use (same nesting, same ``weights`` mapping).
+            weights: as :class:`SaveOptions` (default ``{"model": "model"}``).
+            background: hash in a daemon thread (default); a save that starts meanwhile waits for it.
+
+        Returns:
+            Number of bytes that will be hashed.
+
+        Raises:
+            UnsupportedValueError / UnsupportedDtypeError: as :func:`fastckpt.async_save`.
+        """
+        with no_gc():
+            col = collect(state, weights if weights is not None else {"model": "model"})
+        todo = [(k, col.sources[k]) for k in sorted(col.frozen)
+                if dedupe.HashCache.ident(col.sources[k]) is not None]
+        cache = self.hash_cache
+
+        def run() -> None:
+            for k, t in todo:
+                ident = dedupe.HashCache.ident(t)
+                cache.record(k, ident, dedupe.source_hash(t))
+
+        self._join_priming()
+        if background:
+            self._priming = threading.Thread(target=run, name="fastckpt-prime", daemon=True)
+            self._priming.start()
+        else:
+            run()
+        return sum(t.numel() * t.element_size() for _, t in todo)
+
+    def _join_priming(self) -> None:
+        th, self._priming = self._priming, None
+        if th is not None:
+            th.join()
 
     def wait(self) -> None:
         """Wait for the pending save; re-raise its failure if nobody collected it yet."""
@@ -301,6 +361,7 @@ class Saver:
 
     def _start(self, state: Any, path: Path, opts: SaveOptions) -> SaveFuture:
         t0 = time.perf_counter()
+        self._join_priming()
         if path.exists() and not opts.overwrite:
             raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it atomically")
         col = collect(state, opts.weights if opts.weights is not None else {"model": "model"})

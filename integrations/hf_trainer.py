@@ -69,7 +69,7 @@ from .hf_snapshot import (  # noqa: E402,F401  (re-exported: accelerate plugin, 
 #: SaveOptions the callback passes through (it sets overwrite, weights, extra_files, metadata itself).
 _CALLBACK_SAVE_OPTIONS = frozenset({"max_shard_bytes", "chunk_bytes", "threads", "staging_bytes", "o_direct",
                                     "io_backend", "min_free_bytes", "link_from", "link_check", "early_writes",
-                                    "step"})
+                                    "defer_frozen", "step"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,7 +93,11 @@ class FastCkptCallback(_trainer_callback_base()):
             ``link_check="version"``: a frozen tensor whose storage and version counter are
             those of the previous save is not hashed at the call but re-hashed by xxh3 in the
             background before the commit, so the snapshot stays exact; pass
-            ``link_check="hash"`` to hash at the call instead).
+            ``link_check="hash"`` to hash at the call instead). With ``link_check="version"``
+            the frozen parameters are hashed once in the background at train begin
+            (:func:`fastckpt.prime_hashes`) and ``defer_frozen`` defaults to ``True``: the first
+            save, which has nothing to link from, copies them in the background and checks the
+            copy against that hash, so training waits only for the adapter, optimizer and RNG copy.
         resume_from: checkpoint folder to restore optimizer/scheduler/RNG from when the
             Trainer resumes; default None = the folder the mixin reports, else
             ``output_dir/checkpoint-{global_step}``.
@@ -120,6 +124,7 @@ class FastCkptCallback(_trainer_callback_base()):
     def __init__(self, resume_from: str | os.PathLike | None = None, **save_options):
         self.link_unchanged = bool(save_options.pop("link_unchanged", True))
         save_options.setdefault("link_check", "version")
+        save_options.setdefault("defer_frozen", save_options["link_check"] == "version")
         unknown = sorted(set(save_options) - _CALLBACK_SAVE_OPTIONS)
         if unknown:  # a typo must not surface only at the first save, mid-training
             raise TypeError(f"FastCkptCallback got unknown save option(s) {unknown}; "
@@ -160,6 +165,12 @@ class FastCkptCallback(_trainer_callback_base()):
                 fastckpt.reserve(_snapshot_bytes_estimate(model))  # first save copies into touched memory
         if state.global_step > 0:
             self._restore(args, state, optimizer, lr_scheduler)
+        if model is not None and self.save_options.get("link_check") == "version" \
+                and (self.link_unchanged or self.save_options.get("defer_frozen")):
+            # hash the frozen base weights in the background now: the first save then links them
+            # (after --resume) or copies them in the background (defer_frozen), not while training waits
+            snap, weights, _ = self._snapshot(model)
+            fastckpt.prime_hashes(snap, weights=weights)
 
     def on_epoch_begin(self, args, state, control, **kw):
         if self._resume_rng is not None:

@@ -220,9 +220,12 @@ def report(cb, train_s: float, own: list[tuple[float, int]], waited_s: float) ->
         res["worst_blocking_x_memcpy"] = worst / res["memcpy_s"]
         res["later_blocking_x_memcpy"] = later / res["memcpy_s"] if later is not None else None
         print(f"one memory copy of the saved state ({res['bytes_per_save'] / 1e6:.1f} MB, touched memory): "
-              f"{res['memcpy_s']:.3f} s; worst blocking per save = {worst / res['memcpy_s']:.2f}x that"
-              + (f" (the first save of a process copies everything, or on --resume hashes the base weights once to link them; later saves: at most {res['later_blocking_x_memcpy']:.2f}x)"
-                 if later is not None else ""))
+              f"{res['memcpy_s']:.3f} s; worst blocking per save = {worst / res['memcpy_s']:.2f}x that "
+              f"(first save {recs[0]['blocking_s'] / res['memcpy_s']:.2f}x"
+              + (f", later saves at most {res['later_blocking_x_memcpy']:.2f}x" if later is not None else "") + ")")
+        print("the frozen base weights are hashed once in the background at train begin; a save with a previous "
+              "checkpoint links them, the first one copies them to staging in the background and checks that copy "
+              "against the hash (defer_frozen), so training waits only for the adapter, optimizer and RNG copy")
         print(f"unchanged frozen base weights hard-linked from the previous checkpoint: {linked / 1e6:.1f} MB "
               "(frozen parameters with an unchanged version counter; re-hashed by xxh3 in the background "
               "before each commit; FastCkptCallback(link_unchanged=False) rewrites them)")

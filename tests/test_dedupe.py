@@ -211,3 +211,143 @@ def test_version_link_never_trusts_trainable_parameters(tmp_path, fused):
     assert _raw(out["model"]["w"]) == _raw(w) and _raw(out["model"]["frozen"]) == _raw(frozen)
     assert os.stat(tmp_path / "c2" / SHARD).st_nlink == 1
 
+
+
+# -- defer_frozen + prime_hashes: the first save of a run copies frozen weights in the background --
+
+def _copy_spy(monkeypatch):
+    """Record (thread name, keys) of every staging copy."""
+    from fastckpt import save_job
+    seen = []
+    real = save_job._Job._copy_run
+
+    def spy(job, run, sources):
+        seen.append((threading.current_thread().name, [t.spec.key for t in run]))
+        return real(job, run, sources)
+    monkeypatch.setattr(save_job._Job, "_copy_run", spy)
+    return seen
+
+
+def _gate_background(monkeypatch):
+    """Hold the background part of the next save until the returned event is set."""
+    from fastckpt import save_job
+    go, real = threading.Event(), save_job._Job.write_all
+    monkeypatch.setattr(save_job._Job, "write_all", lambda job: (go.wait(30), real(job))[1])
+    return go
+
+
+def test_defer_frozen_copies_primed_weights_in_the_background(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+    base, lora = _params()
+    saver = fastckpt.saver.Saver()
+    assert saver.prime_hashes(_snap(base, lora), weights=W, background=False) == 3 * 256 * 256 * 4
+    seen = _copy_spy(monkeypatch)
+    go = _gate_background(monkeypatch)
+    fut = saver.async_save(_snap(base, lora), tmp_path / "c1", weights=W, link_check="version",
+                           defer_frozen=True)
+    at_call = [k for _, ks in seen for k in ks]
+    go.set()
+    fut.result()
+    assert not any(k.startswith("model/") for k in at_call) and "adapter/a" in at_call
+    bg = {k for th, ks in seen if th != threading.current_thread().name for k in ks}
+    assert bg == {f"model/w{i}" for i in range(3)}
+    assert fut.bytes_linked == 0
+    out = fastckpt.load(tmp_path / "c1")
+    plain = load_file(str(tmp_path / "c1" / SHARD))  # the safetensors package reads our shard
+    for k, v in base.items():
+        assert _raw(out["model"][k]) == _raw(v) == _raw(plain[k])
+    assert _raw(out["adapter"]["a"]) == _raw(lora["a"])
+    assert fastckpt.verify(tmp_path / "c1").ok
+
+
+def test_defer_frozen_without_a_record_copies_at_the_call(tmp_path, monkeypatch):
+    base, lora = _params()
+    saver = fastckpt.saver.Saver()
+    seen = _copy_spy(monkeypatch)
+    saver.async_save(_snap(base, lora), tmp_path / "c1", weights=W, link_check="version",
+                     defer_frozen=True).result()
+    main = threading.current_thread().name
+    assert {k for th, ks in seen if th == main for k in ks} >= {f"model/w{i}" for i in range(3)}
+    with torch.no_grad():  # a tracked write after priming: the record is stale, copied at the call
+        saver.prime_hashes(_snap(base, lora), weights=W, background=False)
+        base["w1"].add_(1)
+    seen.clear()
+    saver.async_save(_snap(base, lora), tmp_path / "c2", weights=W, link_check="version",
+                     defer_frozen=True).result()
+    at_call = {k for th, ks in seen if th == main for k in ks}
+    assert "model/w1" in at_call and "model/w0" not in at_call
+    assert _raw(fastckpt.load(tmp_path / "c2")["model"]["w1"]) == _raw(base["w1"])
+
+
+def test_defer_frozen_catches_a_write_through_data(tmp_path):
+    base, lora = _params()
+    saver = fastckpt.saver.Saver()
+    saver.prime_hashes(_snap(base, lora), weights=W, background=False)
+    base["w2"].data[3, 3] += 1.0  # bypasses the version counter: the record lies
+    fut = saver.async_save(_snap(base, lora), tmp_path / "c1", weights=W, link_check="version",
+                           defer_frozen=True)
+    with pytest.raises(LinkedTensorChangedError, match="w2"):
+        fut.result()
+    assert not (tmp_path / "c1").exists() and os.listdir(tmp_path) == []
+    # the stale record was dropped: the next save copies w2 at the call and commits its bytes
+    saver.async_save(_snap(base, lora), tmp_path / "c2", weights=W, link_check="version",
+                     defer_frozen=True).result()
+    assert _raw(fastckpt.load(tmp_path / "c2")["model"]["w2"]) == _raw(base["w2"])
+
+
+def test_defer_frozen_refuses_a_write_after_the_call(tmp_path, monkeypatch):
+    base, lora = _params()
+    saver = fastckpt.saver.Saver()
+    fastckpt.save(_snap(base, lora), tmp_path / "c0", weights=W)
+    saver.prime_hashes(_snap(base, lora), weights=W, background=False)
+    go = _gate_background(monkeypatch)
+    fut = saver.async_save(_snap(base, lora), tmp_path / "c1", weights=W, link_check="version",
+                           defer_frozen=True)
+    with torch.no_grad():
+        base["w0"].mul_(2)  # before the background copy: the call-time bytes are gone
+    go.set()
+    with pytest.raises(LinkedTensorChangedError, match="w0.*written in place"):
+        fut.result()
+    assert not (tmp_path / "c1").exists() and fastckpt.verify(tmp_path / "c0").ok
+
+
+def test_defer_frozen_units_shared_with_staged_tensors(tmp_path):
+    """Small write units, and deferred and call-time tensors in the same file: each unit is
+    written only once all its bytes are staged."""
+    frozen = {f"f{i}": torch.nn.Parameter(torch.randn(100 + i, 301), requires_grad=False) for i in range(4)}
+    plain = {f"p{i}": torch.randn(77, 33 + i) for i in range(4)}
+    model = {k: v for pair in zip(frozen.items(), plain.items()) for k, v in pair}
+    saver = fastckpt.saver.Saver()
+    saver.prime_hashes({"model": model}, background=False)
+    saver.async_save({"model": model}, tmp_path / "c", link_check="version", defer_frozen=True,
+                     chunk_bytes=16384).result()
+    out = fastckpt.load(tmp_path / "c")["model"]
+    assert list(out) == list(model)
+    for k, v in model.items():
+        assert _raw(out[k]) == _raw(v), k
+
+
+def test_prime_then_link_skips_hashing_at_the_call(tmp_path, monkeypatch):
+    """A new process (new Saver) resuming from c1: primed at train begin, its first save links
+    the frozen weights from c1 without hashing them at the call."""
+    base, lora = _params()
+    fastckpt.saver.Saver().async_save(_snap(base, lora), tmp_path / "c1", weights=W).result()
+    saver = fastckpt.saver.Saver()
+    from fastckpt import dedupe
+    main, in_main, real = threading.current_thread(), [], dedupe.source_hash  # thread names
+    monkeypatch.setattr(dedupe, "source_hash",
+                        lambda t: (in_main.append(threading.current_thread().name), real(t))[1])
+    saver.prime_hashes(_snap(base, lora), weights=W)  # background: the save waits for it
+    go = _gate_background(monkeypatch)
+    fut = saver.async_save(_snap(base, lora), tmp_path / "c2", weights=W, link_from=tmp_path / "c1",
+                           link_check="version", defer_frozen=True)
+    # hashed once each by the priming thread (then re-hashed in the background), none at the call
+    assert in_main.count("fastckpt-prime") == 3 and main.name not in in_main
+    go.set()
+    fut.result()
+    assert os.stat(tmp_path / "c2" / SHARD).st_ino == os.stat(tmp_path / "c1" / SHARD).st_ino
+
+
+def test_defer_frozen_is_validated(tmp_path):
+    with pytest.raises(ValueError, match="defer_frozen"):
+        fastckpt.save({"model": {"w": torch.ones(2)}}, tmp_path / "c", defer_frozen="yes")

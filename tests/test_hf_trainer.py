@@ -252,21 +252,28 @@ class WriteThroughData(transformers.TrainerCallback):
             model.get_base_model().model.norm.weight.data.add_(1.0)
 
 
-def test_frozen_weight_changed_behind_the_version_counter(tmp_path, caplog):
-    """The background re-hash catches it: that save is dropped with a warning, never committed
-    with stale bytes; the final save is redone by hashing and holds the live weight."""
+@pytest.mark.parametrize("write_at", [10, 4])
+def test_frozen_weight_changed_behind_the_version_counter(tmp_path, caplog, write_at):
+    """Caught before any commit: at step 16 by the background re-hash of the weights linked from
+    checkpoint-8; at step 8 (the first save, nothing to link) by the hash check of the background
+    copy (``defer_frozen``) against the hash taken at train begin. That save is dropped with a
+    warning, never committed with stale bytes; the final save holds the live weight."""
     caplog.set_level("WARNING", logger="fastckpt.integrations.hf_trainer")
-    tr = make_trainer(tmp_path, peft=True, callbacks=[WriteThroughData(10)], save_steps=8, num_train_epochs=1)
+    tr = make_trainer(tmp_path, peft=True, callbacks=[WriteThroughData(write_at)], save_steps=8, num_train_epochs=1)
     before = tr.model.get_base_model().model.norm.weight.detach().clone()
     tr.train()
     cb = next(c for c in tr.callback_handler.callbacks if isinstance(c, hf_trainer.FastCkptCallback))
-    assert [f["step"] for f in cb.failed_saves] == [16] and "model.norm.weight" in cb.failed_saves[0]["error"]
-    assert "checkpoint-16 was not committed" in caplog.text
-    assert [r["step"] for r in cb.records] == [8, 16]
+    dropped = 16 if write_at > 8 else 8
+    assert [f["step"] for f in cb.failed_saves] == [dropped] and "model.norm.weight" in cb.failed_saves[0]["error"]
+    assert f"checkpoint-{dropped} was not committed" in caplog.text
+    assert [r["step"] for r in cb.records] == ([8, 16] if dropped == 16 else [16])
     live = tr.model.get_base_model().model.norm.weight.detach()
     assert torch.equal(live, before + 1.0)
     assert torch.equal(fastckpt.load(tmp_path / "checkpoint-16")["model"]["model.norm.weight"], live)
-    assert torch.equal(fastckpt.load(tmp_path / "checkpoint-8")["model"]["model.norm.weight"], before)
+    if dropped == 16:
+        assert torch.equal(fastckpt.load(tmp_path / "checkpoint-8")["model"]["model.norm.weight"], before)
+    else:
+        assert not (tmp_path / "checkpoint-8").exists()
     assert fastckpt.verify(tmp_path / "checkpoint-16").ok
 
 
