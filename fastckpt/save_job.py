@@ -19,7 +19,7 @@ import torch
 import xxhash
 
 from . import dedupe
-from .errors import LinkedTensorChangedError
+from .errors import LinkedTensorChangedError, SourceChangedError
 from .io import FileWriter, get_backend, write_all
 from .planner import SavePlan
 from .staging import StagingPool, copy_into, copy_pieces
@@ -54,8 +54,10 @@ class _Job:
         self.first_exc: BaseException | None = None  # the first failed write (raised by the save)
         self.exc_lock = threading.Lock()
         self.linked: set[int] = set()  # file indexes hard-linked from opts.link_from
-        # defer_frozen: key -> (recorded xxh3, version at the call) of tensors staged by write_all
-        self.deferred: dict[str, tuple[str, int]] = {}
+        # defer / defer_frozen: key -> (recorded xxh3 or None, version at the call) of tensors
+        # that write_all stages; ``staged`` is set once no source is needed any more
+        self.deferred: dict[str, tuple[str | None, int]] = {}
+        self.staged = threading.Event()
         self.sources: dict[str, torch.Tensor] = {}
 
     def link_unchanged(self, col) -> None:
@@ -163,7 +165,7 @@ class _Job:
                     self.first_exc = e
             raise
 
-    def stage(self, sources: dict, frozen: set[str] = frozenset()) -> None:
+    def stage(self, sources: dict, frozen: set[str] = frozenset(), trainable: set[str] = frozenset()) -> None:
         """Copy every tensor into the staging buffer (the caller's blocking part)."""
         p, chunk = self.plan, self.plan.chunk_bytes
         budget = self.opts.staging_bytes
@@ -176,8 +178,9 @@ class _Job:
             self.idents.update((t.spec.key, dedupe.HashCache.ident(sources[t.spec.key]))
                                for t in tensors if t.spec.key in frozen)
         host = all(getattr(v, "device", None) is None or v.device.type == "cpu" for v in sources.values())
-        if self.cache is not None and self.opts.defer_frozen and host and not self.streaming:
-            self._defer(tensors, sources, frozen)
+        if host and not self.streaming and (self.opts.defer is not None
+                                            or (self.cache is not None and self.opts.defer_frozen)):
+            self._defer(tensors, sources, frozen, trainable)
             tensors = [t for t in tensors if t.spec.key not in self.deferred]
         if not self.streaming:
             # host sources: each write unit goes out as soon as its bytes are staged, so the
@@ -205,15 +208,28 @@ class _Job:
                       out=self.buf[a:b].view(sources[run[0].spec.key].dtype))
         return b
 
-    def _defer(self, tensors: list, sources: dict, frozen: set[str]) -> None:
-        """``defer_frozen``: leave to :meth:`write_all` the copy of every frozen tensor whose
-        recorded hash its version counter vouches for (checked against that hash there)."""
+    def _defer(self, tensors: list, sources: dict, frozen: set[str], trainable: set[str]) -> None:
+        """Leave to :meth:`write_all` the copy of (``defer_frozen``) every frozen tensor whose
+        recorded hash its version counter vouches for (checked against that hash there) and of
+        every tensor ``opts.defer`` accepts (checked on its version counter)."""
+        by_hash = self.cache is not None and self.opts.defer_frozen
+        pick = self.opts.defer
         for t in tensors:
             k = t.spec.key
-            if k in frozen:
-                h = self.cache.lookup(k, sources[k])
+            src = sources[k]
+            if src.device.type != "cpu" or not t.spec.nbytes:
+                continue
+            try:
+                version = src._version
+            except (RuntimeError, TypeError):  # inference tensors have no version counter
+                continue
+            if by_hash and k in frozen:
+                h = self.cache.lookup(k, src)
                 if h is not None and h is not dedupe.CHANGED:
-                    self.deferred[k] = (h, sources[k]._version)
+                    self.deferred[k] = (h, version)
+                    continue
+            if pick is not None and pick(k, k in frozen or k in trainable):
+                self.deferred[k] = (None, version)
         if self.deferred:
             self.sources = sources
 
@@ -242,26 +258,34 @@ class _Job:
                 self.unit_futs[i] = self.exec.submit(self._write_unit, i, u.stream_offset)
         nxt = 0
         for run in _copy_runs(tensors, self.sources):
-            for t in run:
-                k = t.spec.key
-                if self.sources[k]._version != self.deferred[k][1]:
-                    self.cache.forget(k)
-                    raise LinkedTensorChangedError(
-                        f"frozen tensor {k!r} was written in place (version counter "
-                        f"{self.deferred[k][1]} -> {self.sources[k]._version}) after the save call and "
-                        "before its background copy (defer_frozen=True); nothing was committed")
+            self._check_versions(run)
             b = self._copy_run(run, self.sources)
             while nxt < len(waiting) and p.units[waiting[nxt]].stream_offset + p.units[waiting[nxt]].nbytes <= b:
                 i = waiting[nxt]
                 self.unit_futs[i] = self.exec.submit(self._write_unit, i, p.units[i].stream_offset)
                 nxt += 1
+        self._check_versions(tensors)  # an in-place write that finished during a copy
+        self.sources = {}
+        self.staged.set()
         for i in waiting[nxt:]:
             self.unit_futs[i] = self.exec.submit(self._write_unit, i, p.units[i].stream_offset)
+
+    def _check_versions(self, tensors: list) -> None:
+        for t in tensors:
+            k = t.spec.key
+            was, now = self.deferred[k][1], self.sources[k]._version
+            if now != was:
+                if self.cache is not None:
+                    self.cache.forget(k)
+                raise SourceChangedError(
+                    f"{k!r} was written in place (version counter {was} -> {now}) after the save "
+                    f"call and before its background copy into staging (defer/defer_frozen) for "
+                    f"{self.tmp}: its call-time bytes are gone; nothing was committed")
 
     def _check_deferred(self) -> None:
         """Raise :class:`LinkedTensorChangedError` where a deferred tensor's staged bytes do not
         hash to the value recorded when its version counter was last seen."""
-        bad = [k for k, (h, _) in self.deferred.items() if self.hashes.get(k) != h]
+        bad = [k for k, (h, _) in self.deferred.items() if h is not None and self.hashes.get(k) != h]
         if bad:
             for k in bad:
                 self.cache.forget(k)

@@ -97,6 +97,16 @@ class SaveOptions:
             write those parameters until the save is done: a write is detected (version counter,
             or the hash for writes that bypass it) and fails the save with
             :class:`~fastckpt.errors.LinkedTensorChangedError`, nothing committed. Default ``False``.
+        defer: ``(key path, is_parameter) -> bool`` (default ``None``: none), called for each
+            tensor with its key path and whether its value in the state was a
+            ``torch.nn.Parameter``. Host tensors it accepts are not copied during the call but by the background thread, in stream order, before
+            their writes; :meth:`SaveFuture.wait_staged` returns once they are all copied. The
+            caller must not write them until then (e.g. the next optimizer step waits for it:
+            the pipelined snapshot of CheckFreq, Mohan et al., FAST 2021). An in-place write
+            through torch before the copy moves the tensor's version counter and fails the save
+            with :class:`~fastckpt.errors.SourceChangedError`, nothing committed; writes that
+            bypass the counter (``.data``, fused optimizers) are not seen, so wait first.
+            Ignored when staging streams (``staging_bytes`` below the state size).
     """
 
     overwrite: bool = False
@@ -116,6 +126,7 @@ class SaveOptions:
     link_check: str = "hash"
     early_writes: bool = False
     defer_frozen: bool = False
+    defer: Callable[[str, bool], bool] | None = field(default=None, repr=False)
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first bad option."""
@@ -135,6 +146,8 @@ class SaveOptions:
         for name in ("early_writes", "defer_frozen"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.defer is not None and not callable(self.defer):
+            raise ValueError(f"defer must be a callable (key path, is_parameter) -> bool, got {self.defer!r}")
         if self.link_check not in ("hash", "version"):
             raise ValueError(f"link_check must be 'hash' or 'version', got {self.link_check!r}")
         check_metadata(self.metadata)
@@ -167,6 +180,20 @@ class SaveFuture:
         self._collected = False
         self._callbacks: list[Callable[["SaveFuture"], None]] | None = []
         self._cb_lock = threading.Lock()
+        self._staged = threading.Event()  # every tensor copied out of the caller's memory
+
+    def wait_staged(self, timeout_s: float | None = None) -> bool:
+        """Wait until every tensor of the state is copied into staging memory (at once unless
+        :class:`SaveOptions` ``defer``/``defer_frozen`` left copies to the background; also
+        true once the save failed). After that the caller may write the state's tensors.
+
+        Args:
+            timeout_s: seconds to wait (default: forever).
+
+        Returns:
+            True when staged, False on timeout.
+        """
+        return self._staged.wait(timeout_s)
 
     def done(self) -> bool:
         """True once the save committed or failed."""
@@ -371,15 +398,18 @@ class Saver:
         tmp = cm.make_temp_dir(str(path))
         job = _Job(plan, tmp, opts, self.pool, self.hash_cache)
         fut = SaveFuture(path)
+        fut._staged = job.staged
         try:
             if opts.link_from is not None:
                 job.link_unchanged(col)
             job.open_files()
-            job.stage(col.sources, col.frozen)
+            job.stage(col.sources, col.frozen, col.trainable)
         except BaseException:
             job.close()
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        if not job.deferred:
+            job.staged.set()
         fut.blocking_s = time.perf_counter() - t0
         self._pending = fut
         th = threading.Thread(target=_finish, args=(job, col, path, opts, fut, t0),
@@ -407,6 +437,7 @@ def _finish(job: _Job, col, path: Path, opts: SaveOptions, fut: SaveFuture, t0: 
         exc = e
         job.close()
         shutil.rmtree(job.tmp, ignore_errors=True)
+    job.staged.set()  # failed before its background copies: nobody may wait for them forever
     fut._finish(exc)
 
 

@@ -52,7 +52,7 @@ from typing import Any
 
 import fastckpt
 from fastckpt.commit import clean_stale_temps
-from fastckpt.errors import LinkedTensorChangedError
+from fastckpt.errors import LinkedTensorChangedError, SourceChangedError
 from fastckpt.saver import no_gc
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,12 @@ from .hf_snapshot import (  # noqa: E402,F401  (re-exported: accelerate plugin, 
 _CALLBACK_SAVE_OPTIONS = frozenset({"max_shard_bytes", "chunk_bytes", "threads", "staging_bytes", "o_direct",
                                     "io_backend", "min_free_bytes", "link_from", "link_check", "early_writes",
                                     "defer_frozen", "step"})
+
+
+def _param_or_optimizer_state(key: str, is_parameter: bool) -> bool:
+    """``defer`` of the callback's saves: live parameters and optimizer state tensors, which only
+    the optimizer's step writes (gated); buffers and everything else are copied at the call."""
+    return is_parameter or key.startswith("optimizer/")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,14 +104,24 @@ class FastCkptCallback(_trainer_callback_base()):
             (:func:`fastckpt.prime_hashes`) and ``defer_frozen`` defaults to ``True``: the first
             save, which has nothing to link from, copies them in the background and checks the
             copy against that hash, so training waits only for the adapter, optimizer and RNG copy.
+            ``defer_params`` (default ``True``): the live parameters and the optimizer state are
+            not copied during the save call but by the writer thread while the next step's
+            forward and backward run; an optimizer step pre-hook makes the next ``step()`` wait
+            until that copy is done (the pipelined snapshot of CheckFreq, Mohan et al., FAST
+            2021), so the checkpoint holds exactly the state at the save. Buffers, scheduler, RNG
+            and trainer state are copied at the call. A parameter written in place before the
+            copy (outside the optimizer) fails that save (:class:`~fastckpt.errors.SourceChangedError`,
+            dropped like a ``LinkedTensorChangedError`` below, later saves copy at the call).
+            Only with a ``torch.optim.Optimizer`` (unwrapped from accelerate's wrapper).
         resume_from: checkpoint folder to restore optimizer/scheduler/RNG from when the
             Trainer resumes; default None = the folder the mixin reports, else
             ``output_dir/checkpoint-{global_step}``.
 
     Attributes:
-        records: one dict per finished save: ``step``, ``path``, ``blocking_s`` (from the start
-            of the save to the end of staging), ``total_s`` (from the same start to the commit),
-            ``bytes``, ``linked_bytes``.
+        records: one dict per finished save: ``step``, ``path``, ``blocking_s`` (seconds training
+            stood still for it: from the start of the save to the return of the call, plus
+            ``staging_wait_s``, the time the next optimizer step waited for its background copy),
+            ``total_s`` (from the same start to the commit), ``bytes``, ``linked_bytes``.
         failed_saves: ``{"step", "path", "error"}`` of saves dropped by :meth:`wait`.
 
     Every checkpoint also carries the Trainer's tokenizer / processor files (``processing_class``,
@@ -123,12 +139,13 @@ class FastCkptCallback(_trainer_callback_base()):
 
     def __init__(self, resume_from: str | os.PathLike | None = None, **save_options):
         self.link_unchanged = bool(save_options.pop("link_unchanged", True))
+        self.defer_params = bool(save_options.pop("defer_params", True))
         save_options.setdefault("link_check", "version")
         save_options.setdefault("defer_frozen", save_options["link_check"] == "version")
         unknown = sorted(set(save_options) - _CALLBACK_SAVE_OPTIONS)
         if unknown:  # a typo must not surface only at the first save, mid-training
             raise TypeError(f"FastCkptCallback got unknown save option(s) {unknown}; "
-                            f"valid: {sorted(_CALLBACK_SAVE_OPTIONS)} and link_unchanged")
+                            f"valid: {sorted(_CALLBACK_SAVE_OPTIONS)}, link_unchanged and defer_params")
         self._snapshot = ModelSnapshotter()  # key -> parameter map, built once (at train begin)
         self.save_options = save_options
         self.resume_from = str(resume_from) if resume_from is not None else None
@@ -145,6 +162,8 @@ class FastCkptCallback(_trainer_callback_base()):
         self._resume_rng: tuple[str, dict[str, Any]] | None = None  # (when, rng)
         self._resume_step_rng: dict[str, Any] | None = None
         self._prev_sigterm = None
+        self._step_hook = None  # optimizer step pre-hook: waits for the pending save's staging
+        self._gate_s: dict[int, float] = {}  # step of a save -> seconds the optimizer waited for it
         self._model = self._args = self._state = None
         self.trainer_callbacks = None  # set by FastCkptTrainerMixin: all callbacks of the Trainer
 
@@ -165,6 +184,8 @@ class FastCkptCallback(_trainer_callback_base()):
                 fastckpt.reserve(_snapshot_bytes_estimate(model))  # first save copies into touched memory
         if state.global_step > 0:
             self._restore(args, state, optimizer, lr_scheduler)
+        if self.defer_params and not args.save_only_model:
+            self._install_step_gate(optimizer)
         if model is not None and self.save_options.get("link_check") == "version" \
                 and (self.link_unchanged or self.save_options.get("defer_frozen")):
             # hash the frozen base weights in the background now: the first save then links them
@@ -215,6 +236,7 @@ class FastCkptCallback(_trainer_callback_base()):
         finally:
             self._training = False
             self._uninstall_sigterm()
+            self._remove_step_gate()
 
     # -- saving --------------------------------------------------------------------------------
     def _intercept(self, args, state, control) -> None:
@@ -278,6 +300,8 @@ class FastCkptCallback(_trainer_callback_base()):
             prev = get_last_checkpoint(args.output_dir)
             if prev is not None and Path(prev).resolve() != out.resolve():
                 opts["link_from"] = prev
+        if self._step_hook is not None:
+            opts["defer"] = _param_or_optimizer_state  # copied while the next step computes
         t_call = time.perf_counter()
         fut = fastckpt.async_save(snap, out, overwrite=True, weights=weights, extra_files=extra,
                                   metadata={"producer": "fastckpt.integrations.hf_trainer"}, **opts)
@@ -354,22 +378,30 @@ class FastCkptCallback(_trainer_callback_base()):
         fut, step, out, blocking, t0, t_call = pending
         try:
             path = fut.result()
-        except LinkedTensorChangedError as e:
-            self.save_options["link_check"] = "hash"
+        except (LinkedTensorChangedError, SourceChangedError) as e:
+            self._gate_s.pop(step, None)
+            if isinstance(e, LinkedTensorChangedError):
+                self.save_options["link_check"] = "hash"
+                then = "hash frozen weights at the call (link_check='hash')"
+            else:
+                self.save_options["defer_frozen"] = False
+                self._remove_step_gate()
+                then = "copy the whole state at the call (defer_params off)"
             self.failed_saves.append({"step": step, "path": str(out), "error": str(e)})
-            logger.warning("fastckpt: checkpoint-%d was not committed: %s. Later saves hash frozen "
-                           "weights at the call (link_check='hash').", step, e)
+            logger.warning("fastckpt: checkpoint-%d was not committed: %s. Later saves %s.", step, e, then)
             return False
         saver_s = getattr(fut, "total_s", None)  # the saver's own: from its call to the commit
         total = (t_call - t0) + saver_s if saver_s is not None else time.perf_counter() - t0
-        rec = {"step": step, "path": str(path), "blocking_s": blocking,
+        gate = self._gate_s.pop(step, 0.0)
+        rec = {"step": step, "path": str(path), "blocking_s": blocking + gate, "staging_wait_s": gate,
                "total_s": max(total, blocking),
                "bytes": int(getattr(fut, "bytes_written", 0) or 0),
                "linked_bytes": int(getattr(fut, "bytes_linked", 0) or 0)}
         self.records.append(rec)
         gbps = rec["bytes"] / rec["total_s"] / 1e9 if rec["total_s"] else float("nan")
-        logger.info("fastckpt: checkpoint-%d committed: %.3f s blocking, %.3f s total, %d bytes, %.3f GB/s",
-                    step, blocking, rec["total_s"], rec["bytes"], gbps)
+        logger.info("fastckpt: checkpoint-%d committed: %.3f s blocking (%.3f s of it at the next optimizer "
+                    "step), %.3f s total, %d bytes, %.3f GB/s", step, rec["blocking_s"], gate, rec["total_s"],
+                    rec["bytes"], gbps)
         if args is not None:
             rotate_checkpoints(args.output_dir, args.save_total_limit, self._best_dir)
         return True
@@ -416,6 +448,35 @@ class FastCkptCallback(_trainer_callback_base()):
         if threading.current_thread() is not threading.main_thread():
             return
         self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _install_step_gate(self, optimizer) -> None:
+        """Make the optimizer's step wait until the pending save has copied the parameters and
+        optimizer state (``defer_params``). Without a torch optimizer there is nothing to gate:
+        saves then copy everything at the call."""
+        import torch
+
+        opt = optimizer
+        while not isinstance(opt, torch.optim.Optimizer) or hasattr(opt, "optimizer") and \
+                isinstance(getattr(opt, "optimizer"), torch.optim.Optimizer):
+            opt = getattr(opt, "optimizer", None)  # accelerate's AcceleratedOptimizer wraps it
+            if opt is None:
+                return
+        self._remove_step_gate()
+        self._step_hook = opt.register_step_pre_hook(self._before_optimizer_step)
+
+    def _remove_step_gate(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        with self._lock:
+            pending = self._pending
+        if pending is None or pending[0].wait_staged(0):
+            return
+        t = time.perf_counter()
+        pending[0].wait_staged()
+        self._gate_s[pending[1]] = self._gate_s.get(pending[1], 0.0) + time.perf_counter() - t
 
     def _uninstall_sigterm(self) -> None:
         if self._prev_sigterm is not None:

@@ -9,7 +9,7 @@ import torch
 
 import fastckpt
 from fastckpt import CheckpointManager
-from fastckpt.errors import LinkedTensorChangedError
+from fastckpt.errors import LinkedTensorChangedError, SourceChangedError
 
 W = {"model": "model", "adapter": "adapter_model.safetensors"}
 
@@ -306,7 +306,7 @@ def test_defer_frozen_refuses_a_write_after_the_call(tmp_path, monkeypatch):
     with torch.no_grad():
         base["w0"].mul_(2)  # before the background copy: the call-time bytes are gone
     go.set()
-    with pytest.raises(LinkedTensorChangedError, match="w0.*written in place"):
+    with pytest.raises(SourceChangedError, match="w0.*written in place.*0 -> 1"):
         fut.result()
     assert not (tmp_path / "c1").exists() and fastckpt.verify(tmp_path / "c0").ok
 

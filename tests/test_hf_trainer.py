@@ -231,6 +231,9 @@ def test_background_failure_surfaces(tmp_path, monkeypatch):
 
             def done(self):
                 return True
+
+            def wait_staged(self, timeout_s=None):
+                return True
         return F()
 
     monkeypatch.setattr(fastckpt, "async_save", failing)
@@ -372,3 +375,69 @@ def kill_during_save(name: str, after_files: int = 2) -> None:
 
 if __name__ == "__main__":
     _child(sys.argv[1:])
+
+
+def raw(t):
+    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _slow_background_copy(monkeypatch, seconds=0.4):
+    """Delay the background staging copy of deferred tensors (defer_params)."""
+    from fastckpt import save_job
+    real = save_job._Job._stage_deferred
+    monkeypatch.setattr(save_job._Job, "_stage_deferred", lambda job: (time.sleep(seconds), real(job))[1])
+
+
+class AtStepBegin(transformers.TrainerCallback):
+    """Run ``fn(model, optimizer)`` at the start of step ``step + 1`` (after the save of ``step``,
+    before the next optimizer step)."""
+
+    def __init__(self, step, fn):
+        self.step, self.fn, self.out = step, fn, None
+
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kw):
+        if state.global_step == self.step:
+            self.out = self.fn(model, optimizer)
+
+
+def test_defer_params_optimizer_waits_for_the_background_copy(tmp_path, monkeypatch):
+    """The save call does not copy parameters and optimizer state; the next optimizer step waits
+    until the writer thread has, and the checkpoint holds exactly the state at the save."""
+    _slow_background_copy(monkeypatch)
+
+    def grab(model, optimizer):
+        opt = optimizer.state_dict()["state"]
+        return ({k: v.detach().clone() for k, v in model.state_dict().items()},
+                {i: {k: v.clone() for k, v in s.items()} for i, s in opt.items()})
+    spy = AtStepBegin(8, grab)
+    tr = make_trainer(tmp_path, callbacks=[spy], save_steps=8, num_train_epochs=1)
+    tr.train()
+    cb = next(c for c in tr.callback_handler.callbacks if isinstance(c, hf_trainer.FastCkptCallback))
+    rec = next(r for r in cb.records if r["step"] == 8)
+    assert rec["staging_wait_s"] > 0.2 and rec["blocking_s"] >= rec["staging_wait_s"]
+    model_at_save, opt_at_save = spy.out
+    got = fastckpt.load(tmp_path / "checkpoint-8")
+    assert got["model"] and set(got["model"]) <= set(model_at_save)
+    for k, v in got["model"].items():
+        assert raw(v) == raw(model_at_save[k]), k
+    assert not torch.equal(got["model"]["lm_head.weight"], tr.model.lm_head.weight.detach())  # it trained on
+    for i, s in opt_at_save.items():
+        for k, v in s.items():
+            assert raw(got["optimizer"]["state"][i][k]) == raw(v), (i, k)
+
+
+def test_defer_params_write_before_the_copy_drops_that_save(tmp_path, monkeypatch, caplog):
+    caplog.set_level("WARNING", logger="fastckpt.integrations.hf_trainer")
+    _slow_background_copy(monkeypatch)
+
+    def write(model, optimizer):
+        with torch.no_grad():
+            model.lm_head.weight.add_(1.0)  # a write outside the optimizer, before the copy
+    tr = make_trainer(tmp_path, callbacks=[AtStepBegin(8, write)], save_steps=8, num_train_epochs=1)
+    tr.train()
+    cb = next(c for c in tr.callback_handler.callbacks if isinstance(c, hf_trainer.FastCkptCallback))
+    assert [f["step"] for f in cb.failed_saves] == [8] and "lm_head.weight" in cb.failed_saves[0]["error"]
+    assert "checkpoint-8 was not committed" in caplog.text and "defer_params off" in caplog.text
+    assert not (tmp_path / "checkpoint-8").exists()
+    assert [r["step"] for r in cb.records] == [16] and cb.records[0]["staging_wait_s"] == 0
+    assert raw(fastckpt.load(tmp_path / "checkpoint-16")["model"]["lm_head.weight"]) == raw(tr.model.lm_head.weight)

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import threading
 import time
 
 import numpy as np
@@ -484,3 +485,70 @@ def test_early_writes_only_where_the_caller_waits_for_the_whole_save(tmp_path, m
         out.result()
     assert len(during) >= 8 and any(during) == expect_early
     assert_tree_same(fastckpt.load(tmp_path / "c"), state)
+
+
+# -- defer: copies left to the background thread (pipelined snapshot) --------------------------
+
+def _defer_state():
+    torch.manual_seed(3)
+    w = torch.nn.Parameter(torch.randn(300, 257))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    w.sum().backward()
+    opt.step()
+    return w, opt, lambda: {"model": {"w": w, "buf": torch.arange(10.0)}, "optimizer": opt.state_dict()}
+
+
+def _is_param_or_opt(k, is_parameter):
+    return is_parameter or k.startswith("optimizer/")
+
+
+def test_defer_copies_in_the_background_until_staged(tmp_path, monkeypatch):
+    from fastckpt import save_job
+    w, opt, state = _defer_state()
+    expect = {"w": raw(w), "exp_avg": raw(opt.state[w]["exp_avg"])}
+    go, real = threading.Event(), save_job._Job.write_all
+    monkeypatch.setattr(save_job._Job, "write_all", lambda job: (go.wait(30), real(job))[1])
+    fut = fastckpt.async_save(state(), tmp_path / "c", defer=_is_param_or_opt)
+    assert not fut.wait_staged(0.2)  # the parameter and optimizer state are not copied yet
+    go.set()
+    assert fut.wait_staged(30)
+    with torch.no_grad():  # allowed once staged: the checkpoint keeps the call-time bytes
+        w.mul_(2)
+        opt.state[w]["exp_avg"].zero_()
+    fut.result()
+    out = fastckpt.load(tmp_path / "c")
+    assert raw(out["model"]["w"]) == expect["w"]
+    assert raw(out["optimizer"]["state"][0]["exp_avg"]) == expect["exp_avg"]
+    assert torch.equal(out["model"]["buf"], torch.arange(10.0))
+    assert fastckpt.verify(tmp_path / "c").ok
+
+
+@pytest.mark.parametrize("what", ["optimizer", "parameter"])
+def test_defer_write_before_staged_fails_the_save(tmp_path, monkeypatch, what):
+    from fastckpt import save_job
+    from fastckpt.errors import SourceChangedError
+    w, opt, state = _defer_state()
+    fastckpt.save(state(), tmp_path / "c0")
+    go, real = threading.Event(), save_job._Job.write_all
+    monkeypatch.setattr(save_job._Job, "write_all", lambda job: (go.wait(30), real(job))[1])
+    fut = fastckpt.async_save(state(), tmp_path / "c1", defer=_is_param_or_opt)
+    with torch.no_grad():  # the training loop did not wait: the call-time bytes are gone
+        (opt.state[w]["exp_avg"] if what == "optimizer" else w).add_(1)
+    go.set()
+    with pytest.raises(SourceChangedError, match=("optimizer/state/0/" if what == "optimizer" else "model/w")
+                       + ".*written in place"):
+        fut.result()
+    assert fut.wait_staged(0)  # a failed save never leaves a waiter hanging
+    assert not (tmp_path / "c1").exists() and fastckpt.verify(tmp_path / "c0").ok
+    assert [p.name for p in tmp_path.iterdir()] == ["c0"]
+
+
+def test_defer_is_validated(tmp_path):
+    with pytest.raises(ValueError, match="defer must be a callable"):
+        fastckpt.save({"model": {"w": torch.ones(2)}}, tmp_path / "c", defer=True)
+
+
+def test_no_defer_is_staged_at_return(tmp_path):
+    fut = fastckpt.async_save({"model": {"w": torch.ones(2)}}, tmp_path / "c")
+    assert fut.wait_staged(0)
+    fut.result()
