@@ -228,7 +228,7 @@ class _Job:
                 if h is not None and h is not dedupe.CHANGED:
                     self.deferred[k] = (h, version)
                     continue
-            if pick is not None and pick(k, k in frozen or k in trainable):
+            if pick is not None and k not in frozen and pick(k, k in trainable):
                 self.deferred[k] = (None, version)
         if self.deferred:
             self.sources = sources

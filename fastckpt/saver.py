@@ -97,9 +97,11 @@ class SaveOptions:
             write those parameters until the save is done: a write is detected (version counter,
             or the hash for writes that bypass it) and fails the save with
             :class:`~fastckpt.errors.LinkedTensorChangedError`, nothing committed. Default ``False``.
-        defer: ``(key path, is_parameter) -> bool`` (default ``None``: none), called for each
-            tensor with its key path and whether its value in the state was a
-            ``torch.nn.Parameter``. Host tensors it accepts are not copied during the call but by the background thread, in stream order, before
+        defer: ``(key path, trainable) -> bool`` (default ``None``: none), called for each
+            tensor with its key path and whether its value in the state was a trainable
+            ``torch.nn.Parameter`` (frozen parameters are never deferred by it, only by
+            ``defer_frozen``, which checks them against a hash: writes through ``.data``, as
+            peft's merge does, would go unseen). Host tensors it accepts are not copied during the call but by the background thread, in stream order, before
             their writes; :meth:`SaveFuture.wait_staged` returns once they are all copied. The
             caller must not write them until then (e.g. the next optimizer step waits for it:
             the pipelined snapshot of CheckFreq, Mohan et al., FAST 2021). An in-place write
@@ -147,7 +149,7 @@ class SaveOptions:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.defer is not None and not callable(self.defer):
-            raise ValueError(f"defer must be a callable (key path, is_parameter) -> bool, got {self.defer!r}")
+            raise ValueError(f"defer must be a callable (key path, trainable) -> bool, got {self.defer!r}")
         if self.link_check not in ("hash", "version"):
             raise ValueError(f"link_check must be 'hash' or 'version', got {self.link_check!r}")
         check_metadata(self.metadata)

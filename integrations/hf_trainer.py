@@ -72,10 +72,10 @@ _CALLBACK_SAVE_OPTIONS = frozenset({"max_shard_bytes", "chunk_bytes", "threads",
                                     "defer_frozen", "step"})
 
 
-def _param_or_optimizer_state(key: str, is_parameter: bool) -> bool:
-    """``defer`` of the callback's saves: live parameters and optimizer state tensors, which only
-    the optimizer's step writes (gated); buffers and everything else are copied at the call."""
-    return is_parameter or key.startswith("optimizer/")
+def _param_or_optimizer_state(key: str, trainable: bool) -> bool:
+    """``defer`` of the callback's saves: trainable parameters and optimizer state tensors, which
+    only the optimizer's step writes (gated); buffers and everything else are copied at the call."""
+    return trainable or key.startswith("optimizer/")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,7 +104,7 @@ class FastCkptCallback(_trainer_callback_base()):
             (:func:`fastckpt.prime_hashes`) and ``defer_frozen`` defaults to ``True``: the first
             save, which has nothing to link from, copies them in the background and checks the
             copy against that hash, so training waits only for the adapter, optimizer and RNG copy.
-            ``defer_params`` (default ``True``): the live parameters and the optimizer state are
+            ``defer_params`` (default ``True``): the trainable parameters and the optimizer state are
             not copied during the save call but by the writer thread while the next step's
             forward and backward run; an optimizer step pre-hook makes the next ``step()`` wait
             until that copy is done (the pipelined snapshot of CheckFreq, Mohan et al., FAST

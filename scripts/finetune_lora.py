@@ -186,7 +186,8 @@ def report(cb, train_s: float, own: list[tuple[float, int]], waited_s: float) ->
     recs = cb.records
     print("\nfastckpt saves (whole snapshot: base + adapter + optimizer + scheduler + RNG + state):")
     print("  size_MB = all files of the checkpoint; linked_MB = part hard-linked from the previous one (not rewritten)")
-    print("  written_GB/s = (size_MB - linked_MB) / total_s; blocking_s and total_s both count from the save's start")
+    print("  written_GB/s = (size_MB - linked_MB) / total_s; blocking_s and total_s both count from the save's start;")
+    print("  blocking_s = the save call + any wait of the next optimizer step for the background copy")
     print(f"  {'step':>5} {'blocking_s':>10} {'total_s':>8} {'size_MB':>8} {'linked_MB':>9} {'written_GB/s':>12}")
     for r in recs:
         linked = r.get("linked_bytes", 0)
@@ -223,9 +224,12 @@ def report(cb, train_s: float, own: list[tuple[float, int]], waited_s: float) ->
               f"{res['memcpy_s']:.3f} s; worst blocking per save = {worst / res['memcpy_s']:.2f}x that "
               f"(first save {recs[0]['blocking_s'] / res['memcpy_s']:.2f}x"
               + (f", later saves at most {res['later_blocking_x_memcpy']:.2f}x" if later is not None else "") + ")")
-        print("the frozen base weights are hashed once in the background at train begin; a save with a previous "
-              "checkpoint links them, the first one copies them to staging in the background and checks that copy "
-              "against the hash (defer_frozen), so training waits only for the adapter, optimizer and RNG copy")
+        gated = sum(r.get("staging_wait_s", 0.0) for r in recs)
+        print("the save call copies no trainable parameter or optimizer tensor: the writer thread does while the next step "
+              "computes, and the next optimizer step waits for it if needed (defer_params; counted in blocking_s: "
+              f"{gated:.3f} s in all); the frozen base weights are hashed once in the background at train begin, "
+              "linked from the previous checkpoint, or on the first save copied in the background and checked "
+              "against that hash (defer_frozen)")
         print(f"unchanged frozen base weights hard-linked from the previous checkpoint: {linked / 1e6:.1f} MB "
               "(frozen parameters with an unchanged version counter; re-hashed by xxh3 in the background "
               "before each commit; FastCkptCallback(link_unchanged=False) rewrites them)")

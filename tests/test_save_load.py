@@ -498,8 +498,8 @@ def _defer_state():
     return w, opt, lambda: {"model": {"w": w, "buf": torch.arange(10.0)}, "optimizer": opt.state_dict()}
 
 
-def _is_param_or_opt(k, is_parameter):
-    return is_parameter or k.startswith("optimizer/")
+def _is_param_or_opt(k, trainable):
+    return trainable or k.startswith("optimizer/")
 
 
 def test_defer_copies_in_the_background_until_staged(tmp_path, monkeypatch):
