@@ -386,6 +386,7 @@ def _start(coord: Coordinator, sess: Session, state: Any, path: Path, opts: Save
     except Exception as e:
         stage_exc = e
     fut = SaveFuture(path)
+    fut._staged.set()  # every rank copied its part at the call
     fut.blocking_s = time.perf_counter() - t0
     ctx = dict(coord=coord, sess=sess, job=job, prep=prep, path=path, opts=opts, folder=folder, mode=mode,
                group=group, runs=runs, nodes=nodes, local_keys=local_keys, fut=fut, t0=t0, stage_exc=stage_exc)

@@ -244,6 +244,7 @@ class SaveFuture:
             callbacks, self._callbacks = self._callbacks or [], None
         for fn in callbacks:
             _run_callback(fn, self)
+        self._staged.set()  # done or failed: nothing of the caller's memory is needed any more
         self._event.set()
 
 
