@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from .commit import read_manifest
+from .commit import MANIFEST, read_manifest
 from .errors import FastCkptError
 from .manager import CheckpointManager
 
@@ -56,7 +56,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for s in steps:
         p = mgr.path(s)
         m = read_manifest(str(p))
-        print(f"{s:>10}  {_human(m.get('bytes_total', 0)):>10}  {len(m['files']):>5}  {len(m['tensors']):>7}  {p}")
+        size = m.get("bytes_total", 0) + os.path.getsize(p / MANIFEST)  # the manifest cannot list itself
+        print(f"{s:>10}  {_human(size):>10}  {len(m['files']) + 1:>5}  {len(m['tensors']):>7}  {p}")
     latest = mgr.latest()
     print(f"latest committed: {latest if latest is not None else '-'}")
     for name, why in skipped:

@@ -67,9 +67,11 @@ from .hf_snapshot import (  # noqa: E402,F401  (re-exported: accelerate plugin, 
 
 
 #: SaveOptions the callback passes through (it sets overwrite, weights, extra_files, metadata itself).
+#: Options of :func:`fastckpt.async_save` a user may set; the callback sets ``step``, ``link_from``
+#: (the newest committed checkpoint), ``weights``, ``extra_files``, ``metadata`` and ``defer`` itself.
 _CALLBACK_SAVE_OPTIONS = frozenset({"max_shard_bytes", "chunk_bytes", "threads", "staging_bytes", "o_direct",
-                                    "io_backend", "min_free_bytes", "link_from", "link_check", "early_writes",
-                                    "defer_frozen", "step"})
+                                    "io_backend", "min_free_bytes", "link_check", "early_writes",
+                                    "defer_frozen"})
 
 
 def _param_or_optimizer_state(key: str, trainable: bool) -> bool:
@@ -129,7 +131,9 @@ class FastCkptCallback(_trainer_callback_base()):
     ``fastckpt load --to DIR`` gives a folder ``vllm serve`` and ``AutoTokenizer`` accept.
 
     Raises:
-        TypeError: at construction, a save option :func:`fastckpt.async_save` would not take here.
+        TypeError: at construction, a save option :func:`fastckpt.async_save` would not take here
+            (or one the callback sets itself: ``step``, ``link_from``, ``weights``, ...).
+        ValueError: at construction, a bad option value (as :meth:`fastckpt.SaveOptions.check`).
 
     Raises (from the Trainer's calls):
         ValueError: ``push_to_hub=True`` (not supported; refused at train begin).
@@ -145,7 +149,9 @@ class FastCkptCallback(_trainer_callback_base()):
         unknown = sorted(set(save_options) - _CALLBACK_SAVE_OPTIONS)
         if unknown:  # a typo must not surface only at the first save, mid-training
             raise TypeError(f"FastCkptCallback got unknown save option(s) {unknown}; "
-                            f"valid: {sorted(_CALLBACK_SAVE_OPTIONS)}, link_unchanged and defer_params")
+                            f"valid: {sorted(_CALLBACK_SAVE_OPTIONS)}, link_unchanged and defer_params "
+                            "(step, link_from, weights, extra_files and metadata are set by the callback)")
+        fastckpt.SaveOptions(**save_options).check()  # a bad value fails here, not mid-training
         self._snapshot = ModelSnapshotter()  # key -> parameter map, built once (at train begin)
         self.save_options = save_options
         self.resume_from = str(resume_from) if resume_from is not None else None
@@ -296,14 +302,14 @@ class FastCkptCallback(_trainer_callback_base()):
             json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n").encode()
         clean_stale_temps(args.output_dir)  # leftovers of a killed earlier save (dead writers only)
         opts = dict(self.save_options)
-        if self.link_unchanged and "link_from" not in opts:
+        if self.link_unchanged:
             prev = get_last_checkpoint(args.output_dir)
             if prev is not None and Path(prev).resolve() != out.resolve():
                 opts["link_from"] = prev
         if self._step_hook is not None:
             opts["defer"] = _param_or_optimizer_state  # copied while the next step computes
         t_call = time.perf_counter()
-        fut = fastckpt.async_save(snap, out, overwrite=True, weights=weights, extra_files=extra,
+        fut = fastckpt.async_save(snap, out, overwrite=True, weights=weights, extra_files=extra, step=state.global_step,
                                   metadata={"producer": "fastckpt.integrations.hf_trainer"}, **opts)
         blocking = time.perf_counter() - t0
         with self._lock:
@@ -387,8 +393,9 @@ class FastCkptCallback(_trainer_callback_base()):
                 self.save_options["defer_frozen"] = False
                 self._remove_step_gate()
                 then = "copy the whole state at the call (defer_params off)"
-            self.failed_saves.append({"step": step, "path": str(out), "error": str(e)})
-            logger.warning("fastckpt: checkpoint-%d was not committed: %s. Later saves %s.", step, e, then)
+            self.failed_saves.append({"step": step, "path": str(out), "error": f"{type(e).__name__}: {e}"})
+            logger.warning("fastckpt: checkpoint-%d was not committed: %s: %s. Later saves %s.", step,
+                           type(e).__name__, e, then)
             return False
         saver_s = getattr(fut, "total_s", None)  # the saver's own: from its call to the commit
         total = (t_call - t0) + saver_s if saver_s is not None else time.perf_counter() - t0

@@ -207,7 +207,8 @@ def report(cb, train_s: float, own: list[tuple[float, int]], waited_s: float) ->
     res["overhead_ratio"] = theirs / ours if ours else float("inf")
     print(f"\ntraining wall time {train_s:.1f} s, {len(recs)} saves of {res['bytes_per_save'] / 1e6:.1f} MB")
     print(f"fastckpt:      blocked {ours:.2f} s in total ({res['fastckpt_blocking_s']:.2f} s staging + "
-          f"{waited_s:.2f} s final wait) = {res['overhead_fastckpt_pct']:.1f}% overhead; "
+          f"{waited_s:.2f} s final wait) = {res['overhead_fastckpt_pct']:.1f}% overhead (of the compute time: "
+          "training wall time minus time blocked in saves); "
           f"durable writes took {res['fastckpt_total_s']:.2f} s in the background")
     print(f"Trainer's own: blocked {theirs:.2f} s for the same content "
           f"({res['trainer_own_bytes_per_save'] / 1e6:.1f} MB per save, no fsync) = "

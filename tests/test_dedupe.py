@@ -351,3 +351,15 @@ def test_prime_then_link_skips_hashing_at_the_call(tmp_path, monkeypatch):
 def test_defer_frozen_is_validated(tmp_path):
     with pytest.raises(ValueError, match="defer_frozen"):
         fastckpt.save({"model": {"w": torch.ones(2)}}, tmp_path / "c", defer_frozen="yes")
+
+
+def test_defer_frozen_large_tensor_write_through_data_is_caught(tmp_path):
+    """Same as above for a tensor staged and hashed piece by piece (>= 4 MiB)."""
+    base = {"big": torch.nn.Parameter(torch.randn(1500, 1000), requires_grad=False)}
+    saver = fastckpt.saver.Saver()
+    saver.prime_hashes({"model": base}, background=False)
+    base["big"].data[-1, -1] += 1.0
+    fut = saver.async_save({"model": base}, tmp_path / "c1", link_check="version", defer_frozen=True)
+    with pytest.raises(LinkedTensorChangedError, match="big"):
+        fut.result()
+    assert not (tmp_path / "c1").exists()

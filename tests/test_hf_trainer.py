@@ -113,6 +113,7 @@ def test_callback_takes_over_saving(tmp_path):
         assert not names & {"optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"}
         assert {"config.json", "trainer_state.json", "model.safetensors.index.json"} <= names
     assert [r["step"] for r in cb.records] == [8, 16]
+    assert [fastckpt.read_manifest(tmp_path / f"checkpoint-{n}")["step"] for n in (8, 16)] == [8, 16]
     assert all(r["bytes"] > 0 and r["blocking_s"] >= 0 for r in cb.records)
     assert any("fastckpt_save_blocking_s" in h for h in tr.state.log_history)
     st = json.loads((tmp_path / "checkpoint-8" / "trainer_state.json").read_text())
@@ -206,6 +207,13 @@ def test_unknown_save_option_refused_at_construction():
     with pytest.raises(TypeError, match="thread"):
         hf_trainer.FastCkptCallback(thread=4)  # a typo of threads, caught before training starts
     hf_trainer.FastCkptCallback(threads=4, link_unchanged=False, staging_bytes=1 << 26)
+    for own in ({"step": 5}, {"link_from": "x"}, {"weights": {}}):  # the callback sets these itself
+        with pytest.raises(TypeError, match="set by the callback"):
+            hf_trainer.FastCkptCallback(**own)
+    with pytest.raises(ValueError, match="link_check"):
+        hf_trainer.FastCkptCallback(link_check="nope")
+    with pytest.raises(ValueError, match="threads"):
+        hf_trainer.FastCkptCallback(threads=0)
 
 
 def test_push_to_hub_refused(tmp_path):

@@ -552,3 +552,22 @@ def test_no_defer_is_staged_at_return(tmp_path):
     fut = fastckpt.async_save({"model": {"w": torch.ones(2)}}, tmp_path / "c")
     assert fut.wait_staged(0)
     fut.result()
+
+
+def test_defer_large_tensors_are_copied_and_hashed_in_pieces(tmp_path):
+    """Deferred tensors >= 4 MiB are staged and hashed piece by piece: bytes and manifest
+    checksums must be those of the call, whatever the piece boundaries."""
+    torch.manual_seed(5)
+    big = {"a": torch.nn.Parameter(torch.randn(1300, 1001)),   # 5.2 MB, not a multiple of a piece
+           "b": torch.nn.Parameter(torch.randn(1 << 20, dtype=torch.float64)),  # 8 MiB
+           "c": torch.randn(3, 5)}
+    fut = fastckpt.async_save({"model": big}, tmp_path / "c", defer=lambda k, trainable: trainable)
+    fut.result()
+    out = fastckpt.load(tmp_path / "c")["model"]
+    for k, v in big.items():
+        assert raw(out[k]) == raw(v), k
+    rep = fastckpt.verify(tmp_path / "c")
+    assert rep.ok, rep
+    import xxhash
+    doc = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert doc["tensors"]["model/a"]["xxh3"] == xxhash.xxh3_64(raw(big["a"])).hexdigest()
