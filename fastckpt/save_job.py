@@ -15,6 +15,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import torch
 import xxhash
 
@@ -275,13 +276,18 @@ class _Job:
 
     def _copy_and_hash(self, t) -> int:
         """Stage one large deferred tensor piece by piece, hashing each piece while it is still in
-        the CPU cache (one pass over memory fewer than copying, then hashing the staged bytes)."""
-        src = self.sources[t.spec.key].reshape(-1).view(torch.uint8)
+        the CPU cache (one pass over memory fewer than copying, then hashing the staged bytes).
+        One thread (NumPy's copy, GIL released): this runs while training computes, and torch's
+        multi-threaded copy takes more from it. Measured on 2 cores, 327 MB staged every 0.3 s
+        while the main thread ran 60 MLP forward/backward passes (0.37 s alone): 0.58 s with
+        NumPy pieces, 0.68 s with torch pieces, 0.67 s with a torch copy then pooled hashing."""
+        src = self.sources[t.spec.key].reshape(-1).view(torch.uint8).numpy()
+        dst = np.frombuffer(self.view, dtype=np.uint8)
         h = xxhash.xxh3_64()
         a, n = t.stream_offset, t.spec.nbytes
         for off in range(0, n, _FUSED_PIECE):
             m = min(_FUSED_PIECE, n - off)
-            self.buf[a + off:a + off + m].copy_(src[off:off + m])
+            np.copyto(dst[a + off:a + off + m], src[off:off + m])
             h.update(self.view[a + off:a + off + m])
         self.hashes[t.spec.key] = h.hexdigest()
         return a + n
@@ -428,8 +434,9 @@ def _copy_runs(tensors: list, sources: dict) -> list[list]:
     return runs
 
 
-#: Deferred tensors from this size on are copied and hashed piece by piece (:meth:`_Job._copy_and_hash`).
-_FUSED_BYTES = 4 << 20
+#: Deferred tensors from this size on are copied and hashed piece by piece (:meth:`_Job._copy_and_hash`;
+#: smaller ones are batched by ``torch.cat`` and hashed on the pool).
+_FUSED_BYTES = 1 << 20
 #: Piece of :meth:`_Job._copy_and_hash`: small enough to be hashed from the CPU cache.
 _FUSED_PIECE = 512 << 10
 

@@ -354,7 +354,7 @@ def test_defer_frozen_is_validated(tmp_path):
 
 
 def test_defer_frozen_large_tensor_write_through_data_is_caught(tmp_path):
-    """Same as above for a tensor staged and hashed piece by piece (>= 4 MiB)."""
+    """Same as above for a tensor staged and hashed piece by piece (>= 1 MiB)."""
     base = {"big": torch.nn.Parameter(torch.randn(1500, 1000), requires_grad=False)}
     saver = fastckpt.saver.Saver()
     saver.prime_hashes({"model": base}, background=False)

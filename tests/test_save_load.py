@@ -555,7 +555,7 @@ def test_no_defer_is_staged_at_return(tmp_path):
 
 
 def test_defer_large_tensors_are_copied_and_hashed_in_pieces(tmp_path):
-    """Deferred tensors >= 4 MiB are staged and hashed piece by piece: bytes and manifest
+    """Deferred tensors >= 1 MiB are staged and hashed piece by piece: bytes and manifest
     checksums must be those of the call, whatever the piece boundaries."""
     torch.manual_seed(5)
     big = {"a": torch.nn.Parameter(torch.randn(1300, 1001)),   # 5.2 MB, not a multiple of a piece
