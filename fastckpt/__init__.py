@@ -61,9 +61,9 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
     """Stage ``state`` into host memory and write it to ``path`` in the background.
 
     Returns as soon as every tensor is copied into the staging buffer: the checkpoint holds
-    the values the tensors had at the call even if they change right after (except frozen
-    parameters under ``defer_frozen=True``, copied later and checked, see
-    :class:`~fastckpt.saver.SaveOptions`). A second call
+    the values the tensors had at the call even if they change right after, except tensors
+    whose copy ``defer`` or ``defer_frozen`` leaves to the background: those must not be written
+    until :meth:`SaveFuture.wait_staged` returns (see :class:`~fastckpt.saver.SaveOptions`). A second call
     waits for the previous save of the same process (staging memory stays bounded) and
     raises its failure if nobody collected it.
 
@@ -75,7 +75,7 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
             ``extra_files``, ``metadata``, ``step``, ``max_shard_bytes``, ``chunk_bytes``,
             ``threads``, ``staging_bytes``, ``o_direct``, ``io_backend``, ``link_from``,
             ``link_check``, ``early_writes`` (default ``False`` here: the call returns after the
-            copy and the writes start then), ``defer_frozen``, ...).
+            copy and the writes start then), ``defer_frozen``, ``defer``, ...).
         process_group: ``torch.distributed`` group whose ranks all save this checkpoint together
             (default: the world group when initialized; with one rank, or
             ``fastckpt.distributed.LOCAL``, this process saves alone). Multi-rank options:

@@ -104,11 +104,15 @@ class SaveOptions:
             peft's merge does, would go unseen). Host tensors it accepts are not copied during the call but by the background thread, in stream order, before
             their writes; :meth:`SaveFuture.wait_staged` returns once they are all copied. The
             caller must not write them until then (e.g. the next optimizer step waits for it:
-            the pipelined snapshot of CheckFreq, Mohan et al., FAST 2021). An in-place write
-            through torch before the copy moves the tensor's version counter and fails the save
-            with :class:`~fastckpt.errors.SourceChangedError`, nothing committed; writes that
-            bypass the counter (``.data``, fused optimizers) are not seen, so wait first.
-            Ignored when staging streams (``staging_bytes`` below the state size).
+            the pipelined snapshot of CheckFreq, Mohan et al., FAST 2021). Writing them before
+            then breaks this contract; it is detected where it can be: a torch in-place write that
+            has finished before the background copy does moves the version counter (checked
+            before each copy and after all of them) and fails the save with
+            :class:`~fastckpt.errors.SourceChangedError`, nothing committed. A torch write still
+            running when the copy ends (its counter moves only when it is done) and writes that
+            bypass the counter (``.data``, fused optimizers) are not seen: wait first. The copy runs in a Python thread: it overlaps work that releases the
+            GIL (torch ops); a Python-bound caller leaves it little time. Ignored when staging
+            streams (``staging_bytes`` below the state size).
     """
 
     overwrite: bool = False
