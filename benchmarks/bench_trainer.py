@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import common as C  # noqa: E402
 try:
     from fastckpt.integrations import hf_trainer
 except ImportError:
@@ -101,19 +103,6 @@ def run(mode: str, opts, out: Path, lora: bool) -> dict:
     return res
 
 
-def memcpy_s(nbytes: int) -> float:
-    """Seconds of one plain copy of ``nbytes`` between two touched host buffers (median of 3)."""
-    import torch
-
-    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t)
-    return sorted(times)[1]
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20)
@@ -151,7 +140,7 @@ def main(argv=None) -> int:
                 print(f"  {m:10} {r[m]['wall_s']:7.1f} {r[m]['blocked_s']:9.2f} {100 * r[m]['blocked_s'] / base:9.1f} "
                       f"{ov:10.2f} {100 * ov / base:10.1f} {r[m]['bytes_per_save'] / 1e6:8.1f} "
                       f"{r[m]['blocked_s'] / gb if gb else 0:12.3f} {r[m]['max_save_blocked_s']:10.3f}")
-            mc = memcpy_s(int(r["fastckpt"]["bytes_per_save"]))
+            mc = C.memcpy_s(int(r["fastckpt"]["bytes_per_save"]))
             print(f"  one memcpy of a save's bytes ({r['fastckpt']['bytes_per_save'] / 1e6:.1f} MB): {mc:.3f} s; "
                   f"fastckpt's longest save blocked {r['fastckpt']['max_save_blocked_s'] / mc:.2f}x that (target <= 1.5x)")
             bt, bf = r["trainer"]["blocked_s"], r["fastckpt"]["blocked_s"]

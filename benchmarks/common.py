@@ -315,3 +315,17 @@ def write_json(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
     print(f"results: {path}")
+
+
+def memcpy_s(nbytes: int) -> float:
+    """Seconds of one plain copy of ``nbytes`` between two already-touched host buffers
+    (median of 3): the "one memory copy of the saved state" that blocking targets compare to."""
+    import torch
+
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[1]

@@ -215,7 +215,9 @@ def report(cb, train_s: float, own: list[tuple[float, int]], waited_s: float) ->
           f"{res['overhead_trainer_own_pct']:.1f}% overhead")
     print(f"checkpoint overhead ratio (Trainer's own / fastckpt): {res['overhead_ratio']:.1f}x")
     if recs:
-        res["memcpy_s"] = _memcpy_s(res["bytes_per_save"])
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from common import memcpy_s  # the same reference copy as benchmarks/bench_trainer.py
+        res["memcpy_s"] = memcpy_s(res["bytes_per_save"])
         worst = max(r["blocking_s"] for r in recs)
         linked = sum(r.get("linked_bytes", 0) for r in recs)
         later = max((r["blocking_s"] for r in recs[1:]), default=None)
@@ -235,19 +237,6 @@ def report(cb, train_s: float, own: list[tuple[float, int]], waited_s: float) ->
               "(frozen parameters with an unchanged version counter; re-hashed by xxh3 in the background "
               "before each commit; FastCkptCallback(link_unchanged=False) rewrites them)")
     return res
-
-
-def _memcpy_s(nbytes: int) -> float:
-    """Seconds for one plain copy of ``nbytes`` between two already-touched host buffers (median of 3)."""
-    import torch
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t)
-    return sorted(times)[1]
 
 
 def main(argv=None) -> int:
