@@ -64,20 +64,14 @@ from .hf_checkpoints import (  # noqa: E402,F401  (re-exported: public helpers, 
 from .hf_snapshot import (  # noqa: E402,F401  (re-exported: accelerate plugin, scripts)
     capture_rng_state, restore_rng_state, _dedup_tied, _is_peft, _peft_base_weights, model_snapshot, tokenizer_files, _snapshot_bytes_estimate,
     ModelSnapshotter)
+from .hf_step_gate import OptimizerStepGate, param_or_optimizer_state  # noqa: E402
 
 
-#: SaveOptions the callback passes through (it sets overwrite, weights, extra_files, metadata itself).
 #: Options of :func:`fastckpt.async_save` a user may set; the callback sets ``step``, ``link_from``
 #: (the newest committed checkpoint), ``weights``, ``extra_files``, ``metadata`` and ``defer`` itself.
 _CALLBACK_SAVE_OPTIONS = frozenset({"max_shard_bytes", "chunk_bytes", "threads", "staging_bytes", "o_direct",
                                     "io_backend", "min_free_bytes", "link_check", "early_writes",
                                     "defer_frozen"})
-
-
-def _param_or_optimizer_state(key: str, trainable: bool) -> bool:
-    """``defer`` of the callback's saves: trainable parameters and optimizer state tensors, which
-    only the optimizer's step writes (gated); buffers and everything else are copied at the call."""
-    return trainable or key.startswith("optimizer/")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,8 +162,7 @@ class FastCkptCallback(_trainer_callback_base()):
         self._resume_rng: tuple[str, dict[str, Any]] | None = None  # (when, rng)
         self._resume_step_rng: dict[str, Any] | None = None
         self._prev_sigterm = None
-        self._step_hook = None  # optimizer step pre-hook: waits for the pending save's staging
-        self._gate_s: dict[int, float] = {}  # step of a save -> seconds the optimizer waited for it
+        self._gate = OptimizerStepGate(self._pending_save)  # defer_params: step() waits for staging
         self._model = self._args = self._state = None
         self.trainer_callbacks = None  # set by FastCkptTrainerMixin: all callbacks of the Trainer
 
@@ -191,7 +184,7 @@ class FastCkptCallback(_trainer_callback_base()):
         if state.global_step > 0:
             self._restore(args, state, optimizer, lr_scheduler)
         if self.defer_params and not args.save_only_model:
-            self._install_step_gate(optimizer)
+            self._gate.install(optimizer)
         if model is not None and self.save_options.get("link_check") == "version" \
                 and (self.link_unchanged or self.save_options.get("defer_frozen")):
             # hash the frozen base weights in the background now: the first save then links them
@@ -242,7 +235,7 @@ class FastCkptCallback(_trainer_callback_base()):
         finally:
             self._training = False
             self._uninstall_sigterm()
-            self._remove_step_gate()
+            self._gate.remove()
 
     # -- saving --------------------------------------------------------------------------------
     def _intercept(self, args, state, control) -> None:
@@ -306,8 +299,8 @@ class FastCkptCallback(_trainer_callback_base()):
             prev = get_last_checkpoint(args.output_dir)
             if prev is not None and Path(prev).resolve() != out.resolve():
                 opts["link_from"] = prev
-        if self._step_hook is not None:
-            opts["defer"] = _param_or_optimizer_state  # copied while the next step computes
+        if self._gate.active:
+            opts["defer"] = param_or_optimizer_state  # copied while the next step computes
         t_call = time.perf_counter()
         fut = fastckpt.async_save(snap, out, overwrite=True, weights=weights, extra_files=extra, step=state.global_step,
                                   metadata={"producer": "fastckpt.integrations.hf_trainer"}, **opts)
@@ -385,13 +378,13 @@ class FastCkptCallback(_trainer_callback_base()):
         try:
             path = fut.result()
         except (LinkedTensorChangedError, SourceChangedError) as e:
-            self._gate_s.pop(step, None)
+            self._gate.pop_wait(step)
             if isinstance(e, LinkedTensorChangedError):
                 self.save_options["link_check"] = "hash"
                 then = "hash frozen weights at the call (link_check='hash')"
             else:
                 self.save_options["defer_frozen"] = False
-                self._remove_step_gate()
+                self._gate.remove()
                 then = "copy the whole state at the call (defer_params off)"
             self.failed_saves.append({"step": step, "path": str(out), "error": f"{type(e).__name__}: {e}"})
             logger.warning("fastckpt: checkpoint-%d was not committed: %s: %s. Later saves %s.", step,
@@ -399,7 +392,7 @@ class FastCkptCallback(_trainer_callback_base()):
             return False
         saver_s = getattr(fut, "total_s", None)  # the saver's own: from its call to the commit
         total = (t_call - t0) + saver_s if saver_s is not None else time.perf_counter() - t0
-        gate = self._gate_s.pop(step, 0.0)
+        gate = self._gate.pop_wait(step)
         rec = {"step": step, "path": str(path), "blocking_s": blocking + gate, "staging_wait_s": gate,
                "total_s": max(total, blocking),
                "bytes": int(getattr(fut, "bytes_written", 0) or 0),
@@ -456,34 +449,11 @@ class FastCkptCallback(_trainer_callback_base()):
             return
         self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
-    def _install_step_gate(self, optimizer) -> None:
-        """Make the optimizer's step wait until the pending save has copied the parameters and
-        optimizer state (``defer_params``). Without a torch optimizer there is nothing to gate:
-        saves then copy everything at the call."""
-        import torch
-
-        opt = optimizer
-        while not isinstance(opt, torch.optim.Optimizer) or hasattr(opt, "optimizer") and \
-                isinstance(getattr(opt, "optimizer"), torch.optim.Optimizer):
-            opt = getattr(opt, "optimizer", None)  # accelerate's AcceleratedOptimizer wraps it
-            if opt is None:
-                return
-        self._remove_step_gate()
-        self._step_hook = opt.register_step_pre_hook(self._before_optimizer_step)
-
-    def _remove_step_gate(self) -> None:
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
-
-    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+    def _pending_save(self):
+        """``(future, step)`` of the save in flight, or ``None`` (for the step gate)."""
         with self._lock:
             pending = self._pending
-        if pending is None or pending[0].wait_staged(0):
-            return
-        t = time.perf_counter()
-        pending[0].wait_staged()
-        self._gate_s[pending[1]] = self._gate_s.get(pending[1], 0.0) + time.perf_counter() - t
+        return None if pending is None else (pending[0], pending[1])
 
     def _uninstall_sigterm(self) -> None:
         if self._prev_sigterm is not None:
