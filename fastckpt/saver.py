@@ -444,8 +444,7 @@ def _finish(job: _Job, col, path: Path, opts: SaveOptions, fut: SaveFuture, t0: 
         exc = e
         job.close()
         shutil.rmtree(job.tmp, ignore_errors=True)
-    job.staged.set()  # failed before its background copies: nobody may wait for them forever
-    fut._finish(exc)
+    fut._finish(exc)  # also sets fut._staged (= job.staged): a failed save never leaves a waiter hanging
 
 
 def _write_metadata(job: _Job, col, opts: SaveOptions) -> int:
