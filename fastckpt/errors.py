@@ -46,6 +46,11 @@ class UnsupportedValueError(FastCkptError, TypeError):
     """A value in the state cannot be saved (names its key path and type)."""
 
 
+class UntrustedTypeError(UnsupportedValueError):
+    """A checkpoint names a class to rebuild that is not on the reader's allow-list; nothing of
+    it was imported or called (names the file and the value)."""
+
+
 class UnsupportedDtypeError(UnsupportedValueError):
     """A tensor dtype has no safetensors encoding, or a file names an unknown dtype."""
 

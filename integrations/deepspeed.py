@@ -16,8 +16,10 @@ meaning: it is written after the commit and names a tag whose files are all comm
 ``load(path)`` reads such a folder back (no unpickling).
 
 Values DeepSpeed puts in its states that are not tensors or JSON (``torch.Size``, ``set``,
-enums, ``LossScaler``, ``fragment_address``) are stored as tagged JSON and rebuilt on load
-only for classes of the modules in :data:`ALLOWED_MODULES`.
+``ZeroStageEnum``, ``LossScaler``, ``fragment_address``) are stored as tagged JSON. Loading
+rebuilds only the classes named in :data:`ALLOWED_TYPES`: a checkpoint cannot make the loader
+import or call anything else (a type name outside the list is refused with
+:class:`~fastckpt.errors.UntrustedTypeError`, before any object is built).
 """
 
 from __future__ import annotations
@@ -32,9 +34,17 @@ import torch
 
 import fastckpt
 from fastckpt.distributed import LOCAL
-from fastckpt.errors import CheckpointNotFoundError, UnsupportedValueError
+from fastckpt.errors import CheckpointNotFoundError, UnsupportedValueError, UntrustedTypeError
 
-ALLOWED_MODULES = ("deepspeed.", "torch.")
+#: The only classes :func:`decode` rebuilds (``module:qualname``): those DeepSpeed 0.19 puts in
+#: its ZeRO-1/2/3 model and optimizer states. Saving refuses every other class (names its path),
+#: so whatever this engine wrote, it reads back.
+ALLOWED_TYPES = frozenset({
+    "deepspeed.runtime.fp16.loss_scaler:LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment:fragment_address",
+    "deepspeed.runtime.zero.config:ZeroStageEnum",
+})
 _PLAIN = (type(None), bool, int, float, str, bytes, torch.Tensor, torch.dtype, torch.device)
 
 try:  # the base class, when DeepSpeed is installed; the engine also works through its interface alone
@@ -51,13 +61,13 @@ def encode(v: Any, path: str = "") -> Any:
     """Replace non-JSON, non-tensor values DeepSpeed uses by tagged dicts (see module docstring).
 
     Raises:
-        UnsupportedValueError: a value of a class outside :data:`ALLOWED_MODULES`.
+        UnsupportedValueError: a value of a class outside :data:`ALLOWED_TYPES` (names its path).
     """
     if isinstance(v, _PLAIN) or (isinstance(v, type(torch.float32))):
         return v
     if isinstance(v, torch.Size):
         return {"__ds_size__": list(v)}
-    if isinstance(v, enum.Enum):
+    if isinstance(v, enum.Enum) and _qual(type(v)) in ALLOWED_TYPES:
         return {"__ds_enum__": _qual(type(v)), "value": encode(v.value, path)}
     if isinstance(v, (set, frozenset)):
         return {"__ds_set__": [encode(x, path) for x in sorted(v, key=repr)]}
@@ -68,48 +78,62 @@ def encode(v: Any, path: str = "") -> Any:
     if isinstance(v, tuple) and type(v) is tuple:
         return tuple(encode(x, f"{path}/{i}") for i, x in enumerate(v))
     cls = type(v)
-    if not cls.__module__.startswith(ALLOWED_MODULES):
-        if hasattr(v, "__array__") or type(v).__module__ == "numpy":
-            return v
-        raise UnsupportedValueError(f"DeepSpeed state at {path or '<root>'!r} holds a {_qual(cls)}; only classes of "
-                                    f"{ALLOWED_MODULES} are stored by the fastckpt DeepSpeed engine")
+    if hasattr(v, "__array__") or cls.__module__ == "numpy":
+        return v
+    if _qual(cls) not in ALLOWED_TYPES:
+        raise UnsupportedValueError(f"DeepSpeed state at {path or '<root>'!r} holds a {_qual(cls)}; the fastckpt "
+                                    f"DeepSpeed engine stores only tensors, JSON values and {sorted(ALLOWED_TYPES)} "
+                                    "(nothing is pickled); convert it to one of those before saving")
     if isinstance(v, tuple):  # namedtuple
         return {"__ds_obj__": _qual(cls), "fields": [encode(x, path) for x in v]}
     state = {f.name: getattr(v, f.name) for f in dataclasses.fields(v)} if dataclasses.is_dataclass(v) else vars(v)
     return {"__ds_obj__": _qual(cls), "state": encode(dict(state), path)}
 
 
-def _cls(name: str) -> type:
+def _cls(name: Any, source: str) -> type:
+    """The class ``name`` (``module:qualname``) if it is in :data:`ALLOWED_TYPES`; nothing is
+    imported for any other name."""
+    if not isinstance(name, str) or name not in ALLOWED_TYPES:
+        raise UntrustedTypeError(f"{source}: the checkpoint asks to rebuild {name!r}, which is not one of the "
+                                 f"DeepSpeed types fastckpt rebuilds ({sorted(ALLOWED_TYPES)}); refusing to load "
+                                 "it (a checkpoint must not choose code to run); re-save it with this engine")
     mod, _, qual = name.partition(":")
-    if not (mod + ".").startswith(ALLOWED_MODULES):
-        raise UnsupportedValueError(f"refusing to rebuild {name!r}: not in {ALLOWED_MODULES}")
     obj: Any = importlib.import_module(mod)
     for part in qual.split("."):
         obj = getattr(obj, part)
     return obj
 
 
-def decode(v: Any) -> Any:
-    """Inverse of :func:`encode`."""
+def decode(v: Any, source: str = "<state>") -> Any:
+    """Inverse of :func:`encode`.
+
+    Args:
+        v: a tree read from a checkpoint written by :class:`FastCkptCheckpointEngine`.
+        source: the checkpoint path, named in errors.
+
+    Raises:
+        UntrustedTypeError: a tagged value names a class outside :data:`ALLOWED_TYPES`
+            (names ``source`` and the value); nothing of it is imported or called.
+    """
     if isinstance(v, dict):
         if "__ds_size__" in v:
             return torch.Size(v["__ds_size__"])
         if "__ds_set__" in v:
-            return {decode(x) for x in v["__ds_set__"]}
+            return {decode(x, source) for x in v["__ds_set__"]}
         if "__ds_enum__" in v:
-            return _cls(v["__ds_enum__"])(decode(v["value"]))
+            return _cls(v["__ds_enum__"], source)(decode(v["value"], source))
         if "__ds_obj__" in v:
-            cls = _cls(v["__ds_obj__"])
+            cls = _cls(v["__ds_obj__"], source)
             if "fields" in v:
-                return cls(*[decode(x) for x in v["fields"]])
+                return cls(*[decode(x, source) for x in v["fields"]])
             obj = cls.__new__(cls)
-            obj.__dict__.update(decode(v["state"]))
+            obj.__dict__.update(decode(v["state"], source))
             return obj
-        return {k: decode(x) for k, x in v.items()}
+        return {k: decode(x, source) for k, x in v.items()}
     if isinstance(v, list):
-        return [decode(x) for x in v]
+        return [decode(x, source) for x in v]
     if isinstance(v, tuple):
-        return tuple(decode(x) for x in v)
+        return tuple(decode(x, source) for x in v)
     return v
 
 
@@ -169,7 +193,7 @@ class FastCkptCheckpointEngine(_Base):
             raise CheckpointNotFoundError(f"{path}: not a committed fastckpt checkpoint; files written by "
                                           "DeepSpeed's torch engine are read with that engine")
         device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
-        return decode(fastckpt.load(path, device=device)["ds"])
+        return decode(fastckpt.load(path, device=device)["ds"], path)
 
     def is_decoupled(self) -> bool:
         """DeepSpeed's synchronous protocol: ``commit`` is called inside ``save_checkpoint``."""

@@ -40,6 +40,35 @@ def test_codec_refuses_foreign_classes():
         decode({"__ds_obj__": "os:system", "state": {}})
 
 
+@pytest.mark.parametrize("tag", [{"__ds_obj__": "torch.hub:set_dir", "fields": ["/tmp/evil"]},
+                                 {"__ds_obj__": "torch.hub:set_dir", "state": {}},
+                                 {"__ds_enum__": "torch.hub:set_dir", "value": "/tmp/evil"},
+                                 {"__ds_obj__": ["not", "a", "name"], "state": {}}])
+def test_decode_never_calls_what_the_checkpoint_names(tmp_path, tag, monkeypatch):
+    """A checkpoint naming a torch/deepspeed callable is refused before anything is called."""
+    import torch.hub
+    from fastckpt.errors import UntrustedTypeError
+    called = []
+    monkeypatch.setattr(torch.hub, "set_dir", lambda *a: called.append(a))
+    ckpt = tmp_path / "mp_rank_00_model_states.pt"
+    fastckpt.save({"ds": {"x": tag}}, ckpt, weights={})
+    with pytest.raises(UntrustedTypeError) as e:
+        FastCkptCheckpointEngine().load(str(ckpt))
+    assert called == [] and str(ckpt) in str(e.value)
+    assert repr(tag.get("__ds_obj__", tag.get("__ds_enum__"))) in str(e.value)
+
+
+def test_codec_rebuilds_the_allowed_deepspeed_types():
+    ds = pytest.importorskip("deepspeed")
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    state = {"scaler": DynamicLossScaler(init_scale=2.0 ** 8, scale_window=10, min_scale=1,
+                                                 delayed_shift=2, consecutive_hysteresis=False), "stage": ZeroStageEnum(3)}
+    back = decode(encode(state))
+    assert isinstance(back["scaler"], DynamicLossScaler) and back["scaler"].cur_scale == 2.0 ** 8
+    assert back["stage"] is ZeroStageEnum(3)
+
+
 def test_real_deepspeed_cpu_save_load(tmp_path, monkeypatch):
     ds = pytest.importorskip("deepspeed")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
