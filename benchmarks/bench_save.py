@@ -43,7 +43,7 @@ def child(name: str, folder: str, size_gib: float) -> dict:
         import fastckpt
         rows.append({"name": name, "seconds": timed(lambda: fastckpt.save(state, out))})
     elif name == "fastckpt.async_save":
-        from fastckpt.saver import Saver
+        from fastckpt.saving.saver import Saver
         s = Saver()
         for label, path in (("first", out), ("repeat, pool reused", out + "2")):
             t0 = time.perf_counter()

@@ -84,7 +84,7 @@ def load_all_s(paths: list[str]) -> float:
 
 
 def warm_s(folder: str, threads: int | None) -> float:
-    cmd = [sys.executable, "-m", "fastckpt.cli", "load", folder, "--warm", "-q"]
+    cmd = [sys.executable, "-m", "fastckpt.cli.main", "load", folder, "--warm", "-q"]
     if threads:
         cmd += ["--threads", str(threads)]
     t = time.perf_counter()
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.makedirs(folder, exist_ok=True)
     paths = make_model(folder, a.gib, a.shards)
     nbytes = sum(os.path.getsize(p) for p in paths)
-    from fastckpt.export import warm_files
+    from fastckpt.saving.export import warm_files
     res: dict[str, list[float]] = {"raw": [], "cold": [], "warm": [], "warm_io": [], "load_after_warm": []}
     how = ""
     for _ in range(a.trials):

@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from . import errors
-from .commit import is_committed, read_manifest
+from .storage.commit import is_committed, read_manifest
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError,
                      CorruptCheckpointError, FastCkptError, HeaderError, InsufficientSpaceError,
                      UnsupportedDtypeError, UnsupportedValueError)
-from .loader import load, open_checkpoint
+from .loading.reader import load, open_checkpoint
 from .manager import CheckpointManager
-from .saver import SaveFuture, SaveOptions, Saver
-from .verify import VerifyReport, verify
+from .saving.saver import SaveFuture, SaveOptions, Saver
+from .loading.verify import VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -45,7 +45,7 @@ def _dist_saver(process_group: Any):
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):  # one process: skip importing the
         return None  # multi-rank saver (~17 ms on the first save of a process)
-    from .dist_save import DistSaver, is_multi_rank
+    from .saving.ranks import DistSaver, is_multi_rank
     if not is_multi_rank(process_group):
         return None
     key = id(process_group)
@@ -63,23 +63,23 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
     Returns as soon as every tensor is copied into the staging buffer: the checkpoint holds
     the values the tensors had at the call even if they change right after, except tensors
     whose copy ``defer`` or ``defer_frozen`` leaves to the background: those must not be written
-    until :meth:`SaveFuture.wait_staged` returns (see :class:`~fastckpt.saver.SaveOptions`). A second call
+    until :meth:`SaveFuture.wait_staged` returns (see :class:`~fastckpt.saving.saver.SaveOptions`). A second call
     waits for the previous save of the same process (staging memory stays bounded) and
     raises its failure if nobody collected it.
 
     Args:
         state: nested dict/list/tuple of tensors (any device, any strides), NumPy arrays and
-            JSON-able values (see :func:`fastckpt.tree.flatten`).
+            JSON-able values (see :func:`fastckpt.format.tree.flatten`).
         path: checkpoint folder to create; its parent is created if needed.
-        **options: see :class:`fastckpt.saver.SaveOptions` (``overwrite``, ``weights``,
+        **options: see :class:`fastckpt.saving.saver.SaveOptions` (``overwrite``, ``weights``,
             ``extra_files``, ``metadata``, ``step``, ``max_shard_bytes``, ``chunk_bytes``,
             ``threads``, ``staging_bytes``, ``o_direct``, ``io_backend``, ``link_from``,
             ``link_check``, ``early_writes`` (default ``False`` here: the call returns after the
             copy and the writes start then), ``defer_frozen``, ``defer``, ...).
         process_group: ``torch.distributed`` group whose ranks all save this checkpoint together
             (default: the world group when initialized; with one rank, or
-            ``fastckpt.distributed.LOCAL``, this process saves alone). Multi-rank options:
-            ``local_keys``, ``commit``, ``timeout_s`` (see :class:`fastckpt.dist_save.DistSaver`).
+            ``fastckpt.coordination.LOCAL``, this process saves alone). Multi-rank options:
+            ``local_keys``, ``commit``, ``timeout_s`` (see :class:`fastckpt.saving.ranks.DistSaver`).
 
     Returns:
         A :class:`SaveFuture`; ``result()`` returns the path once durable and committed.
@@ -133,7 +133,7 @@ def reserve(nbytes: int, *, background: bool = True) -> None:
 
 def prime_hashes(state: Any, *, weights: dict[str, str] | None = None, background: bool = True) -> int:
     """Hash the frozen ``nn.Parameter`` values of ``state`` for later :func:`async_save` calls
-    with ``link_check="version"`` (see :meth:`fastckpt.saver.Saver.prime_hashes`).
+    with ``link_check="version"`` (see :meth:`fastckpt.saving.saver.Saver.prime_hashes`).
 
     Call it once before training (after loading or resuming): the first save can then link the
     frozen weights from an earlier checkpoint, or with ``defer_frozen=True`` copy them in the

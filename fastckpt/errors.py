@@ -72,7 +72,7 @@ class LinkedTensorChangedError(SaveFailedError):
 
 class SourceChangedError(SaveFailedError):
     """A tensor whose staging copy was left to the background thread (``defer`` /
-    ``defer_frozen`` of :class:`fastckpt.saver.SaveOptions`) was written in place (its version
+    ``defer_frozen`` of :class:`fastckpt.saving.saver.SaveOptions`) was written in place (its version
     counter moved) after the save call and before it was copied: its call-time bytes are gone.
     Names the key path and both counter values. The save is not committed; earlier
     checkpoints are untouched."""

@@ -8,11 +8,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from . import commit as cm
+from .storage import commit as cm
 from .errors import CheckpointExistsError, CheckpointNotFoundError
-from .loader import load
-from .lock import RootLock
-from .saver import SaveFuture
+from .loading.reader import load
+from .storage.lock import RootLock
+from .saving.saver import SaveFuture
 
 LATEST = "latest"
 
@@ -29,9 +29,9 @@ class CheckpointManager:
             ``"checkpoint-"``).
         lock_timeout_s: seconds a save or prune waits for another job's root lock before
             raising :class:`~fastckpt.errors.CheckpointLockedError` (default 0: fail at once).
-            See :mod:`fastckpt.lock`: one writing job per root, never interleaved files.
+            See :mod:`fastckpt.storage.lock`: one writing job per root, never interleaved files.
         process_group: ``torch.distributed`` group that saves together (default: the world group
-            when initialized, else this process alone); see :class:`fastckpt.dist_save.DistSaver`.
+            when initialized, else this process alone); see :class:`fastckpt.saving.ranks.DistSaver`.
             Every rank calls ``save``; rank 0 holds the root lock, prunes and updates ``latest``.
         link_unchanged: hard-link shard files whose bytes equal the newest committed step's
             instead of rewriting them (``link_from`` of :func:`fastckpt.async_save`; default
@@ -58,7 +58,7 @@ class CheckpointManager:
         self.root = Path(os.path.abspath(os.fspath(root)))
         self.keep_last = keep_last
         self.prefix = prefix
-        from .dist_save import make_saver
+        from .saving.ranks import make_saver
         self._saver = make_saver(process_group)  # multi-rank: only rank 0 locks, cleans, prunes
         self._writer = getattr(self._saver, "rank", 0) == 0
         self._pattern = re.compile(re.escape(prefix) + r"(\d+)$")

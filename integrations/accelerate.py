@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import fastckpt
-from fastckpt.distributed import LOCAL
+from fastckpt.coordination import LOCAL
 
 from .hf_snapshot import capture_rng_state, restore_rng_state
 

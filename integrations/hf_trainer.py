@@ -51,9 +51,9 @@ from pathlib import Path
 from typing import Any
 
 import fastckpt
-from fastckpt.commit import clean_stale_temps
+from fastckpt.storage.commit import clean_stale_temps
 from fastckpt.errors import LinkedTensorChangedError, SourceChangedError
-from fastckpt.saver import no_gc
+from fastckpt.saving.saver import no_gc
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ class FastCkptCallback(_trainer_callback_base()):
     def _save(self, args, state, control) -> None:
         if not args.should_save:
             return
-        with no_gc():  # building the snapshot allocates thousands of objects (see fastckpt.saver.no_gc)
+        with no_gc():  # building the snapshot allocates thousands of objects (see fastckpt.saving.saver.no_gc)
             self._save_now(args, state, control)
 
     def _save_now(self, args, state, control) -> None:

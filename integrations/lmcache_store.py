@@ -44,7 +44,7 @@ import time
 import xxhash
 
 from fastckpt.errors import CorruptCheckpointError
-from fastckpt.format import encode_header, read_header_fd
+from fastckpt.format.safetensors import encode_header, read_header_fd
 
 from .lmcache_format import (  # noqa: F401  (re-exported: the store's public types)
     FORMAT_TAG, HEADER_ALIGN, LOCK_NAME, SUFFIX, ChunkHandle, KVStats, StoreOptions, _address,

@@ -13,7 +13,7 @@ fastckpt's parallel large reads while vLLM copies the current one (no mmap page 
 The model handles tensor-parallel sharding in its weight loaders, exactly as with the default
 loader. Options go in ``--model-loader-extra-config '{"threads": 16, "batch_bytes": 2147483648,
 "verify": true, "device": "cuda"}'`` (``device``: stream batches into device memory through the
-pinned bounce ring of :mod:`fastckpt.device_load` instead of host memory).
+pinned bounce ring of :mod:`fastckpt.loading.device` instead of host memory).
 
 This module imports without vLLM (CI tests the contract: ``download_model``, ``load_weights``,
 :meth:`FastCkptLoaderMixin.get_weights_iterator`); vLLM is imported only inside the functions.
@@ -69,7 +69,7 @@ class FastCkptLoaderMixin:
 
     def download_model(self, model_config: Any) -> None:
         """Fetch a hub model if needed and validate its headers/index/manifest (no tensor data read)."""
-        from fastckpt.serve_cli import find_checkpoint, open_source
+        from fastckpt.cli.serve import find_checkpoint, open_source
         open_source(find_checkpoint(self._local_path(model_config)))
 
     def get_weights_iterator(self, path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -81,7 +81,7 @@ class FastCkptLoaderMixin:
         Raises:
             CheckpointNotFoundError, HeaderError, CorruptCheckpointError, ChecksumMismatchError.
         """
-        from fastckpt.serve_cli import find_checkpoint, open_source
+        from fastckpt.cli.serve import find_checkpoint, open_source
         src = open_source(find_checkpoint(path))
         r = src.resolved
         batches: list[list[tuple[str, str]]] = [[]]
@@ -105,10 +105,10 @@ class FastCkptLoaderMixin:
         keys = [k for _, k in batch]
         check = self.verify and r.manifest is not None
         if self.device and torch.device(self.device).type != "cpu":
-            from fastckpt.device_load import DEFAULT_RING_BYTES, load_tensors
+            from fastckpt.loading.device import DEFAULT_RING_BYTES, load_tensors
             return load_tensors(r, keys, self.device, threads=self.threads, verify=check,
                                 ring_bytes=self.ring_bytes or DEFAULT_RING_BYTES)
-        from fastckpt.loader import read_tensors
+        from fastckpt.loading.reader import read_tensors
         return read_tensors(r, keys, threads=self.threads, verify=check)
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:

@@ -26,7 +26,7 @@ for m in ("safetensors", "xxhash", "pytest", "kvikio"):
         importlib.import_module(m); print(m, "ok")
     except Exception as e:
         print(m, "MISSING", type(e).__name__, e)
-from fastckpt.device_load import kvikio_usable
+from fastckpt.loading.device import kvikio_usable
 print("kvikio/GDS usable:", kvikio_usable(torch.device("cuda", 0)) if torch.cuda.is_available() else False)
 PY
 
@@ -41,9 +41,9 @@ echo "== bandwidth into device memory (${GIB} GiB, 2 files)"
 timeout 200 "$PY" - "$WORK" "$GIB" <<'PY'
 import json, os, resource, subprocess, sys, time
 import torch
-from fastckpt.device_load import kvikio_usable, load_weights
-from fastckpt.export import plan_shards, write_shards
-from fastckpt.tp import Shard
+from fastckpt.loading.device import kvikio_usable, load_weights
+from fastckpt.saving.export import plan_shards, write_shards
+from fastckpt.loading.tp import Shard
 
 work, gib = sys.argv[1], float(sys.argv[2])
 assert torch.cuda.is_available(), "no CUDA device"

@@ -31,7 +31,7 @@ import faultkit as fk  # noqa: E402
 
 import fastckpt  # noqa: E402
 from fastckpt.errors import FastCkptError  # noqa: E402
-from fastckpt.format import parse_header  # noqa: E402
+from fastckpt.format.safetensors import parse_header  # noqa: E402
 
 
 def io_faults(tmp: str, rounds: int) -> tuple[int, int, list[str]]:

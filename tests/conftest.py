@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from fastckpt.io import PosixBackend
+from fastckpt.storage.io import PosixBackend
 
 # Test modules import these helpers as ``fastckpt_testkit``: other folders under tests/ have
 # their own conftest.py, so the plain name ``conftest`` may point at another file.

@@ -13,11 +13,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import fastckpt
-import fastckpt.loader
-from fastckpt.device_load import load_weights
+import fastckpt.loading.reader
+from fastckpt.loading.device import load_weights
 from fastckpt.errors import (FastCkptError, HeaderError, UnsupportedDtypeError, UnsupportedValueError)
-from fastckpt.format import encode_header, read_header
-from fastckpt.tp import Shard
+from fastckpt.format.safetensors import encode_header, read_header
+from fastckpt.loading.tp import Shard
 
 from fastckpt_testkit import assert_same, assert_tree_same, listing, st_file, write_bytes
 
@@ -269,7 +269,7 @@ def guarded(monkeypatch):
         allocs.append(n)
         raise AssertionError(f"allocated {n} bytes before validation finished")
 
-    monkeypatch.setattr(fastckpt.loader, "host_buffer", no_alloc)
+    monkeypatch.setattr(fastckpt.loading.reader, "host_buffer", no_alloc)
     real_pread = os.pread
 
     def pread(fd, n, off):

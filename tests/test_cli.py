@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fastckpt import CheckpointManager
-from fastckpt.cli import main, parse_bytes
+from fastckpt.cli.main import main, parse_bytes
 
 
 def make_root(tmp_path, steps=(1, 2, 3)):
@@ -86,11 +86,11 @@ def test_parse_bytes():
 
 
 def test_cli_subprocess_verify_flipped_byte(tmp_path):
-    """The installed entry point (``fastckpt``, or ``python -m fastckpt.cli``) exits 1 naming file and tensor."""
+    """The installed entry point (``fastckpt``, or ``python -m fastckpt.cli.main``) exits 1 naming file and tensor."""
     root, mgr = make_root(tmp_path, steps=(1,))
     fname = flip_byte(mgr.path(1), "opt/m")
     exe = shutil.which("fastckpt")
-    cmd = [exe] if exe else [sys.executable, "-m", "fastckpt.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "fastckpt.cli.main"]
     p = subprocess.run(cmd + ["verify", str(mgr.path(1))], capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, (p.stdout, p.stderr)
     assert "'opt/m'" in p.stdout and fname in p.stdout

@@ -87,7 +87,7 @@ def _snap(base, lora):  # the live parameters, as the Trainer callback's snapsho
 
 def _hash_threads(monkeypatch):
     """Record the data pointer of every source tensor the saver hashes."""
-    from fastckpt import dedupe
+    from fastckpt.saving import dedupe
     seen = []
     real = dedupe.source_hash
 
@@ -104,7 +104,7 @@ def test_version_link_skips_hashing_at_the_call_and_verifies_later(tmp_path, mon
     with torch.no_grad():
         lora["a"].add_(1)
     seen = _hash_threads(monkeypatch)
-    from fastckpt import saver
+    from fastckpt.saving import saver
     go, real_start = threading.Event(), saver._Job.start_verify
     monkeypatch.setattr(saver._Job, "start_verify", lambda job: (go.wait(30), real_start(job))[1])
     fut = fastckpt.async_save(_snap(base, lora), tmp_path / "c2", weights=W, link_from=tmp_path / "c1",
@@ -217,7 +217,7 @@ def test_version_link_never_trusts_trainable_parameters(tmp_path, fused):
 
 def _copy_spy(monkeypatch):
     """Record (thread name, keys) of every staging copy."""
-    from fastckpt import save_job
+    from fastckpt.saving import job as save_job
     seen = []
     real = save_job._Job._copy_run
 
@@ -230,7 +230,7 @@ def _copy_spy(monkeypatch):
 
 def _gate_background(monkeypatch):
     """Hold the background part of the next save until the returned event is set."""
-    from fastckpt import save_job
+    from fastckpt.saving import job as save_job
     go, real = threading.Event(), save_job._Job.write_all
     monkeypatch.setattr(save_job._Job, "write_all", lambda job: (go.wait(30), real(job))[1])
     return go
@@ -239,7 +239,7 @@ def _gate_background(monkeypatch):
 def test_defer_frozen_copies_primed_weights_in_the_background(tmp_path, monkeypatch):
     from safetensors.torch import load_file
     base, lora = _params()
-    saver = fastckpt.saver.Saver()
+    saver = fastckpt.saving.saver.Saver()
     assert saver.prime_hashes(_snap(base, lora), weights=W, background=False) == 3 * 256 * 256 * 4
     seen = _copy_spy(monkeypatch)
     go = _gate_background(monkeypatch)
@@ -262,7 +262,7 @@ def test_defer_frozen_copies_primed_weights_in_the_background(tmp_path, monkeypa
 
 def test_defer_frozen_without_a_record_copies_at_the_call(tmp_path, monkeypatch):
     base, lora = _params()
-    saver = fastckpt.saver.Saver()
+    saver = fastckpt.saving.saver.Saver()
     seen = _copy_spy(monkeypatch)
     saver.async_save(_snap(base, lora), tmp_path / "c1", weights=W, link_check="version",
                      defer_frozen=True).result()
@@ -281,7 +281,7 @@ def test_defer_frozen_without_a_record_copies_at_the_call(tmp_path, monkeypatch)
 
 def test_defer_frozen_catches_a_write_through_data(tmp_path):
     base, lora = _params()
-    saver = fastckpt.saver.Saver()
+    saver = fastckpt.saving.saver.Saver()
     saver.prime_hashes(_snap(base, lora), weights=W, background=False)
     base["w2"].data[3, 3] += 1.0  # bypasses the version counter: the record lies
     fut = saver.async_save(_snap(base, lora), tmp_path / "c1", weights=W, link_check="version",
@@ -297,7 +297,7 @@ def test_defer_frozen_catches_a_write_through_data(tmp_path):
 
 def test_defer_frozen_refuses_a_write_after_the_call(tmp_path, monkeypatch):
     base, lora = _params()
-    saver = fastckpt.saver.Saver()
+    saver = fastckpt.saving.saver.Saver()
     fastckpt.save(_snap(base, lora), tmp_path / "c0", weights=W)
     saver.prime_hashes(_snap(base, lora), weights=W, background=False)
     go = _gate_background(monkeypatch)
@@ -317,7 +317,7 @@ def test_defer_frozen_units_shared_with_staged_tensors(tmp_path):
     frozen = {f"f{i}": torch.nn.Parameter(torch.randn(100 + i, 301), requires_grad=False) for i in range(4)}
     plain = {f"p{i}": torch.randn(77, 33 + i) for i in range(4)}
     model = {k: v for pair in zip(frozen.items(), plain.items()) for k, v in pair}
-    saver = fastckpt.saver.Saver()
+    saver = fastckpt.saving.saver.Saver()
     saver.prime_hashes({"model": model}, background=False)
     saver.async_save({"model": model}, tmp_path / "c", link_check="version", defer_frozen=True,
                      chunk_bytes=16384).result()
@@ -331,9 +331,9 @@ def test_prime_then_link_skips_hashing_at_the_call(tmp_path, monkeypatch):
     """A new process (new Saver) resuming from c1: primed at train begin, its first save links
     the frozen weights from c1 without hashing them at the call."""
     base, lora = _params()
-    fastckpt.saver.Saver().async_save(_snap(base, lora), tmp_path / "c1", weights=W).result()
-    saver = fastckpt.saver.Saver()
-    from fastckpt import dedupe
+    fastckpt.saving.saver.Saver().async_save(_snap(base, lora), tmp_path / "c1", weights=W).result()
+    saver = fastckpt.saving.saver.Saver()
+    from fastckpt.saving import dedupe
     main, in_main, real = threading.current_thread(), [], dedupe.source_hash  # thread names
     monkeypatch.setattr(dedupe, "source_hash",
                         lambda t: (in_main.append(threading.current_thread().name), real(t))[1])
@@ -356,7 +356,7 @@ def test_defer_frozen_is_validated(tmp_path):
 def test_defer_frozen_large_tensor_write_through_data_is_caught(tmp_path):
     """Same as above for a tensor staged and hashed piece by piece (>= 1 MiB)."""
     base = {"big": torch.nn.Parameter(torch.randn(1500, 1000), requires_grad=False)}
-    saver = fastckpt.saver.Saver()
+    saver = fastckpt.saving.saver.Saver()
     saver.prime_hashes({"model": base}, background=False)
     base["big"].data[-1, -1] += 1.0
     fut = saver.async_save({"model": base}, tmp_path / "c1", link_check="version", defer_frozen=True)

@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fastckpt
-from fastckpt.device_load import (ENGINES, Engine, Target, get_engine, load_tensors, load_weights,
+from fastckpt.loading.device import (ENGINES, Engine, Target, get_engine, load_tensors, load_weights,
                                   plan_pieces)
 from fastckpt.errors import ChecksumMismatchError
-from fastckpt.format import TensorInfo
-from fastckpt.resolve import resolve
-from fastckpt.tp import Shard, slice_spec
+from fastckpt.format.safetensors import TensorInfo
+from fastckpt.loading.resolve import resolve
+from fastckpt.loading.tp import Shard, slice_spec
 
 RING = dict(ring_bytes=1 << 16, slot_bytes=1 << 14)  # 4 slots of 16 KiB: every tensor crosses slots
 
@@ -163,7 +163,7 @@ def test_ring_needs_two_slots(weights):
 
 RSS_SCRIPT = textwrap.dedent("""
     import resource, sys, torch
-    from fastckpt.device_load import ENGINES, Engine, load_weights
+    from fastckpt.loading.device import ENGINES, Engine, load_weights
 
     class Sink(Engine):
         # destinations live on the meta device: only the bounce ring uses host memory

@@ -12,12 +12,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fastckpt
-from fastckpt import dist_load
-from fastckpt.dist_save import DistSaver, Shard, partition_units, shard_dim0
-from fastckpt.distributed import LOCAL
+from fastckpt.loading import sharded as dist_load
+from fastckpt.saving.ranks import DistSaver, Shard, partition_units, shard_dim0
+from fastckpt.coordination import LOCAL
 from fastckpt.errors import DistributedSaveError
-from fastckpt.io import PosixBackend
-from fastckpt.planner import ArraySpec, plan_save
+from fastckpt.storage.io import PosixBackend
+from fastckpt.format.layout import ArraySpec, plan_save
 
 CHUNK = 64 << 10
 

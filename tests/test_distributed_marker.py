@@ -13,10 +13,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fastckpt
-from fastckpt import dist_commit, dist_load
-from fastckpt.dist_save import shard_dim0
+from fastckpt.saving import rank_commit as dist_commit
+from fastckpt.loading import sharded as dist_load
+from fastckpt.saving.ranks import shard_dim0
 from fastckpt.errors import CheckpointNotFoundError, DistributedSaveError
-from fastckpt.io import PosixBackend
+from fastckpt.storage.io import PosixBackend
 
 CHUNK = 64 << 10
 

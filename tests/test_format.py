@@ -1,4 +1,4 @@
-"""fastckpt.format: header codec, validation of hostile headers, HF index, safe file names."""
+"""fastckpt.format.safetensors: header codec, validation of hostile headers, HF index, safe file names."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from safetensors.torch import save as st_save
 
 from fastckpt.errors import (CorruptCheckpointError, FastCkptError, HeaderError, UnsafePathError,
                              UnsupportedDtypeError, UnsupportedValueError)
-from fastckpt.format import (MAX_HEADER_BYTES, encode_header, parse_header, read_header, read_index,
+from fastckpt.format.safetensors import (MAX_HEADER_BYTES, encode_header, parse_header, read_header, read_index,
                              safe_join, write_index)
 
 from fastckpt_testkit import st_file, write_bytes

@@ -156,7 +156,7 @@ def test_peft_checkpoint_is_loadable(tmp_path):
 @pytest.mark.parametrize("peft", [False, True])
 def test_checkpoint_has_tokenizer_and_load_to_is_servable(tmp_path, capsys, peft):
     """The callback saves the Trainer's tokenizer + generation config; `fastckpt load --to` keeps them."""
-    from fastckpt.cli import main
+    from fastckpt.cli.main import main
 
     tok = tiny_tokenizer()
     cb = hf_trainer.FastCkptCallback()
@@ -391,7 +391,7 @@ def raw(t):
 
 def _slow_background_copy(monkeypatch, seconds=0.4):
     """Delay the background staging copy of deferred tensors (defer_params)."""
-    from fastckpt import save_job
+    from fastckpt.saving import job as save_job
     real = save_job._Job._stage_deferred
     monkeypatch.setattr(save_job._Job, "_stage_deferred", lambda job: (time.sleep(seconds), real(job))[1])
 

@@ -22,9 +22,9 @@ import torch
 
 import fastckpt
 from fastckpt import CheckpointManager
-from fastckpt.cli import main as cli_main
+from fastckpt.cli.main import main as cli_main
 from fastckpt.errors import CheckpointNotFoundError, InsufficientSpaceError
-from fastckpt.io import PosixBackend
+from fastckpt.storage.io import PosixBackend
 
 from fastckpt_testkit import FaultyBackend, assert_tree_same, listing, no_temps
 
@@ -65,7 +65,7 @@ CHILD = textwrap.dedent("""
     import os, signal, sys
     import torch
     from fastckpt import CheckpointManager
-    from fastckpt.io import PosixBackend
+    from fastckpt.storage.io import PosixBackend
 
     mode, k = sys.argv[2], int(sys.argv[3])
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from fastckpt import CheckpointManager
-from fastckpt.commit import OWNER, TMP_MARK
+from fastckpt.storage.commit import OWNER, TMP_MARK
 from fastckpt.errors import CheckpointExistsError, CheckpointNotFoundError
-from fastckpt.io import PosixBackend
+from fastckpt.storage.io import PosixBackend
 
 from fastckpt_testkit import FaultyBackend, assert_tree_same, listing, no_temps
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 import fastckpt
 from fastckpt.errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError,
                              CorruptCheckpointError, UnsupportedValueError)
-from fastckpt.io import PosixBackend
+from fastckpt.storage.io import PosixBackend
 
 from fastckpt_testkit import FaultyBackend, assert_same, assert_tree_same, listing, no_temps, raw
 
@@ -423,7 +423,7 @@ def test_failed_overwrite_keeps_old_checkpoint(tmp_path):
 
 
 def test_result_timeout_and_uncollected_failure_warned_at_exit(tmp_path):
-    from fastckpt.saver import Saver, _warn_uncollected
+    from fastckpt.saving.saver import Saver, _warn_uncollected
     saver = Saver()
     fut = saver.async_save(small_state(), tmp_path / "slow", io_backend=SlowBackend(0.5))
     with pytest.raises(TimeoutError):
@@ -466,7 +466,7 @@ def test_many_small_mixed_tensors_stage_in_batched_runs(tmp_path):
 def test_early_writes_only_where_the_caller_waits_for_the_whole_save(tmp_path, monkeypatch, call, expect_early):
     """async_save: the disk starts after the copy (training waits only for the copy);
     save: writes overlap the copy (the caller waits for both anyway)."""
-    from fastckpt import saver
+    from fastckpt.saving import saver
     staged, during = [False], []
     real_stage, real_write = saver._Job.stage, saver._Job._write_unit
 
@@ -503,7 +503,7 @@ def _is_param_or_opt(k, trainable):
 
 
 def test_defer_copies_in_the_background_until_staged(tmp_path, monkeypatch):
-    from fastckpt import save_job
+    from fastckpt.saving import job as save_job
     w, opt, state = _defer_state()
     expect = {"w": raw(w), "exp_avg": raw(opt.state[w]["exp_avg"])}
     go, real = threading.Event(), save_job._Job.write_all
@@ -525,7 +525,7 @@ def test_defer_copies_in_the_background_until_staged(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("what", ["optimizer", "parameter"])
 def test_defer_write_before_staged_fails_the_save(tmp_path, monkeypatch, what):
-    from fastckpt import save_job
+    from fastckpt.saving import job as save_job
     from fastckpt.errors import SourceChangedError
     w, opt, state = _defer_state()
     fastckpt.save(state(), tmp_path / "c0")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.cli import main
+from fastckpt.cli.main import main
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -1,4 +1,4 @@
-"""fastckpt.tree: the nested state <-> skeleton + flat arrays codec, exact and unambiguous."""
+"""fastckpt.format.tree: the nested state <-> skeleton + flat arrays codec, exact and unambiguous."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastckpt.errors import UnsupportedValueError
-from fastckpt.tree import encode_segment, flatten, key_filter, unflatten
+from fastckpt.format.tree import encode_segment, flatten, key_filter, unflatten
 
 from fastckpt_testkit import assert_tree_same
 

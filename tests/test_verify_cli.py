@@ -4,7 +4,7 @@ import safetensors.torch as st
 import torch
 
 import fastckpt
-from fastckpt.cli import main as cli_main
+from fastckpt.cli.main import main as cli_main
 
 
 def test_verify_run_root_takes_newest_committed(tmp_path, capsys):

@@ -9,7 +9,7 @@ import sys
 
 import atheris
 
-import fastckpt.format as fmt
+import fastckpt.format.safetensors as fmt
 from fastckpt.errors import FastCkptError
 
 for _name in ("parse_header", "read_header_fd", "_parse_entry", "_check_layout", "_dup_check", "check_metadata"):

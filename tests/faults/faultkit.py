@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 import fastckpt
-from fastckpt import commit as cm
-from fastckpt.cli import main as cli_main
-from fastckpt.io import PosixBackend
+from fastckpt.storage import commit as cm
+from fastckpt.cli.main import main as cli_main
+from fastckpt.storage.io import PosixBackend
 
 #: Save options of the fault tests: several shards and write units per save.
 SAVE_OPTS = {"max_shard_bytes": 1 << 20, "chunk_bytes": 256 << 10, "threads": 4}

@@ -11,7 +11,7 @@ import random
 import pytest
 
 import fastckpt
-from fastckpt.cli import main as cli_main
+from fastckpt.cli.main import main as cli_main
 
 from faultkit import SAVE_OPTS, make_state
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import commit as cm
-from fastckpt.cli import main as cli_main
+from fastckpt.storage import commit as cm
+from fastckpt.cli.main import main as cli_main
 from fastckpt.errors import CheckpointLockedError
-from fastckpt.io import PosixBackend
+from fastckpt.storage.io import PosixBackend
 
 from faultkit import SAVE_OPTS, make_state, same_state, temp_leftovers
 

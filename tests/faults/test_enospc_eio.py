@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 import fastckpt
-from fastckpt.lock import RootLock
+from fastckpt.storage.lock import RootLock
 
 from faultkit import (SAVE_OPTS, FaultyBackend, leaks, make_state, remount, same_state, snapshot, temp_leftovers,
                       tmpfs)

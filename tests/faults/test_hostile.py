@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastckpt
-from fastckpt.cli import main as cli_main
+from fastckpt.cli.main import main as cli_main
 from fastckpt.errors import FastCkptError, HeaderError, UnsafePathError
-from fastckpt.format import parse_header, read_header
+from fastckpt.format.safetensors import parse_header, read_header
 
 from faultkit import SAVE_OPTS, make_state
 

@@ -10,8 +10,8 @@ import signal
 import pytest
 
 import fastckpt
-from fastckpt import commit as cm
-from fastckpt.cli import main as cli_main
+from fastckpt.storage import commit as cm
+from fastckpt.cli.main import main as cli_main
 
 from faultkit import (SAVE_OPTS, KillBackend, check_root, fork_writer, kill_campaign, make_state, read_progress,
                       temp_leftovers)

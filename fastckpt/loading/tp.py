@@ -20,8 +20,8 @@ import fnmatch
 import math
 from dataclasses import dataclass, field
 
-from .dtypes import itemsize, str_to_dtype
-from .format import TensorInfo
+from ..format.dtypes import itemsize, str_to_dtype
+from ..format.safetensors import TensorInfo
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Load a multi-rank checkpoint on any world size, each rank reading only what it needs.
 
 * Replicated values: every rank reads them whole (any world size).
-* :class:`~fastckpt.dist_save.Shard` values: rank ``r`` of ``W`` gets the ``torch.chunk``
+* :class:`~fastckpt.saving.ranks.Shard` values: rank ``r`` of ``W`` gets the ``torch.chunk``
   piece along the dimension the pieces were split on (``W == 1``: the whole tensor); only the
   saved pieces that overlap it are read. So 2 -> 1 reassembles and 1 -> 2 splits.
 * Rank-local subtrees (``local_keys``): rank ``r`` gets what saved rank ``r`` wrote (or
@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from .commit import is_committed
-from .distributed import DEFAULT_TIMEOUT_S, Coordinator
-from .dist_save import RANK_KEY
-from .dtypes import str_to_dtype
-from .errors import CheckpointNotFoundError
-from .loader import load as load_single, open_checkpoint, read_tensors
-from .tree import key_filter, unflatten
+from ..storage.commit import is_committed
+from ..coordination import DEFAULT_TIMEOUT_S, Coordinator
+from ..saving.ranks import RANK_KEY
+from ..format.dtypes import str_to_dtype
+from ..errors import CheckpointNotFoundError
+from .reader import load as load_single, open_checkpoint, read_tensors
+from ..format.tree import key_filter, unflatten
 
 
 def target_region(global_shape: list[int], dim: int, rank: int, world_size: int) -> tuple[list[int], list[int]]:
@@ -79,7 +79,7 @@ def load(path: str | os.PathLike, *, process_group: Any = None, rank: int | None
         threads: reads in flight. verify: check xxh3 of each tensor read.
 
     Returns:
-        The state with :class:`~fastckpt.dist_save.Shard` values replaced by this rank's piece
+        The state with :class:`~fastckpt.saving.ranks.Shard` values replaced by this rank's piece
         (a plain tensor) and rank-local subtrees filled in.
 
     Raises:

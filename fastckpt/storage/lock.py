@@ -2,7 +2,7 @@
 
 Two independent jobs (not ranks of one job) that save into the same root would otherwise
 interleave steps, prune each other's checkpoints and race on ``latest``. The manager takes
-an exclusive ``flock`` on ``{root}/.fastckpt.lock`` for every save (from before leftovers are
+an exclusive ``flock`` on ``{root}/.fastckpt.storage.lock`` for every save (from before leftovers are
 cleaned until the save committed or failed) and for every prune; a second job gets a
 :class:`~fastckpt.errors.CheckpointLockedError` naming the holder instead of interleaving.
 
@@ -31,9 +31,9 @@ import socket
 import threading
 import time
 
-from .errors import CheckpointLockedError
+from ..errors import CheckpointLockedError
 
-LOCK_FILE = ".fastckpt.lock"
+LOCK_FILE = ".fastckpt.storage.lock"
 
 
 class RootLock:

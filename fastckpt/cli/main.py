@@ -9,9 +9,9 @@ import argparse
 import os
 import sys
 
-from .commit import MANIFEST, read_manifest
-from .errors import FastCkptError
-from .manager import CheckpointManager
+from ..storage.commit import MANIFEST, read_manifest
+from ..errors import FastCkptError
+from ..manager import CheckpointManager
 
 
 def parse_bytes(text: str) -> int:
@@ -67,8 +67,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Re-read every byte against the manifest; exit 1 on any mismatch."""
-    from .commit import MANIFEST
-    from .verify import verify
+    from ..storage.commit import MANIFEST
+    from ..loading.verify import verify
     path = args.path
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST)):
         mgr = CheckpointManager(path, prefix=args.prefix or _guess_prefix(path))
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--prefix", default=None, help="step folder prefix (default: guessed, step- or checkpoint-)")
     pr.set_defaults(func=cmd_prune)
     try:
-        from .serve_cli import add_load_parser  # issue 4: `fastckpt load`
+        from .serve import add_load_parser  # issue 4: `fastckpt load`
     except ImportError:
         pass
     else:

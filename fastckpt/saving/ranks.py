@@ -15,7 +15,7 @@ Call order of one save (every rank of the group, same order of saves on every ra
    (``commit="rename"``); publish ``commit``. Any failure -> remove the folder, publish the
    failures; every rank's ``result()`` raises ``DistributedSaveError`` listing them.
 
-Coordination uses only the group's store (:mod:`fastckpt.distributed`), so a background save
+Coordination uses only the group's store (:mod:`fastckpt.coordination`), so a background save
 never interleaves with the training loop's collectives.
 
 Replicated bytes are split by write unit: the units of the single-rank plan (same files,
@@ -26,7 +26,7 @@ each rank writes its run with ``pwrite`` into the shared files. See docs/FORMAT.
 What lives where: this module splits and plans the state (:class:`Shard`, :func:`split_state`,
 :func:`partition_units`), runs one rank's writes (``_RankJob``), orders the steps above
 (:class:`DistSaver`, ``_start``, ``_finish``) and picks a saver (:func:`make_saver`).
-:mod:`fastckpt.dist_commit` holds the commit side: creating the folder (step 2), each rank's
+:mod:`fastckpt.saving.rank_commit` holds the commit side: creating the folder (step 2), each rank's
 ``done`` report (step 4), rank 0's decision, the manifest and the per-node markers (step 5).
 ``RANK_KEY`` is defined there and re-exported here.
 """
@@ -48,18 +48,19 @@ from typing import Any
 import torch
 import xxhash
 
-from . import commit as cm
+from ..storage import commit as cm
 from .collect import Collected, collect
-from .dist_commit import RANK_KEY  # noqa: F401  (re-exported: dist_load and callers import it from here)
-from .dist_commit import _create_folder, _decide, _fmt, _node_commit, _rank_report
-from .distributed import DEFAULT_TIMEOUT_S, Coordinator, Session
-from .errors import CheckpointExistsError, DistributedSaveError
-from .io import FileWriter, get_backend, write_all
-from .memory import host_buffer
-from .planner import SavePlan, plan_save
-from .saver import SaveFuture, SaveOptions, default_threads
-from .staging import copy_into
-from .tree import join
+from .rank_commit import RANK_KEY  # noqa: F401  (re-exported: dist_load and callers import it from here)
+from .rank_commit import _create_folder, _decide, _fmt, _node_commit, _rank_report
+from ..coordination import DEFAULT_TIMEOUT_S, Coordinator, Session
+from ..errors import CheckpointExistsError, DistributedSaveError
+from ..storage.io import FileWriter, get_backend, write_all
+from ..storage.memory import host_buffer
+from ..format.layout import SavePlan, plan_save
+from .saver import SaveFuture, SaveOptions
+from ..storage.io import default_threads
+from ..storage.staging import copy_into
+from ..format.tree import join
 
 _SAVE_COUNT = itertools.count(1)  # per process: saves of all DistSavers, in call order
 MODES = ("rename", "marker")
@@ -262,7 +263,7 @@ class _RankJob:
 
 
 class DistSaver:
-    """Multi-rank counterpart of :class:`fastckpt.saver.Saver` (same ``async_save``/``wait``).
+    """Multi-rank counterpart of :class:`fastckpt.saving.saver.Saver` (same ``async_save``/``wait``).
 
     Args:
         process_group: a ``torch.distributed`` group (``None``: the world group).
@@ -432,8 +433,8 @@ def _finish(*, coord, sess, job, prep, path, opts, folder, mode, group, runs, no
 
 def make_saver(process_group: Any = None):
     """The saver for ``process_group``: a :class:`DistSaver` when the group has several ranks,
-    else a plain :class:`fastckpt.saver.Saver` (``None`` with torch.distributed not initialized,
-    or :data:`fastckpt.distributed.LOCAL`)."""
+    else a plain :class:`fastckpt.saving.saver.Saver` (``None`` with torch.distributed not initialized,
+    or :data:`fastckpt.coordination.LOCAL`)."""
     from .saver import Saver
     if Coordinator.for_group(process_group).is_single:
         return Saver()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UnsupportedDtypeError
+from ..errors import UnsupportedDtypeError
 
 _PAIRS: list[tuple[str, str]] = [
     ("BOOL", "bool"),

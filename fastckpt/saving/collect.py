@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .dtypes import dtype_to_str
-from .errors import UnsupportedDtypeError, UnsupportedValueError
-from .planner import ArraySpec
-from .tree import flatten, join
+from ..format.dtypes import dtype_to_str
+from ..errors import UnsupportedDtypeError, UnsupportedValueError
+from ..format.layout import ArraySpec
+from ..format.tree import flatten, join
 
-#: Key-path prefix of storage blobs; ``%s`` can never come out of :func:`fastckpt.tree.encode_segment`.
+#: Key-path prefix of storage blobs; ``%s`` can never come out of :func:`fastckpt.format.tree.encode_segment`.
 BLOB_PREFIX = "%storage/"
 STATE_GROUP = "state"
 
@@ -30,7 +30,7 @@ class Collected:
     """A validated state ready to plan.
 
     Attributes:
-        skeleton: JSON skeleton of the state (see :mod:`fastckpt.tree`).
+        skeleton: JSON skeleton of the state (see :mod:`fastckpt.format.tree`).
         specs: one :class:`ArraySpec` per stored array, in state order.
         sources: key path -> tensor whose bytes are stored (any device, maybe non-contiguous).
         entries: key path -> manifest entry for arrays not stored under their own key
@@ -78,7 +78,7 @@ def collect(state: Any, weights: dict[str, str]) -> Collected:
     """Validate ``state`` and describe every array to write.
 
     Args:
-        state: nested state (see :func:`fastckpt.tree.flatten`).
+        state: nested state (see :func:`fastckpt.format.tree.flatten`).
         weights: top-level key -> HF file stem; tensors directly under ``state[key]`` keep their
             raw dict key as tensor name and go to that stem's files; all others go to
             ``state-0000k-of-0000n.safetensors`` under their key path.

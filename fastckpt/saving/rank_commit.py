@@ -1,6 +1,6 @@
 """Commit side of a multi-rank save: the checkpoint folder, what each rank reports, the manifest.
 
-Split out of :mod:`fastckpt.dist_save` (which splits and plans the state, runs each rank's
+Split out of :mod:`fastckpt.saving.ranks` (which splits and plans the state, runs each rank's
 writes and orders the steps); the call order of one save is in that module's docstring.
 Here, by step:
 
@@ -29,14 +29,14 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from . import commit as cm
-from .errors import CheckpointExistsError, InsufficientSpaceError
-from .io import get_backend
-from .manifest import manifest_doc, tensor_entries, write_manifest, write_side_files
-from .tree import join
+from ..storage import commit as cm
+from ..errors import CheckpointExistsError, InsufficientSpaceError
+from ..storage.io import get_backend
+from .metadata import manifest_doc, tensor_entries, write_manifest, write_side_files
+from ..format.tree import join
 
 if TYPE_CHECKING:  # annotations only: dist_save imports this module
-    from .dist_save import _Prep
+    from .ranks import _Prep
     from .saver import SaveOptions
 
 RANK_KEY = "@rank{}/"

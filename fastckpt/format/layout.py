@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dtypes import itemsize, str_to_dtype
-from .format import encode_header
+from .safetensors import encode_header
 
 #: Header prefixes are padded to this many bytes so every data region is O_DIRECT aligned.
 HEADER_ALIGN = 4096
@@ -23,7 +23,7 @@ class ArraySpec:
     """One array to write.
 
     Attributes:
-        key: key path in the state (see :mod:`fastckpt.tree`).
+        key: key path in the state (see :mod:`fastckpt.format.tree`).
         name: tensor name inside the safetensors file.
         group: file stem: ``"model"`` -> ``model-0000k-of-0000n.safetensors``; a stem
             ending in ``.safetensors`` -> exactly that single file.

@@ -120,7 +120,7 @@ class Session:
                     raise TimeoutError(f"fastckpt: no report after {self.timeout_s:.0f} s while {what}: "
                                        f"missing {missing}; did every rank of the group call the same "
                                        "save? (for a save from one rank pass process_group="
-                                       "fastckpt.distributed.LOCAL)") from e
+                                       "fastckpt.coordination.LOCAL)") from e
         return [json.loads(store.get(f).decode()) for f in full]
 
     def all_gather(self, key: str, value: Any, what: str) -> list[Any]:

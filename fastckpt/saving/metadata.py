@@ -1,7 +1,7 @@
 """The manifest: ``state.json``, HF index files, extra files, and ``manifest.json`` written last.
 
 Shared by the single-process saver and the multi-rank writer so that both produce the same
-format (docs/FORMAT.md, version :data:`fastckpt.commit.FORMAT_VERSION`).
+format (docs/FORMAT.md, version :data:`fastckpt.storage.commit.FORMAT_VERSION`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from . import commit as cm
+from ..storage import commit as cm
 from .collect import STATE_GROUP
-from .format import write_index
-from .planner import SavePlan
+from ..format.safetensors import write_index
+from ..format.layout import SavePlan
 
 if TYPE_CHECKING:
     from .saver import SaveOptions
@@ -57,7 +57,7 @@ def write_side_files(folder: str, plan: SavePlan, skeleton: Any, extra_files: di
 
 def tensor_entries(plan: SavePlan, hashes: dict[str, str], entries: dict[str, dict]) -> dict[str, dict]:
     """The manifest's ``tensors`` map: every planned tensor (file, name, dtype, shape, absolute
-    offsets, xxh3) plus alias/view/ndarray entries from :func:`fastckpt.collect.collect`."""
+    offsets, xxh3) plus alias/view/ndarray entries from :func:`fastckpt.saving.collect.collect`."""
     empty = xxhash.xxh3_64(b"").hexdigest()
     tensors: dict[str, dict] = {}
     for f in plan.files:

@@ -6,7 +6,7 @@ One save path: :func:`save` is ``async_save(...).result()``. Call order of one s
    create the hidden temporary folder and the files, copy every tensor into the staging
    buffer (this is all the caller waits for, unless the staging budget is smaller than
    the state, in which case writes stream out of a ring of slots while copying);
-2. background thread (:mod:`fastckpt.save_job`): parallel ``pwrite`` of write units + per-tensor xxh3 checksums on a
+2. background thread (:mod:`fastckpt.saving.job`): parallel ``pwrite`` of write units + per-tensor xxh3 checksums on a
    thread pool, headers, fsync of every file, JSON files, ``manifest.json`` last, fsync of
    the folder, one ``rename`` (the commit), retention hooks;
 3. ``SaveFuture.result()`` returns the path or raises the background error itself.
@@ -26,19 +26,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import commit as cm
+from ..storage import commit as cm
 from . import dedupe
 from .collect import collect
-from .manifest import manifest_doc, tensor_entries, write_manifest, write_side_files
-from .errors import CheckpointExistsError, InsufficientSpaceError
-from .format import check_metadata
-from .io import PosixBackend
-from .planner import SavePlan, plan_save
-from .save_job import _Job, default_threads  # noqa: F401  (re-exported: dist_save, tests)
-from .staging import StagingPool
+from .metadata import manifest_doc, tensor_entries, write_manifest, write_side_files
+from ..errors import CheckpointExistsError, InsufficientSpaceError
+from ..format.safetensors import check_metadata
+from ..storage.io import PosixBackend
+from ..format.layout import SavePlan, plan_save
+from .job import _Job
+from ..storage.io import DEFAULT_CHUNK_BYTES, default_threads
+from ..storage.staging import StagingPool
 
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
-DEFAULT_CHUNK_BYTES = 8 << 20
 
 
 @dataclass
@@ -61,13 +61,13 @@ class SaveOptions:
             caller is released after one memory copy); smaller budgets stream.
         o_direct: write with O_DIRECT (no page-cache copy: the staged bytes go straight to the
             disk). ``None`` (default): where the file system supports it; ``False``: buffered.
-        io_backend: name in :data:`fastckpt.io.BACKENDS` or a backend instance.
+        io_backend: name in :data:`fastckpt.storage.io.BACKENDS` or a backend instance.
         min_free_bytes: extra free bytes required beyond the checkpoint (default 0).
         on_commit: optional callback ``(path)`` run in the writer thread after the commit.
         link_from: a previous committed checkpoint folder (default ``None``). Every shard file
             whose bytes would be identical to the same-named file there (same header, same
             xxh3-64 of every tensor, hashed from the source CPU tensors at the call) is
-            hard-linked instead of staged and written; see :mod:`fastckpt.dedupe`. Hashing
+            hard-linked instead of staged and written; see :mod:`fastckpt.saving.dedupe`. Hashing
             runs at ~10 GB/s, so unchanged frozen weights (LoRA) cost a fraction of a copy.
         early_writes: start writing each staged unit while the caller is still copying (host
             sources, whole-state staging). Lowers the total time of a save (disk and copy

@@ -3,7 +3,7 @@
 What is read is planned first (:func:`plan_pieces`, pure): every needed byte range of every
 file becomes a *piece* of at most ``slot_bytes``, with the copies that move its bytes into the
 destination tensors (adjacent small tensors share a piece; a tensor-parallel slice reads only
-its own byte ranges, see :mod:`fastckpt.tp`). How the bytes move is a small strategy
+its own byte ranges, see :mod:`fastckpt.loading.tp`). How the bytes move is a small strategy
 (:class:`Engine`) chosen by device type from :data:`ENGINES`:
 
 - ``cuda`` / ``npu``: the ring's slots are pinned host buffers; worker threads ``preadv`` pieces
@@ -29,13 +29,13 @@ from typing import Callable, Iterable
 import torch
 import xxhash
 
-from .dtypes import str_to_dtype
-from .errors import ChecksumMismatchError
-from .format import TensorInfo
-from .io import PosixBackend, get_backend, readv_exact
-from .memory import host_buffer
+from ..format.dtypes import str_to_dtype
+from ..errors import ChecksumMismatchError
+from ..format.safetensors import TensorInfo
+from ..storage.io import PosixBackend, get_backend, readv_exact
+from ..storage.memory import host_buffer
 from .resolve import Resolved, resolve
-from .saver import default_threads
+from ..storage.io import default_threads
 from .tp import Shard, SliceSpec, slice_spec
 
 #: Default bounce ring size (bytes) and slot size (bytes).
@@ -398,14 +398,14 @@ def load_tensors(r: Resolved, keys: Iterable[str], device: str | torch.device, *
     """Read tensors ``keys`` of a resolved checkpoint into new tensors on ``device``.
 
     Args:
-        r: from :func:`fastckpt.resolve.resolve` (headers validated).
+        r: from :func:`fastckpt.loading.resolve.resolve` (headers validated).
         keys: stored tensor keys (``r.tensors`` keys).
         device: ``"cpu"``, ``"cuda:N"``, ``"npu:N"`` or a type registered in :data:`ENGINES`.
         dtype: convert floating-point tensors to this dtype after loading (``None``: keep).
-        shard: tensor-parallel split (:class:`fastckpt.tp.Shard`); only this rank's bytes are read.
+        shard: tensor-parallel split (:class:`fastckpt.loading.tp.Shard`); only this rank's bytes are read.
         ring_bytes: host bounce memory in bytes (default 256 MiB); at least two slots.
         slot_bytes: bytes per slot and per read (default 16 MiB).
-        threads: reads in flight (default :func:`fastckpt.saver.default_threads`, at most the slots).
+        threads: reads in flight (default :func:`fastckpt.storage.io.default_threads`, at most the slots).
         verify: check each whole (unsliced) tensor's xxh3 against the manifest, if there is one.
         io_backend: I/O backend name or instance for the ring reads (default ``"posix"``).
         use_kvikio: ``None`` (default) uses kvikio/GDS when :func:`kvikio_usable`; ``False`` never.

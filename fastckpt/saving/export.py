@@ -16,10 +16,10 @@ from typing import Callable
 
 import torch
 
-from .format import encode_header, write_index
-from .io import FileWriter, get_backend, read_exact
-from .memory import bytes_view
-from .saver import DEFAULT_CHUNK_BYTES, default_threads
+from ..format.safetensors import encode_header, write_index
+from ..storage.io import FileWriter, get_backend, read_exact
+from ..storage.memory import bytes_view
+from ..storage.io import DEFAULT_CHUNK_BYTES, default_threads
 
 #: ``(name, safetensors dtype string, shape, nbytes)`` of one tensor to write.
 Entry = tuple[str, str, tuple[int, ...], int]
@@ -90,7 +90,7 @@ def write_shards(plan: ShardPlan, fetch: Callable[[list[str]], dict[str, torch.T
         fetch: names -> CPU tensors with exactly the planned dtype/shape (called from one
             background thread, one batch ahead of the writes).
         folder: existing folder; the files must not exist.
-        threads: parallel writes (default :func:`fastckpt.saver.default_threads`).
+        threads: parallel writes (default :func:`fastckpt.storage.io.default_threads`).
         batch_bytes: tensor bytes held per batch (default 1 GiB); peak memory ~ 2 batches.
         chunk_bytes: bytes per write request (default 8 MiB).
         progress: called with bytes written.

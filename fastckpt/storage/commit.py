@@ -23,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from .errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from .io import fsync_dir
 
 MANIFEST = "manifest.json"

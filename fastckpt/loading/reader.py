@@ -1,6 +1,6 @@
 """load: validate everything, then read in parallel straight into the destination tensors.
 
-Reads are planned from the validated headers (:mod:`fastckpt.resolve`). With O_DIRECT (where
+Reads are planned from the validated headers (:mod:`fastckpt.loading.resolve`). With O_DIRECT (where
 the file system has it), each large tensor gets its own huge-page-backed buffer with a
 leading pad of ``offset % 4096`` bytes, so ``chunk_bytes`` O_DIRECT reads of the aligned
 superset land every byte in place (our data regions start 4096-aligned; foreign files work
@@ -24,13 +24,13 @@ from typing import Any, Iterable
 import torch
 import xxhash
 
-from .dtypes import str_to_dtype
-from .errors import ChecksumMismatchError, CheckpointNotFoundError
-from .format import TensorInfo
-from .io import ALIGN, O_DIRECT, PosixBackend, get_backend, read_exact, readv_exact
-from .memory import aligned_buffer, host_buffer
+from ..format.dtypes import str_to_dtype
+from ..errors import ChecksumMismatchError, CheckpointNotFoundError
+from ..format.safetensors import TensorInfo
+from ..storage.io import ALIGN, O_DIRECT, PosixBackend, get_backend, read_exact, readv_exact
+from ..storage.memory import aligned_buffer, host_buffer
 from .resolve import Resolved, resolve
-from .tree import key_filter, unflatten
+from ..format.tree import key_filter, unflatten
 
 SMALL_BYTES = 1 << 20
 #: Default bytes per read request: 4 MiB requests, many in flight, reach this disk's deep-queue bandwidth.
@@ -275,7 +275,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
             an HF folder with ``*.safetensors.index.json`` or ``*.safetensors`` files, or one
             safetensors file (both return a flat ``{tensor name: tensor}`` dict).
         device: where tensors end up (``"cpu"`` default; ``"cuda:N"``/``"npu:N"`` stream through
-            a bounded ring of pinned host buffers, see :mod:`fastckpt.device_load`).
+            a bounded ring of pinned host buffers, see :mod:`fastckpt.loading.device`).
         keys: a key path / tensor name or a list of them; prefixes select subtrees
             (``"optimizer"`` selects ``optimizer/state/0/exp_avg``). ``None``: everything.
         threads: reads in flight (default :func:`default_read_threads`).
@@ -341,7 +341,7 @@ def _read(r: Resolved, keys: list[str], device: str | torch.device, **opts: Any)
     """CPU: :func:`read_tensors` straight into the final tensors; other devices: the bounce ring."""
     if torch.device(device).type == "cpu":
         return read_tensors(r, keys, **opts)
-    from .device_load import load_tensors  # issue 4: pinned ring / kvikio / NPU streams
+    from .device import load_tensors  # issue 4: pinned ring / kvikio / NPU streams
     opts.pop("chunk_bytes", None)
     return load_tensors(r, keys, device, **opts)
 
@@ -354,7 +354,7 @@ def _to(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:
 
 
 def open_checkpoint(path: str | os.PathLike) -> Resolved:
-    """Validate ``path`` and return its :class:`~fastckpt.resolve.Resolved` description (no data read).
+    """Validate ``path`` and return its :class:`~fastckpt.loading.resolve.Resolved` description (no data read).
 
     Raises:
         CheckpointNotFoundError, HeaderError, CorruptCheckpointError: as :func:`load`.

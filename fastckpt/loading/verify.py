@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, FastCkptError, UnsafePathError
-from .format import safe_join
-from .io import get_backend, read_exact
-from .commit import read_manifest
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FastCkptError, UnsafePathError
+from ..format.safetensors import safe_join
+from ..storage.io import get_backend, read_exact
+from ..storage.commit import read_manifest
 from .resolve import Resolved, resolve
-from .saver import DEFAULT_CHUNK_BYTES, default_threads
+from ..storage.io import DEFAULT_CHUNK_BYTES, default_threads
 
 
 @dataclass
@@ -75,12 +75,12 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
            chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> VerifyReport:
     """Re-read every file of the committed checkpoint ``path`` and compare checksums.
 
-    Headers and sizes are validated first (see :func:`fastckpt.resolve.resolve`); then each
+    Headers and sizes are validated first (see :func:`fastckpt.loading.resolve.resolve`); then each
     tensor's bytes (xxh3-64) and each small file's bytes are hashed in parallel.
 
     Args:
         path: checkpoint folder with a manifest.
-        threads: parallel readers (default :func:`fastckpt.saver.default_threads`).
+        threads: parallel readers (default :func:`fastckpt.storage.io.default_threads`).
         chunk_bytes: read size in bytes (default 8 MiB); memory use is ``threads * chunk_bytes``.
 
     Returns:

@@ -1,6 +1,6 @@
 """One save in flight: the files, the staging copy, the writes, the link decisions.
 
-:class:`_Job` is what :class:`fastckpt.saver.Saver` runs for each save: the caller's thread runs
+:class:`_Job` is what :class:`fastckpt.saving.saver.Saver` runs for each save: the caller's thread runs
 ``link_unchanged`` (``link_from``), ``open_files`` and ``stage``; the background thread runs
 ``start_verify``, ``write_all`` (which first stages deferred tensors), ``verify_links``, ``record_hashes`` and ``close``. Small helpers
 for batched staging copies and batched hashing live here too.
@@ -20,18 +20,15 @@ import torch
 import xxhash
 
 from . import dedupe
-from .errors import LinkedTensorChangedError, SourceChangedError
-from .io import FileWriter, get_backend, write_all
-from .planner import SavePlan
-from .staging import StagingPool, copy_into, copy_pieces
+from ..errors import LinkedTensorChangedError, SourceChangedError
+from ..storage.io import FileWriter, default_threads, get_backend, write_all
+from ..format.layout import SavePlan
+from ..storage.staging import StagingPool, copy_into, copy_pieces
 
 if TYPE_CHECKING:
     from .saver import SaveOptions
 
 
-def default_threads() -> int:
-    """Default I/O thread count: 8 on small machines, up to 16 with more cores."""
-    return min(16, max(8, os.cpu_count() or 1))
 
 
 class _Job:
@@ -62,7 +59,7 @@ class _Job:
         self.sources: dict[str, torch.Tensor] = {}
 
     def link_unchanged(self, col) -> None:
-        """Hard-link files whose bytes equal the previous checkpoint's (see :mod:`fastckpt.dedupe`)."""
+        """Hard-link files whose bytes equal the previous checkpoint's (see :mod:`fastckpt.saving.dedupe`)."""
         sources = col.sources
         prev = dedupe.previous_manifest(self.opts.link_from)
         cands = dedupe.candidate_files(self.plan.files, prev)

@@ -10,10 +10,18 @@ from __future__ import annotations
 import errno
 import os
 
-from .errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 
 ALIGN = 4096
+#: Default bytes per write or read request (8 MiB; a multiple of :data:`ALIGN`).
+DEFAULT_CHUNK_BYTES = 8 << 20
 O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+
+def default_threads() -> int:
+    """Default I/O thread count: 8 on small machines, up to 16 with more cores."""
+    return min(16, max(8, os.cpu_count() or 1))
 
 
 class PosixBackend:

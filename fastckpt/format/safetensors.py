@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass, field
 
 from .dtypes import itemsize, str_to_dtype
-from .errors import HeaderError, UnsafePathError, UnsupportedValueError
+from ..errors import HeaderError, UnsafePathError, UnsupportedValueError
 
 #: Largest header accepted, in bytes (the safetensors package uses the same 100 MB cap).
 MAX_HEADER_BYTES = 100_000_000

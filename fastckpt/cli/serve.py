@@ -32,11 +32,11 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 
-from . import commit as cm
-from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
-from .export import Entry, plan_shards, warm_files, write_shards
-from .manager import CheckpointManager
-from .resolve import Resolved, resolve
+from ..storage import commit as cm
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+from ..saving.export import Entry, plan_shards, warm_files, write_shards
+from ..manager import CheckpointManager
+from ..loading.resolve import Resolved, resolve
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -221,7 +221,7 @@ def merged_state(src: Source):
     import peft
     from transformers import AutoModelForCausalLM
 
-    from .dtypes import dtype_to_str
+    from ..format.dtypes import dtype_to_str
     base_files = {os.path.basename(p): p for p in src.weight_files}
     for ix in glob.glob(os.path.join(glob.escape(src.path), "*.safetensors.index.json")):
         base_files[os.path.basename(ix)] = ix
@@ -248,7 +248,7 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
         ChecksumMismatchError / CorruptCheckpointError: a source tensor is damaged (nothing at ``to``).
         CheckpointExistsError: ``to`` exists and ``--overwrite`` was not given.
     """
-    from .loader import read_tensors
+    from ..loading.reader import read_tensors
     if os.path.lexists(to) and not args.overwrite:
         raise CheckpointExistsError(f"{to} exists; choose another --to or pass --overwrite")
     os.makedirs(os.path.dirname(to) or ".", exist_ok=True)
@@ -330,7 +330,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def _verify(src: Source) -> bool:
-    from .verify import verify
+    from ..loading.verify import verify
     if src.resolved.manifest is None:
         print(f"{src.path}: no manifest, no checksums: headers and index validated", file=sys.stderr)
         return True
@@ -351,8 +351,8 @@ def _warm(files: list[str], args: argparse.Namespace) -> None:
 
 
 def add_load_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``fastckpt load`` to the ``fastckpt`` subcommands (called by :mod:`fastckpt.cli`)."""
-    from .cli import parse_bytes
+    """Add ``fastckpt load`` to the ``fastckpt`` subcommands (called by :mod:`fastckpt.cli.main`)."""
+    from .main import parse_bytes
     p = subparsers.add_parser("load", help="prepare a checkpoint for vllm serve: verify, merge LoRA, export or warm",
                               description=__doc__.replace("``", "`"), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="run root, checkpoint folder, HF model folder or peft adapter folder")

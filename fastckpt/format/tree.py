@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .errors import UnsupportedValueError
+from ..errors import UnsupportedValueError
 
 _TAGS = ("__tensor__", "__ndarray__", "__dict__", "__tuple__", "__float__", "__dtype__",
          "__np__", "__bytes__", "__device__")

@@ -13,9 +13,9 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from . import commit as cm
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, HeaderError
-from .format import INDEX_SUFFIX, Header, TensorInfo, read_header, read_index, safe_join
+from ..storage import commit as cm
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, HeaderError
+from ..format.safetensors import INDEX_SUFFIX, Header, TensorInfo, read_header, read_index, safe_join
 
 
 @dataclass
@@ -24,7 +24,7 @@ class Resolved:
 
     Attributes:
         root: folder (or the file itself for a single safetensors file).
-        headers: file name -> validated :class:`~fastckpt.format.Header`.
+        headers: file name -> validated :class:`~fastckpt.format.safetensors.Header`.
         tensors: key -> ``(file name, TensorInfo)`` for every stored tensor (key paths for
             fastckpt checkpoints, tensor names for foreign files).
         manifest: the fastckpt manifest, or ``None`` for foreign files.

@@ -21,9 +21,9 @@ import os
 import torch
 import xxhash
 
-from .commit import read_manifest_shared
-from .errors import CorruptCheckpointError
-from .planner import FilePlan
+from ..storage.commit import read_manifest_shared
+from ..errors import CorruptCheckpointError
+from ..format.layout import FilePlan
 
 
 def previous_manifest(link_from: str | os.PathLike | None) -> dict | None:
@@ -97,7 +97,7 @@ class HashCache:
     Writes that bypass the counter (``.data``, NumPy views) are caught by the saver's background
     re-hash before the commit (:class:`fastckpt.errors.LinkedTensorChangedError`).
 
-    One cache belongs to one :class:`fastckpt.saver.Saver`; entries are keyed by key path.
+    One cache belongs to one :class:`fastckpt.saving.saver.Saver`; entries are keyed by key path.
     """
 
     def __init__(self) -> None:

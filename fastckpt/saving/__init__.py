@@ -1,0 +1,1 @@
+"""The save engine: collect -> plan -> stage -> write -> commit, for one rank or many."""
