@@ -21,11 +21,15 @@ from typing import Any
 from . import errors
 from .storage.commit import is_committed, read_manifest
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError,
-                     CorruptCheckpointError, FastCkptError, HeaderError, InsufficientSpaceError,
-                     UnsupportedDtypeError, UnsupportedValueError)
+                     CorruptCheckpointError, DistributedSaveError, FastCkptError, HeaderError,
+                     InsufficientSpaceError, SaveConflictError, UnsupportedDtypeError, UnsupportedValueError)
 from .loading.reader import load, open_checkpoint
 from .manager import CheckpointManager
-from .saving.saver import SaveFuture, SaveOptions, Saver
+from .coordination import LOCAL
+from .saving.future import SaveFuture
+from .saving.options import Consistency, IOTuning, SaveOptions
+from .saving.ranks import Shard
+from .saving.saver import Saver
 from .loading.verify import VerifyReport, verify
 
 __version__ = "0.1.0"
@@ -40,46 +44,30 @@ def _saver() -> Saver:
     return _default_saver
 
 
-def _dist_saver(process_group: Any):
-    """Multi-rank saver of ``process_group`` when it has several ranks, else ``None``."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):  # one process: skip importing the
-        return None  # multi-rank saver (~17 ms on the first save of a process)
-    from .saving.ranks import DistSaver, is_multi_rank
-    if not is_multi_rank(process_group):
-        return None
-    key = id(process_group)
-    if key not in _dist_savers:
-        _dist_savers[key] = DistSaver(process_group)
-    return _dist_savers[key]
-
-
-_dist_savers: dict = {}
-
-
 def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None, **options: Any) -> SaveFuture:
     """Stage ``state`` into host memory and write it to ``path`` in the background.
 
     Returns as soon as every tensor is copied into the staging buffer: the checkpoint holds
     the values the tensors had at the call even if they change right after, except tensors
     whose copy ``defer`` or ``defer_frozen`` leaves to the background: those must not be written
-    until :meth:`SaveFuture.wait_staged` returns (see :class:`~fastckpt.saving.saver.SaveOptions`). A second call
-    waits for the previous save of the same process (staging memory stays bounded) and
+    until :meth:`SaveFuture.wait_staged` returns (see :class:`~fastckpt.SaveOptions`). A second call
+    waits for the previous save of the module-level saver (staging memory stays bounded) and
     raises its failure if nobody collected it.
 
     Args:
         state: nested dict/list/tuple of tensors (any device, any strides), NumPy arrays and
             JSON-able values (see :func:`fastckpt.format.tree.flatten`).
         path: checkpoint folder to create; its parent is created if needed.
-        **options: see :class:`fastckpt.saving.saver.SaveOptions` (``overwrite``, ``weights``,
+        **options: see :class:`fastckpt.SaveOptions` (``overwrite``, ``weights``,
             ``extra_files``, ``metadata``, ``step``, ``max_shard_bytes``, ``chunk_bytes``,
             ``threads``, ``staging_bytes``, ``o_direct``, ``io_backend``, ``link_from``,
             ``link_check``, ``early_writes`` (default ``False`` here: the call returns after the
-            copy and the writes start then), ``defer_frozen``, ``defer``, ...).
+            copy and the writes start then), ``defer_frozen``, ``defer``, ...; multi-rank:
+            ``local_keys``, ``commit``, ``timeout_s``).
         process_group: ``torch.distributed`` group whose ranks all save this checkpoint together
-            (default: the world group when initialized; with one rank, or
-            ``fastckpt.coordination.LOCAL``, this process saves alone). Multi-rank options:
-            ``local_keys``, ``commit``, ``timeout_s`` (see :class:`fastckpt.saving.ranks.DistSaver`).
+            (every rank of it must make the call; each writes part of the bytes; rank 0 commits).
+            Default ``None``: this process saves alone, even when a process group is
+            initialized (the ``if rank == 0: fastckpt.save(...)`` pattern).
 
     Returns:
         A :class:`SaveFuture`; ``result()`` returns the path once durable and committed.
@@ -89,7 +77,10 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
         UnsupportedValueError / UnsupportedDtypeError: a value cannot be stored (names its key
             path); raised before any file is created.
         InsufficientSpaceError: not enough free space for the checkpoint.
-        ValueError: a bad option.
+        SaveConflictError: without ``process_group``, another rank is saving the same path.
+        DistributedSaveError: with ``process_group``, a rank failed or did not arrive within
+            ``timeout_s`` (default: the group's timeout); ``failures`` names each rank.
+        ValueError: a bad option; TypeError: an unknown option.
 
     Example::
 
@@ -97,10 +88,7 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
         ...                      # keep training
         fut.result()             # durable
     """
-    dist = _dist_saver(process_group)
-    if dist is not None:
-        return dist.async_save(state, path, **options)
-    return _saver().async_save(state, path, **options)
+    return _saver().async_save(state, path, process_group=process_group, **options)
 
 
 def save(state: Any, path: str | os.PathLike, *, process_group: Any = None, **options: Any) -> Path:
@@ -148,11 +136,10 @@ def prime_hashes(state: Any, *, weights: dict[str, str] | None = None, backgroun
 def wait() -> None:
     """Wait for the pending :func:`async_save` of this process; re-raise an uncollected failure."""
     _saver().wait()
-    for d in list(_dist_savers.values()):
-        d.wait()
 
 
 __all__ = ["save", "async_save", "load", "wait", "reserve", "prime_hashes", "verify", "is_committed", "read_manifest", "open_checkpoint",
-           "CheckpointManager", "SaveFuture", "SaveOptions", "VerifyReport", "errors", "FastCkptError",
+           "CheckpointManager", "Saver", "SaveFuture", "SaveOptions", "IOTuning", "Consistency", "Shard", "LOCAL",
+           "VerifyReport", "errors", "FastCkptError", "DistributedSaveError", "SaveConflictError",
            "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError", "HeaderError",
            "ChecksumMismatchError", "UnsupportedValueError", "UnsupportedDtypeError", "InsufficientSpaceError"]

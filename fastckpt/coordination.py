@@ -1,19 +1,26 @@
-"""torch.distributed wrapper for multi-rank saves: a no-op in one process.
+"""Process-group coordination for multi-rank operations: a no-op in one process.
 
 Coordination goes through the process group's key-value :class:`torch.distributed.Store`
 (the one ``init_process_group`` created: TCPStore, FileStore...), never through
 collectives. A background save thread can therefore wait for the other ranks while the
 training loop runs its own ``all_reduce`` on the same group without any risk of the two
 interleaving differently on different ranks (the deadlock a second collective stream would
-cause). Every wait has a timeout that names the ranks that did not report.
+cause).
 
-Call order of one :class:`Coordinator` (every rank of the group, same order of calls):
-``Coordinator.for_group(group)`` -> ``session(tag)`` -> ``all_gather`` / ``publish`` /
-``wait_for`` any number of times with distinct keys.
+Keys are named by the group (its global ranks) and the operation's target (e.g. the
+checkpoint path), never by a process-wide counter, so a save on a subgroup does not shift the
+keys of a later save on the world group. A :class:`Session` deletes its keys when every rank
+has left it. Waits are bounded: the clock of a session starts when its first rank arrives
+(``t0``, kept in the store), and a rank missing at the deadline is named in the error.
+
+Call order of one :class:`Session` (every rank of the group, same order of calls):
+``Coordinator.for_group(group)`` -> ``session(name, timeout_s)`` -> ``all_gather`` /
+``publish`` / ``wait_for`` any number of times with distinct keys -> ``close()``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -22,10 +29,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-#: Pass as ``process_group=`` to save from this process alone even when torch.distributed is
-#: initialized (e.g. the usual ``if rank == 0: fastckpt.save(...)``).
+from .errors import DistributedSaveError, SaveConflictError
+
+#: Pass as ``process_group=`` to make explicit that a call runs in this process alone (the
+#: default for saves without ``process_group`` too).
 LOCAL = "local"
 
+#: Seconds a multi-rank wait lasts when neither the call nor the process group names a timeout.
 DEFAULT_TIMEOUT_S = 1800.0
 
 
@@ -35,6 +45,25 @@ def _dist():
     except ImportError:  # torch built without distributed
         return None
     return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def group_timeout_s(process_group: Any = None) -> float:
+    """The timeout of ``process_group`` (``init_process_group(timeout=...)``) in seconds, or
+    :data:`DEFAULT_TIMEOUT_S` when it cannot be read."""
+    dist = _dist()
+    if dist is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        import torch
+        group = process_group if process_group not in (None, LOCAL) else dist.group.WORLD
+        return float(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except Exception:  # no CPU backend on the group, or the private API moved: the default
+        return DEFAULT_TIMEOUT_S
+
+
+def path_tag(path: str | os.PathLike) -> str:
+    """16 hex digits naming an absolute path in store keys."""
+    return hashlib.sha256(os.path.abspath(os.fspath(path)).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -47,6 +76,7 @@ class Coordinator:
         store: a ``torch.distributed.Store`` shared by the group (``None`` in one process).
         group_key: text naming the group's global ranks (keeps keys of two groups apart).
         node: node name of this rank (``FASTCKPT_NODE`` env var, else the host name).
+        global_rank: rank in the world group (0 in one process).
     """
 
     rank: int
@@ -54,82 +84,188 @@ class Coordinator:
     store: Any
     group_key: str
     node: str
+    global_rank: int = 0
+
+    @staticmethod
+    def single() -> "Coordinator":
+        """The coordinator of this process alone (rank 0 of 1, no store)."""
+        return Coordinator(0, 1, None, "local", os.environ.get("FASTCKPT_NODE") or socket.gethostname())
 
     @staticmethod
     def for_group(process_group: Any = None) -> "Coordinator":
         """Coordinator of ``process_group`` (``None``: the world group when initialized).
 
-        Returns a single-process coordinator (rank 0 of 1) when torch.distributed is not
-        initialized or ``process_group`` is :data:`LOCAL`.
+        Returns :meth:`single` when torch.distributed is not initialized or ``process_group``
+        is :data:`LOCAL`.
         """
-        node = os.environ.get("FASTCKPT_NODE") or socket.gethostname()
         dist = _dist()
         if dist is None or (isinstance(process_group, str) and process_group == LOCAL):
-            return Coordinator(0, 1, None, "local", node)
+            return Coordinator.single()
         from torch.distributed import distributed_c10d as c10d
         group = process_group if process_group is not None else dist.group.WORLD
         ranks = dist.get_process_group_ranks(group)
         key = "w" if len(ranks) == dist.get_world_size() else "g" + "-".join(map(str, ranks))
-        return Coordinator(dist.get_rank(group), dist.get_world_size(group), c10d._get_default_store(), key, node)
+        node = os.environ.get("FASTCKPT_NODE") or socket.gethostname()
+        return Coordinator(dist.get_rank(group), dist.get_world_size(group), c10d._get_default_store(), key, node,
+                           dist.get_rank())
 
     @property
     def is_single(self) -> bool:
         """True when this is a one-process group (everything here is a no-op)."""
         return self.world_size == 1
 
-    def session(self, tag: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> "Session":
-        """Key space for one operation; ``tag`` must be equal on all ranks and new per operation."""
-        return Session(self, f"fastckpt/{self.group_key}/{tag}/", timeout_s)
+    def session(self, name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> "Session":
+        """Key space of one operation; ``name`` must be equal on all ranks and new per operation."""
+        return Session(self, f"fastckpt/{self.group_key}/{name}/", timeout_s)
 
 
 class Session:
-    """Store keys of one operation: JSON values published and awaited by rank."""
+    """Store keys of one operation: JSON values published and awaited by rank.
+
+    The clock starts when the first rank creates the session (its wall time is kept in the
+    store, so a rank arriving late waits only what is left); :meth:`restart_clock` starts a
+    new phase (e.g. after this rank's own writes).
+    """
 
     def __init__(self, coord: Coordinator, prefix: str, timeout_s: float):
-        self.coord, self.prefix, self.timeout_s = coord, prefix, timeout_s
+        self.coord, self.prefix, self.timeout_s = coord, prefix, float(timeout_s)
         self._local: dict[str, str] = {}  # the "store" of a one-process group
+        self._mine: list[str] = []  # keys this rank published (deleted by close)
+        self._shared: set[str] = {"t0", "left"}  # keys any rank may publish once (deleted by the last to leave)
+        self.deadline = time.monotonic() + self.timeout_s
+        if coord.store is not None:
+            t0 = float(coord.store.compare_set(prefix + "t0", "", repr(time.time())).decode())
+            self.deadline = time.monotonic() + max(0.0, t0 + self.timeout_s - time.time())
+
+    def restart_clock(self) -> None:
+        """Give the next waits ``timeout_s`` from now (a new phase of the operation)."""
+        self.deadline = time.monotonic() + self.timeout_s
 
     def publish(self, key: str, value: Any) -> None:
         """Set ``key`` to the JSON of ``value`` (visible to every rank)."""
         if self.coord.store is None:
             self._local[key] = json.dumps(value)
+            return
+        self.coord.store.set(self.prefix + key, json.dumps(value))
+        if key.rsplit("/", 1)[-1] == str(self.coord.rank):
+            self._mine.append(key)
         else:
-            self.coord.store.set(self.prefix + key, json.dumps(value))
+            self._shared.add(key)
 
     def wait_for(self, keys: list[str], what: str) -> list[Any]:
-        """Wait until all ``keys`` exist and return their values.
+        """Wait until all ``keys`` exist (at most until the session's deadline) and return their values.
 
         Raises:
-            TimeoutError: after ``timeout_s``; names the keys that never appeared and ``what``.
+            TimeoutError: at the deadline; names the keys that never appeared and ``what``.
         """
         store = self.coord.store
+        self._shared.update(k for k in keys if not k.rsplit("/", 1)[-1].isdigit())
         if store is None:
             missing = [k for k in keys if k not in self._local]
             if missing:
                 raise TimeoutError(f"fastckpt: {missing} never published in this process while {what}")
             return [json.loads(self._local[k]) for k in keys]
         full = [self.prefix + k for k in keys]
-        deadline = time.monotonic() + self.timeout_s
         while True:
+            left = self.deadline - time.monotonic()
             try:
-                store.wait(full, timedelta(seconds=min(5.0, max(0.01, deadline - time.monotonic()))))
+                store.wait(full, timedelta(seconds=min(5.0, max(0.01, left))))
                 break
             except Exception as e:  # the store raises a DistStoreError/RuntimeError on timeout
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= self.deadline:
                     missing = [k for k, f in zip(keys, full) if not store.check([f])]
                     raise TimeoutError(f"fastckpt: no report after {self.timeout_s:.0f} s while {what}: "
-                                       f"missing {missing}; did every rank of the group call the same "
-                                       "save? (for a save from one rank pass process_group="
-                                       "fastckpt.coordination.LOCAL)") from e
+                                       f"missing {missing}") from e
         return [json.loads(store.get(f).decode()) for f in full]
 
     def all_gather(self, key: str, value: Any, what: str) -> list[Any]:
-        """Publish ``value`` as ``key/{rank}`` and return every rank's value (rank order)."""
+        """Publish ``value`` as ``key/{rank}`` and return every rank's value (rank order).
+
+        Raises:
+            DistributedSaveError: a rank did not publish before the deadline; ``failures``
+                names each missing rank.
+        """
         if self.coord.is_single:
             return [json.loads(json.dumps(value))]
         self.publish(f"{key}/{self.coord.rank}", value)
-        return self.wait_for([f"{key}/{r}" for r in range(self.coord.world_size)], what)
+        keys = [f"{key}/{r}" for r in range(self.coord.world_size)]
+        try:
+            return self.wait_for(keys, what)
+        except TimeoutError as e:
+            store = self.coord.store
+            missing = [r for r, k in enumerate(keys) if not store.check([self.prefix + k])]
+            failures = {r: f"no report within {self.timeout_s:g} s while {what}: did rank {r} call the same "
+                           "operation with the same process_group and path?" for r in missing}
+            raise DistributedSaveError(
+                f"fastckpt: rank(s) {missing} of the group did not arrive within {self.timeout_s:g} s while "
+                f"{what} (every rank of process_group must make the same call; timeout_s= sets the wait)",
+                failures) from e
 
-    def barrier(self, key: str, what: str) -> None:
-        """Return once every rank reached ``key``."""
-        self.all_gather(key, None, what)
+    def close(self) -> None:
+        """Leave the session: delete this rank's keys; the last rank to leave deletes the shared ones."""
+        store = self.coord.store
+        if store is None:
+            return
+        try:
+            for k in self._mine:
+                store.delete_key(self.prefix + k)
+            if store.add(self.prefix + "left", 1) >= self.coord.world_size:
+                for k in self._shared:
+                    store.delete_key(self.prefix + k)
+        except Exception:  # the store is gone (job shutting down): nothing left to clean
+            pass
+
+
+class PathClaim:
+    """Marks, in the world store, that this process is saving ``path`` alone (a plain call
+    under an initialized process group), so that plain calls from several ranks for one path
+    fail at once instead of writing over each other.
+
+    Call order: :meth:`acquire` (at the call) -> :meth:`check` (before the commit) -> :meth:`release`.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        dist = _dist()
+        self.path = os.fspath(path)
+        self.store = None
+        if dist is None:
+            return
+        from torch.distributed import distributed_c10d as c10d
+        self.store = c10d._get_default_store()
+        self.rank = dist.get_rank()
+        self.key = f"fastckpt/plain/{path_tag(path)}"
+        self.me = f"{self.rank}:{os.getpid()}:{time.time()!r}"
+
+    def _error(self, holder: str) -> SaveConflictError:
+        return SaveConflictError(
+            f"{self.path}: several ranks are saving this checkpoint at once with plain calls (rank {self.rank} "
+            f"and {holder}); without process_group= a save is written by the calling "
+            "process alone. If every rank saves this checkpoint together, pass process_group= (e.g. "
+            "torch.distributed.group.WORLD) on every rank; to save from one rank, call it on that rank only "
+            "(if rank == 0: ...). Nothing was committed")
+
+    def acquire(self) -> None:
+        """Claim the path; raises :class:`SaveConflictError` if another process holds it."""
+        if self.store is None:
+            return
+        got = self.store.compare_set(self.key, "", self.me).decode()
+        if got != self.me:
+            self.store.add(self.key + "/contenders", 1)
+            self.store = None
+            raise self._error("rank " + got.split(":")[0])
+
+    def check(self) -> None:
+        """Raise :class:`SaveConflictError` if another rank tried to save the path meanwhile."""
+        if self.store is not None and self.store.add(self.key + "/contenders", 0) > 0:
+            raise self._error("another rank")
+
+    def release(self) -> None:
+        """Give the claim back (safe to call twice)."""
+        store, self.store = self.store, None
+        if store is None:
+            return
+        try:
+            store.delete_key(self.key + "/contenders")
+            store.delete_key(self.key)
+        except Exception:
+            pass

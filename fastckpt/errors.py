@@ -86,6 +86,12 @@ class CheckpointLockedError(FastCkptError, RuntimeError):
     """Another live writer holds the lock of a checkpoint root."""
 
 
+class SaveConflictError(FastCkptError, RuntimeError):
+    """Several processes save one checkpoint path at once with plain calls (no
+    ``process_group=``); nothing is committed. Pass ``process_group=`` on every rank to save
+    together, or call the save on one rank only."""
+
+
 class DistributedSaveError(FastCkptError, RuntimeError):
     """One or more ranks failed a collective save.
 

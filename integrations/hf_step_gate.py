@@ -1,6 +1,6 @@
 """The optimizer-step gate of the Trainer callback's pipelined snapshot (``defer_params``).
 
-A save started with ``defer`` (see :class:`fastckpt.saving.saver.SaveOptions`) leaves the copy of the
+A save started with ``defer`` (see :class:`fastckpt.Consistency`) leaves the copy of the
 trainable parameters and the optimizer state to its writer thread, which runs while the next
 step's forward and backward compute. The only writer of those tensors in a training step is the
 optimizer, so its ``step()`` must not start before that copy is done: :class:`OptimizerStepGate`

@@ -105,8 +105,8 @@ def test_version_link_skips_hashing_at_the_call_and_verifies_later(tmp_path, mon
         lora["a"].add_(1)
     seen = _hash_threads(monkeypatch)
     from fastckpt.saving import saver
-    go, real_start = threading.Event(), saver._Job.start_verify
-    monkeypatch.setattr(saver._Job, "start_verify", lambda job: (go.wait(30), real_start(job))[1])
+    go, real_start = threading.Event(), saver.SaveJob.start_verify
+    monkeypatch.setattr(saver.SaveJob, "start_verify", lambda job: (go.wait(30), real_start(job))[1])
     fut = fastckpt.async_save(_snap(base, lora), tmp_path / "c2", weights=W, link_from=tmp_path / "c1",
                               link_check="version")
     at_call = list(seen)  # the background part has not started yet
@@ -219,20 +219,20 @@ def _copy_spy(monkeypatch):
     """Record (thread name, keys) of every staging copy."""
     from fastckpt.saving import job as save_job
     seen = []
-    real = save_job._Job._copy_run
+    real = save_job.SaveJob._copy_run
 
     def spy(job, run, sources):
         seen.append((threading.current_thread().name, [t.spec.key for t in run]))
         return real(job, run, sources)
-    monkeypatch.setattr(save_job._Job, "_copy_run", spy)
+    monkeypatch.setattr(save_job.SaveJob, "_copy_run", spy)
     return seen
 
 
 def _gate_background(monkeypatch):
     """Hold the background part of the next save until the returned event is set."""
     from fastckpt.saving import job as save_job
-    go, real = threading.Event(), save_job._Job.write_all
-    monkeypatch.setattr(save_job._Job, "write_all", lambda job: (go.wait(30), real(job))[1])
+    go, real = threading.Event(), save_job.SaveJob.write_all
+    monkeypatch.setattr(save_job.SaveJob, "write_all", lambda job: (go.wait(30), real(job))[1])
     return go
 
 

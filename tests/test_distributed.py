@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 import fastckpt
 from fastckpt.loading import sharded as dist_load
-from fastckpt.saving.ranks import DistSaver, Shard, partition_units, shard_dim0
+from fastckpt.saving.ranks import Shard, partition_units, shard_dim0
 from fastckpt.coordination import LOCAL
 from fastckpt.errors import DistributedSaveError
 from fastckpt.storage.io import PosixBackend
@@ -58,7 +58,8 @@ def _run(rank: int, tmp: str) -> None:
 
 
 def _scn_replicated(rank: int, tmp: str) -> dict:
-    fut = fastckpt.async_save(_state(rank), os.path.join(tmp, "ck"), chunk_bytes=CHUNK, step=7)
+    fut = fastckpt.async_save(_state(rank), os.path.join(tmp, "ck"), chunk_bytes=CHUNK, step=7,
+                              process_group=dist.group.WORLD)
     staged = fut.wait_staged(0)  # multi-rank saves copy at the call (a Trainer step gate never hangs)
     dist.all_reduce(torch.ones(1))  # training collectives while the save runs in the background
     fut.result()
@@ -71,7 +72,7 @@ def _scn_local(rank: int, tmp: str) -> dict:
     full = _full_shard()
     state = {"model": {"w": torch.ones(4)}, "fsdp": {"p": shard_dim0(full, rank, 2)},
              "optimizer": {"exp_avg": torch.full((3,), float(rank)), "rank": rank}}
-    mgr = fastckpt.CheckpointManager(os.path.join(tmp, "run"), keep_last=1)
+    mgr = fastckpt.CheckpointManager(os.path.join(tmp, "run"), keep_last=1, process_group=dist.group.WORLD)
     mgr.save(1, state, local_keys=("optimizer",), chunk_bytes=CHUNK)
     mgr.save(2, state, local_keys=("optimizer",), chunk_bytes=CHUNK)
     got = dist_load.load(mgr.path(2))
@@ -82,7 +83,8 @@ def _scn_local(rank: int, tmp: str) -> dict:
 def _scn_fail(rank: int, tmp: str) -> dict:
     be = _FailPwrite() if rank == 1 else None
     try:
-        fastckpt.save(_state(rank), os.path.join(tmp, "ck"), chunk_bytes=CHUNK, io_backend=be)
+        fastckpt.save(_state(rank), os.path.join(tmp, "ck"), chunk_bytes=CHUNK, io_backend=be,
+                      process_group=dist.group.WORLD)
     except DistributedSaveError as e:
         return {"failures": {str(k): v for k, v in e.failures.items()}, "cause": type(e.__cause__).__name__}
     return {"failures": None}
@@ -91,8 +93,8 @@ def _scn_fail(rank: int, tmp: str) -> dict:
 def _scn_reshard(rank: int, tmp: str) -> dict:
     """1 -> 2: a single-process checkpoint of the full tensor, read by 2 ranks as shards."""
     if rank == 0:
-        DistSaver(LOCAL).async_save({"fsdp": {"p": Shard(_full_shard(), (10, 6), (0, 0))}, "x": torch.ones(2)},
-                                    os.path.join(tmp, "one")).result()
+        fastckpt.save({"fsdp": {"p": Shard(_full_shard(), (10, 6), (0, 0))}, "x": torch.ones(2)},
+                      os.path.join(tmp, "one"))  # one process, no process_group: saves alone
     dist.barrier()
     got = dist_load.load(os.path.join(tmp, "one"))
     return {"p": got["fsdp"]["p"].tolist()}

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fastckpt
-from fastckpt.saving import rank_commit as dist_commit
+from fastckpt.saving import saver as dist_commit  # the engine calls its write_metadata
 from fastckpt.loading import sharded as dist_load
 from fastckpt.saving.ranks import shard_dim0
 from fastckpt.errors import CheckpointNotFoundError, DistributedSaveError
@@ -40,6 +40,7 @@ def _root(tmp: str, rank: int) -> str:
 def _save(rank: int, tmp: str, step: int, **kw):
     path = os.path.join(_root(tmp, rank), f"step-{step}")
     return fastckpt.save(_state(rank, step), path, commit="marker", local_keys=("optimizer",),
+                         process_group=dist.group.WORLD,
                          chunk_bytes=CHUNK, step=step, **kw)
 
 
@@ -70,25 +71,25 @@ def _phase1(rank: int, tmp: str) -> dict:
         out["fail"] = {str(k): v for k, v in e.failures.items()}
     out["exists_2"] = os.path.exists(os.path.join(_root(tmp, rank), "step-2"))
     # step 3: node 1 wrote its marker, then rank 0 fails to write its own -> node 1's is rolled back
-    real = dist_commit._write_manifest
+    real = dist_commit.write_metadata
     if rank == 0:
         def boom(*a, **k):
             raise OSError(errno.ENOSPC, "injected ENOSPC writing rank 0's marker")
-        dist_commit._write_manifest = boom
+        dist_commit.write_metadata = boom
     try:
         _save(rank, tmp, 3)
         out["commit_fail"] = None
     except DistributedSaveError as e:
         out["commit_fail"] = {str(k): v for k, v in e.failures.items()}
     finally:
-        dist_commit._write_manifest = real
+        dist_commit.write_metadata = real
     out["exists_3"] = os.path.exists(os.path.join(_root(tmp, rank), "step-3"))
     out["common_3"] = dist_load.newest_common_step(_root(tmp, rank))
     with open(os.path.join(tmp, f"out{rank}.json"), "w") as f:
         json.dump(out, f)
     # step 4: rank 0 dies between node 1's marker and its own (a crash of the committer)
     if rank == 0:
-        dist_commit._write_manifest = lambda *a, **k: os._exit(0)
+        dist_commit.write_metadata = lambda *a, **k: os._exit(0)
     try:
         _save(rank, tmp, 4, timeout_s=3)
         crash = "returned"
@@ -191,7 +192,7 @@ def test_rank0_marker_failure_rolls_back_other_nodes(spawned):
 def test_crash_between_markers_leaves_step_uncommitted(spawned):
     tmp, snaps = spawned
     crash = json.load(open(tmp / "crash1.json"))["crash"]
-    assert crash.startswith("TimeoutError") and "commit" in crash, crash
+    assert crash.startswith("DistributedSaveError") and "commit" in crash and "rank 0" in crash, crash
     assert not (tmp / "crash0.json").exists()  # rank 0 died inside the commit
     # node 1 has its marker for step 4, node 0 has the files but no marker
     assert snaps["after_crash"] == {0: [1], 1: [1, 4]}

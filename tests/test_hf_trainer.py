@@ -392,8 +392,8 @@ def raw(t):
 def _slow_background_copy(monkeypatch, seconds=0.4):
     """Delay the background staging copy of deferred tensors (defer_params)."""
     from fastckpt.saving import job as save_job
-    real = save_job._Job._stage_deferred
-    monkeypatch.setattr(save_job._Job, "_stage_deferred", lambda job: (time.sleep(seconds), real(job))[1])
+    real = save_job.SaveJob._stage_deferred
+    monkeypatch.setattr(save_job.SaveJob, "_stage_deferred", lambda job: (time.sleep(seconds), real(job))[1])
 
 
 class AtStepBegin(transformers.TrainerCallback):

@@ -12,6 +12,8 @@ import threading
 import time
 
 import numpy as np
+import subprocess
+import sys
 import pytest
 import torch
 from hypothesis import given, settings
@@ -422,8 +424,8 @@ def test_failed_overwrite_keeps_old_checkpoint(tmp_path):
     assert listing(tmp_path) == ["ck"] and fastckpt.verify(p).ok
 
 
-def test_result_timeout_and_uncollected_failure_warned_at_exit(tmp_path):
-    from fastckpt.saving.saver import Saver, _warn_uncollected
+def test_result_timeout_and_uncollected_failure_fails_the_exit(tmp_path):
+    from fastckpt.saving.saver import Saver
     saver = Saver()
     fut = saver.async_save(small_state(), tmp_path / "slow", io_backend=SlowBackend(0.5))
     with pytest.raises(TimeoutError):
@@ -431,11 +433,16 @@ def test_result_timeout_and_uncollected_failure_warned_at_exit(tmp_path):
     assert fut.result() == tmp_path / "slow" and fut.total_s >= fut.blocking_s > 0
     bad = saver.async_save(small_state(), tmp_path / "bad", io_backend=FaultyBackend(fail_pwrite_after=0))
     bad.exception()
-    with pytest.warns(RuntimeWarning, match="bad.*nobody called result"):
-        _warn_uncollected()  # what the interpreter runs at exit
     with pytest.raises(OSError):
         saver.wait()  # collected now
     saver.wait()
+    # at interpreter exit, a failure nobody collected is reported on stderr with exit status 1
+    code = ("import sys, torch, fastckpt; sys.path.insert(0, %r); from conftest import FaultyBackend; "
+            "fastckpt.async_save({'w': torch.ones(1000)}, %r, io_backend=FaultyBackend(fail_pwrite_after=0))"
+            % (os.path.dirname(__file__), str(tmp_path / "lost")))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "lost" in out.stderr and "FAILED" in out.stderr, out.stderr
+    assert not (tmp_path / "lost").exists()
 
 
 def test_many_small_mixed_tensors_stage_in_batched_runs(tmp_path):
@@ -468,7 +475,7 @@ def test_early_writes_only_where_the_caller_waits_for_the_whole_save(tmp_path, m
     save: writes overlap the copy (the caller waits for both anyway)."""
     from fastckpt.saving import saver
     staged, during = [False], []
-    real_stage, real_write = saver._Job.stage, saver._Job._write_unit
+    real_stage, real_write = saver.SaveJob.stage, saver.SaveJob._write_unit
 
     def stage(job, *a, **kw):
         real_stage(job, *a, **kw)
@@ -477,8 +484,8 @@ def test_early_writes_only_where_the_caller_waits_for_the_whole_save(tmp_path, m
     def write_unit(job, *a, **kw):
         during.append(not staged[0])
         return real_write(job, *a, **kw)
-    monkeypatch.setattr(saver._Job, "stage", stage)
-    monkeypatch.setattr(saver._Job, "_write_unit", write_unit)
+    monkeypatch.setattr(saver.SaveJob, "stage", stage)
+    monkeypatch.setattr(saver.SaveJob, "_write_unit", write_unit)
     state = {"model": {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(16)}}  # 64 MiB, 8 units
     out = getattr(fastckpt, call)(state, tmp_path / "c")
     if call == "async_save":
@@ -506,8 +513,8 @@ def test_defer_copies_in_the_background_until_staged(tmp_path, monkeypatch):
     from fastckpt.saving import job as save_job
     w, opt, state = _defer_state()
     expect = {"w": raw(w), "exp_avg": raw(opt.state[w]["exp_avg"])}
-    go, real = threading.Event(), save_job._Job.write_all
-    monkeypatch.setattr(save_job._Job, "write_all", lambda job: (go.wait(30), real(job))[1])
+    go, real = threading.Event(), save_job.SaveJob.write_all
+    monkeypatch.setattr(save_job.SaveJob, "write_all", lambda job: (go.wait(30), real(job))[1])
     fut = fastckpt.async_save(state(), tmp_path / "c", defer=_is_param_or_opt)
     assert not fut.wait_staged(0.2)  # the parameter and optimizer state are not copied yet
     go.set()
@@ -529,8 +536,8 @@ def test_defer_write_before_staged_fails_the_save(tmp_path, monkeypatch, what):
     from fastckpt.errors import SourceChangedError
     w, opt, state = _defer_state()
     fastckpt.save(state(), tmp_path / "c0")
-    go, real = threading.Event(), save_job._Job.write_all
-    monkeypatch.setattr(save_job._Job, "write_all", lambda job: (go.wait(30), real(job))[1])
+    go, real = threading.Event(), save_job.SaveJob.write_all
+    monkeypatch.setattr(save_job.SaveJob, "write_all", lambda job: (go.wait(30), real(job))[1])
     fut = fastckpt.async_save(state(), tmp_path / "c1", defer=_is_param_or_opt)
     with torch.no_grad():  # the training loop did not wait: the call-time bytes are gone
         (opt.state[w]["exp_avg"] if what == "optimizer" else w).add_(1)

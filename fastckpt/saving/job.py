@@ -1,15 +1,18 @@
-"""One save in flight: the files, the staging copy, the writes, the link decisions.
+"""One rank's part of one save: its files, its staging copy, its writes, the link decisions.
 
-:class:`_Job` is what :class:`fastckpt.saving.saver.Saver` runs for each save: the caller's thread runs
-``link_unchanged`` (``link_from``), ``open_files`` and ``stage``; the background thread runs
-``start_verify``, ``write_all`` (which first stages deferred tensors), ``verify_links``, ``record_hashes`` and ``close``. Small helpers
-for batched staging copies and batched hashing live here too.
+:class:`SaveJob` is what :class:`fastckpt.saving.saver.Saver` runs on every rank of a save (a
+save of one process is the one-rank case: the job owns every write unit). The caller's thread
+runs ``link_unchanged`` (``link_from``, folder leader only), ``open_files`` and ``stage``; the
+background thread runs ``start_verify``, ``write_all`` (which first stages deferred tensors),
+``verify_links``, ``record_hashes`` and ``close``. Small helpers for batched staging copies
+and batched hashing live here too.
 """
 
 from __future__ import annotations
 
 import bisect
 import os
+from dataclasses import dataclass
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,25 +29,54 @@ from ..format.layout import SavePlan
 from ..storage.staging import StagingPool, copy_into, copy_pieces
 
 if TYPE_CHECKING:
-    from .saver import SaveOptions
+    from .options import SaveOptions
 
 
 
 
-class _Job:
-    """One save in flight: files, staging buffer, writer pool."""
+@dataclass(frozen=True)
+class Part:
+    """The part of a plan one rank writes (a one-process save: everything).
+
+    Attributes:
+        units: indexes of the plan's write units this rank writes (stream order; ``None``: all).
+        files: indexes of the files present in this rank's folder (``None``: all).
+        leader: this rank creates the files, writes every header and links unchanged files.
+    """
+
+    units: tuple[int, ...] | None = None
+    files: tuple[int, ...] | None = None
+    leader: bool = True
+
+
+class SaveJob:
+    """One rank's part of one save: files, staging buffer, writer pool.
+
+    Args:
+        plan: the save's plan (the same on every rank).
+        tmp: the folder the files are written into (the hidden temporary folder).
+        opts: the save's options.
+        pool: staging memory of the saver.
+        cache: the saver's hash cache (``link_check="version"``).
+        part: what this rank writes (default: everything).
+    """
 
     def __init__(self, plan: SavePlan, tmp: str, opts: SaveOptions, pool: StagingPool,
-                 cache: dedupe.HashCache | None = None):
+                 cache: dedupe.HashCache | None = None, part: Part = Part()):
         self.plan, self.tmp, self.opts, self.pool = plan, tmp, opts, pool
+        self.io, self.cons = opts.io, opts.consistency
+        self.part = part
+        self.all_units = part.units is None
+        self.owned: list[int] = list(range(len(plan.units))) if part.units is None else list(part.units)
+        self.files = range(len(plan.files)) if part.files is None else part.files
         # link_check="version": hashes of earlier saves, and what this save adds to them
-        self.cache = cache if opts.link_check == "version" else None
+        self.cache = cache if self.cons.link_check == "version" else None
         self.idents: dict[str, Any] = {}  # key -> HashCache.ident at the call (staged/hashed tensors)
         self.to_verify: list[tuple[str, Any, str, int]] = []  # (key, tensor, xxh3, version at call)
         self.verifying: dict = {}  # to_verify item -> _Pick of "changed?" (see start_verify)
-        self.be = get_backend(opts.io_backend)
-        self.writers: list[FileWriter] = []
-        self.exec = ThreadPoolExecutor(opts.threads or default_threads(), thread_name_prefix="fastckpt-io")
+        self.be = get_backend(self.io.io_backend)
+        self.writers: list[FileWriter | None] = [None] * len(plan.files)
+        self.exec = ThreadPoolExecutor(self.io.threads or default_threads(), thread_name_prefix="fastckpt-io")
         self.unit_futs: dict[int, Future] = {}
         self.hashes: dict[str, Any] = {}
         self.buf = self.view = None
@@ -57,16 +89,81 @@ class _Job:
         self.deferred: dict[str, tuple[str | None, int]] = {}
         self.staged = threading.Event()
         self.sources: dict[str, torch.Tensor] = {}
+        self.segs: list[tuple[int, int, int]] = []  # (stream start, stream end, buffer offset) when not all units
+        self.seg_starts: list[int] = []
+        self.bytes_written = 0  # bytes this rank wrote itself (units + headers)
+        self.held = False  # holds the staging pool's buffer
 
+    def _at(self, stream_off: int) -> int:
+        """Buffer offset of stream offset ``stream_off`` (whole-state staging)."""
+        if self.all_units:
+            return stream_off
+        i = bisect.bisect_right(self.seg_starts, stream_off) - 1
+        a, _, b = self.segs[i]
+        return b + stream_off - a
+
+    def _mine(self) -> list:
+        """Tensors this rank stages (stream order): those overlapping a unit it writes, in files not linked."""
+        p = self.plan
+        if self.all_units:
+            return sorted((t for i, f in enumerate(p.files) if i not in self.linked for t in f.tensors),
+                          key=lambda t: t.stream_offset)
+        spans = [(p.units[i].stream_offset, p.units[i].stream_offset + p.units[i].nbytes) for i in self.owned
+                 if p.units[i].file_index not in self.linked]
+        starts = [a for a, _ in spans]
+        out = []
+        for fi, f in enumerate(p.files):
+            if fi in self.linked:
+                continue
+            for t in f.tensors:
+                a, b = t.stream_offset, t.stream_offset + t.spec.nbytes
+                j = bisect.bisect_right(starts, b - 1) - 1
+                if b > a and j >= 0 and spans[j][1] > a:
+                    out.append(t)
+        return sorted(out, key=lambda t: t.stream_offset)
+
+    def hashed_keys(self, tensors: list) -> list:
+        """The tensors whose xxh3 this rank reports: those whose first byte it writes."""
+        if self.all_units:
+            return tensors
+        owned = {i for i in self.owned}
+        firsts = [u.stream_offset for u in self.plan.units]
+        out = []
+        for t in tensors:
+            i = bisect.bisect_right(firsts, t.stream_offset) - 1
+            if i in owned:
+                out.append(t)
+        return out
+
+    def _layout(self, tensors: list) -> int:
+        """Buffer segments covering the units this rank writes and the tensors it stages; returns bytes."""
+        if self.all_units:
+            return self.plan.stream_bytes
+        p, gap = self.plan, self.plan.chunk_bytes
+        spans = sorted([(p.units[i].stream_offset, p.units[i].stream_offset + p.units[i].nbytes) for i in self.owned
+                        if p.units[i].file_index not in self.linked]
+                       + [(t.stream_offset, t.stream_offset + t.spec.nbytes) for t in tensors])
+        merged: list[list[int]] = []
+        for a, b in spans:
+            if merged and a <= merged[-1][1] + gap:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        self.segs, off = [], 0
+        for a, b in merged:
+            self.segs.append((a, b, off))
+            off += b - a
+        self.seg_starts = [a for a, _, _ in self.segs]
+        return off
     def link_unchanged(self, col) -> None:
         """Hard-link files whose bytes equal the previous checkpoint's (see :mod:`fastckpt.saving.dedupe`)."""
         sources = col.sources
-        prev = dedupe.previous_manifest(self.opts.link_from)
+        prev = dedupe.previous_manifest(self.cons.link_from)
         cands = dedupe.candidate_files(self.plan.files, prev)
         for i, f in enumerate(self.plan.files):
-            if f.name not in cands:
-                continue
             keys = [t.spec.key for t in f.tensors]
+            if f.name not in cands or any(k not in sources for k in keys):
+                continue  # changed, or another rank's local file
             known: dict[str, str | None] = dict.fromkeys(keys)
             if self.cache is not None:
                 if any(k in col.trainable for k in keys) or not any(k in col.frozen for k in keys):
@@ -80,7 +177,7 @@ class _Job:
             todo = [k for k in keys if known[k] is None]  # hashed in parallel: xxhash releases the GIL
             hashes = {**known, **self.batched(todo, lambda k: sources[k].numel() * sources[k].element_size(),
                                               lambda k: dedupe.source_hash(sources[k]))}
-            if dedupe.identical(f, hashes, prev) and dedupe.link_file(self.opts.link_from, self.tmp, f.name):
+            if dedupe.identical(f, hashes, prev) and dedupe.link_file(self.cons.link_from, self.tmp, f.name):
                 self.linked.add(i)
                 self.hashes.update(hashes)
                 self.to_verify += [(k, sources[k], known[k], sources[k]._version) for k in keys if known[k]]
@@ -131,7 +228,7 @@ class _Job:
             for k in bad:
                 self.cache.forget(k)
             raise LinkedTensorChangedError(
-                f"{len(bad)} tensor(s) hard-linked as unchanged from {self.opts.link_from} (same storage "
+                f"{len(bad)} tensor(s) hard-linked as unchanged from {self.cons.link_from} (same storage "
                 f"and version counter as at the last save) have different bytes, e.g. {bad[0]!r}: they "
                 "were written without the version counter seeing it (.data, a NumPy view); nothing was "
                 "committed; save with link_check='hash'")
@@ -146,10 +243,16 @@ class _Job:
                 self.cache.record(k, ident, h)
 
     def open_files(self) -> None:
-        for i, f in enumerate(self.plan.files):
-            self.writers.append(None if i in self.linked else  # type: ignore[arg-type]
-                                FileWriter(self.be, os.path.join(self.tmp, f.name), f.size,
-                                           self.opts.o_direct is not False))
+        """Leader: create (and preallocate) every file of the folder not linked; other ranks:
+        open the existing files holding a unit they write."""
+        p = self.plan
+        if self.part.leader:
+            todo = [i for i in self.files if i not in self.linked]
+        else:
+            todo = sorted({p.units[i].file_index for i in self.owned} - self.linked)
+        for i in todo:
+            self.writers[i] = FileWriter(self.be, os.path.join(self.tmp, p.files[i].name), p.files[i].size,
+                                         self.io.o_direct is not False, create=self.part.leader)
 
     def _write_unit(self, i: int, slot_off: int) -> None:
         if self.first_exc is not None:
@@ -157,6 +260,7 @@ class _Job:
         u = self.plan.units[i]
         try:
             self.writers[u.file_index].write(self.view[slot_off:slot_off + u.nbytes], u.file_offset)
+            self.bytes_written += u.nbytes
         except BaseException as e:
             with self.exc_lock:
                 if self.first_exc is None:
@@ -166,31 +270,33 @@ class _Job:
     def stage(self, sources: dict, frozen: set[str] = frozenset(), trainable: set[str] = frozenset()) -> None:
         """Copy every tensor into the staging buffer (the caller's blocking part)."""
         p, chunk = self.plan, self.plan.chunk_bytes
-        budget = self.opts.staging_bytes
-        self.streaming = budget is not None and budget < p.stream_bytes
-        size = max(2, budget // chunk) * chunk if self.streaming else p.stream_bytes
+        budget = self.io.staging_bytes
+        tensors = self._mine()
+        need = self._layout(tensors)
+        self.streaming = budget is not None and budget < need
+        size = max(2, budget // chunk) * chunk if self.streaming else need
         self.buf, self.view = self.pool.acquire(size)
-        tensors = sorted((t for i, f in enumerate(p.files) if i not in self.linked for t in f.tensors),
-                         key=lambda t: t.stream_offset)
+        self.held = True
         if self.cache is not None:  # frozen parameters: their hashes let the next save link them
             self.idents.update((t.spec.key, dedupe.HashCache.ident(sources[t.spec.key]))
                                for t in tensors if t.spec.key in frozen)
         host = all(getattr(v, "device", None) is None or v.device.type == "cpu" for v in sources.values())
-        if host and not self.streaming and (self.opts.defer is not None
-                                            or (self.cache is not None and self.opts.defer_frozen)):
+        if host and not self.streaming and (self.cons.defer is not None
+                                            or (self.cache is not None and self.cons.defer_frozen)):
             self._defer(tensors, sources, frozen, trainable)
             tensors = [t for t in tensors if t.spec.key not in self.deferred]
         if not self.streaming:
             # host sources: each write unit goes out as soon as its bytes are staged, so the
             # disk works while the caller copies (save total ~ max(copy, write), not the sum)
-            early = self.opts.early_writes and host and not self.deferred
-            units, nxt = self.plan.units, 0
+            early = self.cons.early_writes and host and not self.deferred
+            units, owned, nxt = self.plan.units, self.owned, 0
             for run in _copy_runs(tensors, sources):
                 b = self._copy_run(run, sources)
                 if early:
-                    while nxt < len(units) and units[nxt].stream_offset + units[nxt].nbytes <= b:
-                        if units[nxt].file_index not in self.linked:
-                            self.unit_futs[nxt] = self.exec.submit(self._write_unit, nxt, units[nxt].stream_offset)
+                    while nxt < len(owned) and units[owned[nxt]].stream_offset + units[owned[nxt]].nbytes <= b:
+                        i = owned[nxt]
+                        if units[i].file_index not in self.linked:
+                            self.unit_futs[i] = self.exec.submit(self._write_unit, i, self._at(units[i].stream_offset))
                         nxt += 1
             _sync_devices(sources)
             return
@@ -199,19 +305,20 @@ class _Job:
     def _copy_run(self, run: list, sources: dict) -> int:
         """Stage one run of :func:`_copy_runs`; returns the stream offset just past it."""
         a, b = run[0].stream_offset, run[-1].stream_offset + run[-1].spec.nbytes
+        x = self._at(a)
         if len(run) == 1:
-            copy_into(self.buf[a:b], sources[run[0].spec.key])
+            copy_into(self.buf[x:x + b - a], sources[run[0].spec.key])
         else:  # one op for many small tensors: per-tensor views and copies cost ~10 us each
             torch.cat([sources[t.spec.key].reshape(-1) for t in run],
-                      out=self.buf[a:b].view(sources[run[0].spec.key].dtype))
+                      out=self.buf[x:x + b - a].view(sources[run[0].spec.key].dtype))
         return b
 
     def _defer(self, tensors: list, sources: dict, frozen: set[str], trainable: set[str]) -> None:
         """Leave to :meth:`write_all` the copy of (``defer_frozen``) every frozen tensor whose
         recorded hash its version counter vouches for (checked against that hash there) and of
         every tensor ``opts.defer`` accepts (checked on its version counter)."""
-        by_hash = self.cache is not None and self.opts.defer_frozen
-        pick = self.opts.defer
+        by_hash = self.cache is not None and self.cons.defer_frozen
+        pick = self.cons.defer
         for t in tensors:
             k = t.spec.key
             src = sources[k]
@@ -240,7 +347,8 @@ class _Job:
         spans = [(t.stream_offset, t.stream_offset + t.spec.nbytes) for t in tensors]
         starts = [a for a, _ in spans]
         waiting = []  # (units that overlap a deferred tensor, in stream order)
-        for i, u in enumerate(p.units):
+        for i in self.owned:
+            u = p.units[i]
             if u.file_index in self.linked:
                 continue
             j = bisect.bisect_right(starts, u.stream_offset + u.nbytes - 1) - 1
@@ -253,7 +361,7 @@ class _Job:
             if overlaps:
                 waiting.append(i)
             else:
-                self.unit_futs[i] = self.exec.submit(self._write_unit, i, u.stream_offset)
+                self.unit_futs[i] = self.exec.submit(self._write_unit, i, self._at(u.stream_offset))
         nxt = 0
         for run in _copy_runs(tensors, self.sources):
             self._check_versions(run)
@@ -263,7 +371,7 @@ class _Job:
                 b = self._copy_run(run, self.sources)
             while nxt < len(waiting) and p.units[waiting[nxt]].stream_offset + p.units[waiting[nxt]].nbytes <= b:
                 i = waiting[nxt]
-                self.unit_futs[i] = self.exec.submit(self._write_unit, i, p.units[i].stream_offset)
+                self.unit_futs[i] = self.exec.submit(self._write_unit, i, self._at(p.units[i].stream_offset))
                 nxt += 1
         # an in-place write that finished during a copy; one still running now bumps the counter
         # only when done, indistinguishable from a write after staged (allowed): not seen
@@ -271,7 +379,7 @@ class _Job:
         self.sources = {}
         self.staged.set()
         for i in waiting[nxt:]:
-            self.unit_futs[i] = self.exec.submit(self._write_unit, i, p.units[i].stream_offset)
+            self.unit_futs[i] = self.exec.submit(self._write_unit, i, self._at(p.units[i].stream_offset))
 
     def _copy_and_hash(self, t) -> int:
         """Stage one large deferred tensor piece by piece, hashing each piece right after its copy
@@ -284,13 +392,13 @@ class _Job:
         src = self.sources[t.spec.key].reshape(-1).view(torch.uint8).numpy()
         dst = np.frombuffer(self.view, dtype=np.uint8)
         h = xxhash.xxh3_64()
-        a, n = t.stream_offset, t.spec.nbytes
+        a, n = self._at(t.stream_offset), t.spec.nbytes
         for off in range(0, n, _FUSED_PIECE):
             m = min(_FUSED_PIECE, n - off)
             np.copyto(dst[a + off:a + off + m], src[off:off + m])
             h.update(self.view[a + off:a + off + m])
         self.hashes[t.spec.key] = h.hexdigest()
-        return a + n
+        return t.stream_offset + n
 
     def _check_versions(self, tensors: list) -> None:
         for t in tensors:
@@ -319,7 +427,8 @@ class _Job:
 
     def _stage_streaming(self, tensors: list, sources: dict, n_slots: int) -> None:
         chunk = self.plan.chunk_bytes
-        grid = {u.stream_offset // chunk: i for i, u in enumerate(self.plan.units)}
+        owned = [i for i in self.owned if self.plan.units[i].file_index not in self.linked]
+        grid = {self.plan.units[i].stream_offset // chunk: i for i in owned}
         next_unit = 0
 
         def slot_of(g: int):
@@ -332,17 +441,19 @@ class _Job:
 
         def submit_ready(cursor: int) -> int:
             nonlocal next_unit
-            while next_unit < len(self.plan.units):
-                u = self.plan.units[next_unit]
+            while next_unit < len(owned):
+                i = owned[next_unit]
+                u = self.plan.units[i]
                 if u.stream_offset + u.nbytes > cursor:
                     break
                 slot = ((u.stream_offset // chunk) % n_slots) * chunk
-                if u.file_index not in self.linked:
-                    self.unit_futs[next_unit] = self.exec.submit(self._write_unit, next_unit, slot)
+                self.unit_futs[i] = self.exec.submit(self._write_unit, i, slot)
                 next_unit += 1
             return next_unit
 
         for t in tensors:
+            if not t.spec.nbytes:
+                continue
             h = xxhash.xxh3_64()
             copy_pieces(sources[t.spec.key], t.stream_offset, chunk, slot_of, h)
             _sync_devices({0: sources[t.spec.key]})
@@ -355,14 +466,16 @@ class _Job:
         if self.deferred:
             self._stage_deferred()
         if not self.streaming:
-            for i, u in enumerate(self.plan.units):
+            for i in self.owned:
+                u = self.plan.units[i]
                 if i not in self.unit_futs and u.file_index not in self.linked:
-                    self.unit_futs[i] = self.exec.submit(self._write_unit, i, u.stream_offset)
-            staged = [t for fi, f in enumerate(self.plan.files) if fi not in self.linked for t in f.tensors
-                      if t.spec.key not in self.hashes]  # not hashed while staged (_copy_and_hash)
+                    self.unit_futs[i] = self.exec.submit(self._write_unit, i, self._at(u.stream_offset))
+            staged = [t for t in self.hashed_keys(self._mine())
+                      if t.spec.nbytes and t.spec.key not in self.hashes]  # not hashed while staged (_copy_and_hash)
             self.hashes.update((t.spec.key, h) for t, h in self.batched(
                 staged, lambda t: t.spec.nbytes,
-                lambda t: xxhash.xxh3_64(self.view[t.stream_offset:t.stream_offset + t.spec.nbytes]).hexdigest(),
+                lambda t: xxhash.xxh3_64(self.view[self._at(t.stream_offset):self._at(t.stream_offset) + t.spec.nbytes]
+                                         ).hexdigest(),
                 wait=False).items())
         for fut in self.unit_futs.values():
             fut.exception()
@@ -373,13 +486,21 @@ class _Job:
         self.hashes = {k: (v.result() if isinstance(v, _Pick) else v) for k, v in self.hashes.items()}
         if self.deferred:
             self._check_deferred()
-        self.pool.release()
-        self.buf = self.view = None
+        self._release()
         writers = [w for w in self.writers if w is not None]
-        for w, f in zip(self.writers, self.plan.files):
-            if w is not None:
-                write_all(self.be, w.fd, memoryview(f.prefix), 0)  # buffered fd: bytes are not page aligned
+        if self.part.leader:
+            for w, f in zip(self.writers, self.plan.files):
+                if w is not None:
+                    write_all(self.be, w.fd, memoryview(f.prefix), 0)  # buffered fd: bytes are not page aligned
+                    self.bytes_written += len(f.prefix)
         list(self.exec.map(lambda w: w.sync(), writers))
+
+    def _release(self) -> None:
+        """Hand the staging buffer back to the pool (once)."""
+        self.buf = self.view = None
+        if self.held:
+            self.held = False
+            self.pool.release()
 
     def close(self, strict: bool = False) -> None:
         """Close files and threads; safe on any path. ``strict``: re-raise the first close() error
@@ -393,9 +514,7 @@ class _Job:
             except OSError as e:
                 err = err or e
         self.exec.shutdown(wait=True, cancel_futures=True)
-        if self.buf is not None:
-            self.buf = self.view = None
-            self.pool.release()
+        self._release()
         if strict and err is not None:
             raise err
 
@@ -434,10 +553,10 @@ def _copy_runs(tensors: list, sources: dict) -> list[list]:
     return runs
 
 
-#: Deferred tensors from this size on are copied and hashed piece by piece (:meth:`_Job._copy_and_hash`;
+#: Deferred tensors from this size on are copied and hashed piece by piece (:meth:`SaveJob._copy_and_hash`;
 #: smaller ones are batched by ``torch.cat`` and hashed on the pool).
 _FUSED_BYTES = 1 << 20
-#: Piece of :meth:`_Job._copy_and_hash`: hashed right after its copy, from the CPU cache; few
+#: Piece of :meth:`SaveJob._copy_and_hash`: hashed right after its copy, from the CPU cache; few
 #: pieces per tensor, since each takes the GIL (a Python-bound main thread holds it up to 5 ms).
 _FUSED_PIECE = 4 << 20
 
@@ -446,7 +565,7 @@ _BATCH_BYTES = 16 << 20
 
 
 class _Pick:
-    """Element ``i`` of a future's list result (one batch of :meth:`_Job.batched`)."""
+    """Element ``i`` of a future's list result (one batch of :meth:`SaveJob.batched`)."""
 
     __slots__ = ("fut", "i")
 

@@ -19,7 +19,7 @@ from ..format.safetensors import write_index
 from ..format.layout import SavePlan
 
 if TYPE_CHECKING:
-    from .saver import SaveOptions
+    from .options import SaveOptions
 
 
 def write_side_files(folder: str, plan: SavePlan, skeleton: Any, extra_files: dict[str, bytes] | None, *,
@@ -77,7 +77,7 @@ def manifest_doc(opts: "SaveOptions", files: dict[str, dict], tensors: dict[str,
     return {"format": cm.FORMAT_NAME, "format_version": cm.FORMAT_VERSION, "checksum": "xxh3_64",
             "created_unix_s": time.time(), "step": opts.step, "world_size": world_size,
             "metadata": opts.metadata,  # also kept when the state has no tensor (no shard)
-            "weights": opts.weights if opts.weights is not None else {"model": "model"},
+            "weights": opts.stems,
             "bytes_total": sum(v["bytes"] for v in files.values()), "files": files, "tensors": tensors}
 
 

@@ -1,271 +1,130 @@
-"""save / async_save: stage, write in parallel, commit atomically.
+"""save / async_save: ONE engine for one rank or many: collect -> plan -> stage -> write -> commit.
 
-One save path: :func:`save` is ``async_save(...).result()``. Call order of one save:
+A save of one process is the one-rank case of the same steps; its coordination calls are
+plain calls (as in DCP, whose coordination is a no-op in one process). A save is multi-rank
+only when ``process_group`` names a group of several ranks: every rank of that group must
+make the call. Call order of one save, on every rank of its group:
 
-1. caller thread: validate the state and options, plan (pure), check free space,
-   create the hidden temporary folder and the files, copy every tensor into the staging
-   buffer (this is all the caller waits for, unless the staging budget is smaller than
-   the state, in which case writes stream out of a ring of slots while copying);
-2. background thread (:mod:`fastckpt.saving.job`): parallel ``pwrite`` of write units + per-tensor xxh3 checksums on a
-   thread pool, headers, fsync of every file, JSON files, ``manifest.json`` last, fsync of
-   the folder, one ``rename`` (the commit), retention hooks;
-3. ``SaveFuture.result()`` returns the path or raises the background error itself.
+1. caller thread: validate the options and the state, collect and plan (pure). Multi-rank:
+   store all-gather of ``prep`` (errors, a digest of the replicated state, each rank's local
+   specs, so every rank builds the same global plan); any error -> every rank raises
+   :class:`~fastckpt.errors.DistributedSaveError` before a file exists.
+2. caller thread, the folder leader (rank 0, or each node's first rank with ``commit="marker"``):
+   hard-link unchanged files (``link_from``), create the folder and every file; all-gather ``open``.
+3. caller thread: open the files holding this rank's write units; copy its tensors into the
+   saver's staging pool (a ring of slots when ``staging_bytes`` is smaller); the call returns.
+4. background thread: deferred copies, ``pwrite`` of this rank's units, checksums of the
+   tensors whose first byte it wrote, headers (leader), fsync; its report (``done/{rank}``).
+5. background thread, rank 0: with every report, the side files, ``manifest.json`` last,
+   one ``rename`` (the commit), ``on_commit``; publishes the outcome (``commit``). Any failure
+   removes the folder: nothing partial is ever committed. ``SaveFuture.result()`` returns
+   the path or raises (multi-rank: ``DistributedSaveError`` naming each failed rank).
+
+Without ``process_group`` a call saves from this process alone even when torch.distributed
+is initialized (``if rank == 0: fastckpt.save(...)``); plain calls from several ranks for one
+path fail at once with :class:`~fastckpt.errors.SaveConflictError`.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
+import hashlib
+import json
 import os
-import shutil
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from ..storage import commit as cm
-from . import dedupe
-from .collect import collect
-from .metadata import manifest_doc, tensor_entries, write_manifest, write_side_files
-from ..errors import CheckpointExistsError, InsufficientSpaceError
-from ..format.safetensors import check_metadata
-from ..storage.io import PosixBackend
+from ..coordination import LOCAL, Coordinator, PathClaim, Session, group_timeout_s, path_tag
+from ..errors import CheckpointExistsError, DistributedSaveError
 from ..format.layout import SavePlan, plan_save
-from .job import _Job
-from ..storage.io import DEFAULT_CHUNK_BYTES, default_threads
+from ..format.tree import join
 from ..storage.staging import StagingPool
+from . import dedupe
+from .collect import Collected, collect
+from .committer import (commit_folder, create_folder, dist_section, fmt, rank_report, remove_uncommitted,
+                        write_metadata)
+from .future import SaveFuture
+from .job import Part, SaveJob
+from .options import SaveOptions
+from .ranks import (RANK_KEY, Ownership, global_plan, has_split, rank_specs, spec_list, specs_from_list,
+                    split_state)
 
-DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
+#: Sentinel: "the saver's own process group".
+_OWN = object()
+
+#: (group, path tag) -> saves made so far by this process: names each save's store keys
+#: alike on every rank of the group, whatever other groups and paths saved meanwhile.
+_SESSIONS: dict[tuple[str, str], int] = {}
+_SESSIONS_LOCK = threading.Lock()
+
+
+def _session_name(coord: Coordinator, path: Path, opts: SaveOptions) -> str:
+    tag = path_tag(path) if opts.commit == "rename" else "marker"  # marker: each node has its own path
+    with _SESSIONS_LOCK:
+        n = _SESSIONS[(coord.group_key, tag)] = _SESSIONS.get((coord.group_key, tag), 0) + 1
+    return f"save/{tag}/{n}"
 
 
 @dataclass
-class SaveOptions:
-    """Options of :func:`save` / :func:`async_save` (all keyword-only there).
+class _Save:
+    """Everything of one save in flight on this rank."""
 
-    Attributes:
-        overwrite: replace an existing ``path`` atomically (default ``False``: refuse).
-        weights: top-level state key -> HF file stem (default ``{"model": "model"}``). Tensors
-            directly under that key are written with their own names as
-            ``{stem}-0000k-of-0000n.safetensors`` + ``{stem}.safetensors.index.json``; a stem
-            ending in ``.safetensors`` is one file of exactly that name.
-        extra_files: file name -> bytes, small files committed with the checkpoint.
-        metadata: ``str -> str`` stored in every shard's ``__metadata__``.
-        step: training step recorded in the manifest (``int`` or ``None``).
-        max_shard_bytes: data bytes per shard file (default 5e9, as HF).
-        chunk_bytes: bytes per write request (default 8 MiB; multiple of 4096).
-        threads: parallel I/O threads (default :func:`default_threads`).
-        staging_bytes: staging memory budget in bytes (default: the whole state, so the
-            caller is released after one memory copy); smaller budgets stream.
-        o_direct: write with O_DIRECT (no page-cache copy: the staged bytes go straight to the
-            disk). ``None`` (default): where the file system supports it; ``False``: buffered.
-        io_backend: name in :data:`fastckpt.storage.io.BACKENDS` or a backend instance.
-        min_free_bytes: extra free bytes required beyond the checkpoint (default 0).
-        on_commit: optional callback ``(path)`` run in the writer thread after the commit.
-        link_from: a previous committed checkpoint folder (default ``None``). Every shard file
-            whose bytes would be identical to the same-named file there (same header, same
-            xxh3-64 of every tensor, hashed from the source CPU tensors at the call) is
-            hard-linked instead of staged and written; see :mod:`fastckpt.saving.dedupe`. Hashing
-            runs at ~10 GB/s, so unchanged frozen weights (LoRA) cost a fraction of a copy.
-        early_writes: start writing each staged unit while the caller is still copying (host
-            sources, whole-state staging). Lowers the total time of a save (disk and copy
-            overlap) but the writes share the cores and memory bandwidth with the copy, so the
-            caller blocks longer (first LoRA snapshot of SmolLM2: 0.26 s vs 0.18 s, measured).
-            Default ``False`` for :func:`fastckpt.async_save` (training waits only for the copy);
-            :func:`fastckpt.save`, whose caller waits for the whole save anyway, turns it on.
-        link_check: how ``link_from`` proves a tensor unchanged at the call. ``"hash"``
-            (default): xxh3 of every source tensor of a candidate file, in the caller's thread.
-            ``"version"``, for states holding the live ``torch.nn.Parameter`` objects: a frozen
-            parameter (``requires_grad=False``, CPU) backed by the same storage object, with the
-            same dtype/shape/offset and version counter as when this process's saver last
-            hashed it, is taken as unchanged without hashing at the call; it is re-hashed in the
-            background before the commit, and a mismatch its version counter did not show (a
-            write through ``.data`` or a NumPy view) fails the save with
-            :class:`~fastckpt.errors.LinkedTensorChangedError`. Files holding a trainable
-            parameter are staged without hashing (fused optimizers such as
-            ``AdamW(fused=True)`` step parameters without bumping the counter, so it is never
-            trusted for them); other tensors are hashed as with ``"hash"``. A frozen parameter
-            written in place after the call (counter bumped) is trusted on its version at the call.
-        defer_frozen: with ``link_check="version"``, a frozen parameter whose recorded hash its
-            version counter still vouches for (see :meth:`Saver.prime_hashes`) is copied into
-            staging by the background thread instead of during the call, and its staged bytes
-            are checked against that hash before they can be committed. This takes the frozen
-            base weights of a LoRA snapshot off the caller's blocking copy when there is no
-            previous checkpoint to link them from (the first save of a run). The caller must not
-            write those parameters until the save is done: a write is detected (version counter,
-            or the hash for writes that bypass it) and fails the save with
-            :class:`~fastckpt.errors.LinkedTensorChangedError`, nothing committed. Default ``False``.
-        defer: ``(key path, trainable) -> bool`` (default ``None``: none), called for each
-            tensor with its key path and whether its value in the state was a trainable
-            ``torch.nn.Parameter`` (frozen parameters are never deferred by it, only by
-            ``defer_frozen``, which checks them against a hash: writes through ``.data``, as
-            peft's merge does, would go unseen). Host tensors it accepts are not copied during the call but by the background thread, in stream order, before
-            their writes; :meth:`SaveFuture.wait_staged` returns once they are all copied. The
-            caller must not write them until then (e.g. the next optimizer step waits for it:
-            the pipelined snapshot of CheckFreq, Mohan et al., FAST 2021). Writing them before
-            then breaks this contract; it is detected where it can be: a torch in-place write that
-            has finished before the background copy does moves the version counter (checked
-            before each copy and after all of them) and fails the save with
-            :class:`~fastckpt.errors.SourceChangedError`, nothing committed. A torch write still
-            running when the copy ends (its counter moves only when it is done) and writes that
-            bypass the counter (``.data``, fused optimizers) are not seen: wait first. The copy runs in a Python thread: it overlaps work that releases the
-            GIL (torch ops); a Python-bound caller leaves it little time. Ignored when staging
-            streams (``staging_bytes`` below the state size).
-    """
+    coord: Coordinator
+    sess: Session
+    path: Path
+    opts: SaveOptions
+    fut: SaveFuture
+    t0: float
+    claim: PathClaim | None = None
+    col: Collected | None = None  # the replicated state (one process: the whole state)
+    sources: dict = field(default_factory=dict)  # global key path -> tensor (local ones under RANK_KEY)
+    frozen: set = field(default_factory=set)
+    trainable: set = field(default_factory=set)
+    local: tuple | None = None  # multi-rank: (skeleton, entries, shards) of the rank-local state
+    plan: SavePlan | None = None
+    own: Ownership | None = None
+    part: Part = field(default_factory=Part)
+    job: SaveJob | None = None
+    folder: str | None = None
+    nodes: list = field(default_factory=list)
+    stage_exc: BaseException | None = None
 
-    overwrite: bool = False
-    weights: dict[str, str] | None = None
-    extra_files: dict[str, bytes] | None = None
-    metadata: dict[str, str] | None = None
-    step: int | None = None
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    threads: int | None = None
-    staging_bytes: int | None = None
-    o_direct: bool | None = None
-    io_backend: str | PosixBackend | None = None
-    min_free_bytes: int = 0
-    on_commit: Callable[[Path], None] | None = field(default=None, repr=False)
-    link_from: str | os.PathLike | None = None
-    link_check: str = "hash"
-    early_writes: bool = False
-    defer_frozen: bool = False
-    defer: Callable[[str, bool], bool] | None = field(default=None, repr=False)
-
-    def check(self) -> None:
-        """Raise ``ValueError`` naming the first bad option."""
-        for name in ("max_shard_bytes", "chunk_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int of bytes, got {v!r}")
-        if self.chunk_bytes % 4096:
-            raise ValueError(f"chunk_bytes must be a multiple of 4096, got {self.chunk_bytes}")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise ValueError(f"threads must be a positive int, got {self.threads!r}")
-        if self.staging_bytes is not None and (not isinstance(self.staging_bytes, int) or self.staging_bytes <= 0):
-            raise ValueError(f"staging_bytes must be a positive int of bytes, got {self.staging_bytes!r}")
-        for n in self.extra_files or {}:
-            if "/" in n or n.startswith(".") or n in (cm.MANIFEST, cm.STATE_JSON):
-                raise ValueError(f"extra file name {n!r} is reserved or not a plain file name")
-        for name in ("early_writes", "defer_frozen"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.defer is not None and not callable(self.defer):
-            raise ValueError(f"defer must be a callable (key path, trainable) -> bool, got {self.defer!r}")
-        if self.link_check not in ("hash", "version"):
-            raise ValueError(f"link_check must be 'hash' or 'version', got {self.link_check!r}")
-        check_metadata(self.metadata)
+    @property
+    def single(self) -> bool:
+        return self.coord.is_single
 
 
-#: Failed saves whose error nobody collected yet (warned about at interpreter exit).
-_UNCOLLECTED: "set[SaveFuture]" = set()
+def _check_all(infos: list[dict], what: str, exc: BaseException | None) -> None:
+    failures = {r: i["error"] for r, i in enumerate(infos) if not i["ok"]}
+    if failures:
+        lines = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
+        raise DistributedSaveError(f"multi-rank save failed while {what}, nothing was written: {lines}",
+                                   failures) from exc
 
 
-class SaveFuture:
-    """Handle of one asynchronous save.
-
-    Attributes:
-        path: the checkpoint folder it commits (``pathlib.Path``).
-        blocking_s: seconds the ``async_save`` call blocked (validation + staging).
-        total_s: seconds from the call until the commit (``None`` while pending).
-        bytes_written: bytes of all files of the checkpoint (set when done), linked ones included.
-        bytes_linked: the part of ``bytes_written`` hard-linked from ``link_from`` instead of
-            written (0 without ``link_from``).
-    """
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.blocking_s = 0.0
-        self.total_s: float | None = None
-        self.bytes_written = 0
-        self.bytes_linked = 0
-        self._event = threading.Event()
-        self._exc: BaseException | None = None
-        self._collected = False
-        self._callbacks: list[Callable[["SaveFuture"], None]] | None = []
-        self._cb_lock = threading.Lock()
-        self._staged = threading.Event()  # every tensor copied out of the caller's memory
-
-    def wait_staged(self, timeout_s: float | None = None) -> bool:
-        """Wait until every tensor of the state is copied into staging memory (at once unless
-        :class:`SaveOptions` ``defer``/``defer_frozen`` left copies to the background; also
-        true once the save failed). After that the caller may write the state's tensors.
-
-        Args:
-            timeout_s: seconds to wait (default: forever).
-
-        Returns:
-            True when staged, False on timeout.
-        """
-        return self._staged.wait(timeout_s)
-
-    def done(self) -> bool:
-        """True once the save committed or failed."""
-        return self._event.is_set()
-
-    def result(self, timeout_s: float | None = None) -> Path:
-        """Wait for the commit and return the checkpoint path.
-
-        Args:
-            timeout_s: seconds to wait (default: forever).
-
-        Raises:
-            TimeoutError: not done within ``timeout_s``.
-            BaseException: the background failure itself (same object, errno kept), on every call.
-        """
-        if not self._event.wait(timeout_s):
-            raise TimeoutError(f"save of {self.path} not finished after {timeout_s} s")
-        if self._exc is not None:
-            self._collected = True
-            _UNCOLLECTED.discard(self)
-            raise self._exc
-        return self.path
-
-    def exception(self) -> BaseException | None:
-        """The background failure, or ``None`` (waits for completion)."""
-        self._event.wait()
-        return self._exc
-
-    def add_done_callback(self, fn: Callable[["SaveFuture"], None]) -> None:
-        """Call ``fn(self)`` once the save committed or failed, before ``result()`` returns.
-
-        Runs in the writer thread (or at once in the caller's thread if already done);
-        an exception from ``fn`` is reported as a warning, never replacing the save's outcome.
-        """
-        with self._cb_lock:
-            if self._callbacks is not None:
-                self._callbacks.append(fn)
-                return
-        _run_callback(fn, self)
-
-    def _finish(self, exc: BaseException | None) -> None:
-        self._exc = exc
-        if exc is not None:
-            _UNCOLLECTED.add(self)
-        with self._cb_lock:
-            callbacks, self._callbacks = self._callbacks or [], None
-        for fn in callbacks:
-            _run_callback(fn, self)
-        self._staged.set()  # done or failed: nothing of the caller's memory is needed any more
-        self._event.set()
+def _digest(col: Collected) -> str:
+    desc = json.dumps([col.skeleton, [(s.key, s.dtype, list(s.shape)) for s in col.specs]], sort_keys=True)
+    return hashlib.sha256(desc.encode()).hexdigest()
 
 
-def _run_callback(fn: Callable[[SaveFuture], None], fut: SaveFuture) -> None:
-    try:
-        fn(fut)
-    except Exception as e:  # a callback must not hide the save's own outcome
-        warnings.warn(f"fastckpt: done-callback of the save of {fut.path} failed: {type(e).__name__}: {e}",
-                      RuntimeWarning, stacklevel=1)
-
-
-@atexit.register
-def _warn_uncollected() -> None:
-    for fut in list(_UNCOLLECTED):
-        if not fut._collected:
-            warnings.warn(f"fastckpt: a background save of {fut.path} failed and nobody called result(): "
-                          f"{type(fut._exc).__name__}: {fut._exc}", RuntimeWarning, stacklevel=1)
+def _refuse_dtensor(state: Any, path: str = "") -> None:
+    """DTensor values are not saved by this engine yet: refuse them by key path before any file exists."""
+    from ..errors import UnsupportedValueError
+    if type(state).__name__ == "DTensor":
+        raise UnsupportedValueError(
+            f"value at key path {path or '<root>'!r} is a DTensor (FSDP2 / tensor parallel); fastckpt does not "
+            "save sharded DTensor state yet: save `{k: v.full_tensor() for k, v in sd.items()}` on one rank, or "
+            "wrap each local shard in fastckpt.saving.ranks.Shard with process_group=")
+    if isinstance(state, dict):
+        for k, v in state.items():
+            _refuse_dtensor(v, join(path, k) if isinstance(k, (str, int)) else path)
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            _refuse_dtensor(v, join(path, i))
 
 
 @contextlib.contextmanager
@@ -287,19 +146,32 @@ def no_gc():
 
 
 class Saver:
-    """Owns a staging pool and runs at most one save at a time (bounded staging memory).
+    """Runs saves, one at a time, from a reusable staging pool (bounded staging memory).
 
-    :func:`fastckpt.async_save` uses a process-wide default ``Saver``; a
-    :class:`~fastckpt.CheckpointManager` owns its own.
+    The one engine of fastckpt: :func:`fastckpt.async_save` uses a process-wide default
+    ``Saver``; each :class:`~fastckpt.CheckpointManager`, Trainer callback and accelerate
+    plugin owns its own, so a failure surfaces only in the calls of the object whose save failed.
+
+    Args:
+        process_group: default ``process_group`` of this saver's saves (``None``: each save
+            runs in the calling process alone unless the call passes one).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, process_group: Any = None) -> None:
+        self.process_group = process_group
         self.pool = StagingPool()
         self.hash_cache = dedupe.HashCache()  # for link_check="version"
         self._plan_memo: tuple[tuple, SavePlan] | None = None  # last (inputs, plan): saves repeat
         self._pending: SaveFuture | None = None
         self._priming: threading.Thread | None = None  # prime_hashes in the background
         self._lock = threading.Lock()
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the saver's process group (0 for saves of one process)."""
+        if self.process_group is None:
+            return 0
+        return Coordinator.for_group(self.process_group).rank
 
     def reserve(self, nbytes: int, *, background: bool = True) -> None:
         """Pre-allocate and fault in ``nbytes`` of staging memory (e.g. at train begin).
@@ -373,90 +245,305 @@ class Saver:
         if fut._exc is not None and not fut._collected:
             fut.result()
 
-    def async_save(self, state: Any, path: str | os.PathLike, **options: Any) -> SaveFuture:
-        """See :func:`fastckpt.async_save`."""
+    def async_save(self, state: Any, path: str | os.PathLike, *, process_group: Any = _OWN,
+                   **options: Any) -> SaveFuture:
+        """See :func:`fastckpt.async_save` (``process_group`` defaults to the saver's own)."""
         opts = SaveOptions(**options)
         opts.check()
+        pg = self.process_group if process_group is _OWN else process_group
         with self._lock:
             self.wait()
             with no_gc():
-                return self._start(state, Path(os.path.abspath(os.fspath(path))), opts)
+                return self._start(state, Path(os.path.abspath(os.fspath(path))), opts, pg)
 
     def _plan(self, specs: list, opts: SaveOptions) -> SavePlan:
         """:func:`plan_save`, memoised on its inputs (a training run saves the same layout each time)."""
-        key = (tuple(specs), opts.max_shard_bytes, opts.chunk_bytes, tuple(sorted((opts.metadata or {}).items())))
+        key = (tuple(specs), opts.io.max_shard_bytes, opts.io.chunk_bytes, tuple(sorted((opts.metadata or {}).items())))
         memo = self._plan_memo
         if memo is not None and memo[0] == key:
             return memo[1]
-        plan = plan_save(specs, max_shard_bytes=opts.max_shard_bytes, chunk_bytes=opts.chunk_bytes,
+        plan = plan_save(specs, max_shard_bytes=opts.io.max_shard_bytes, chunk_bytes=opts.io.chunk_bytes,
                          metadata=opts.metadata)
         self._plan_memo = (key, plan)
         return plan
 
-    def _start(self, state: Any, path: Path, opts: SaveOptions) -> SaveFuture:
+    def _start(self, state: Any, path: Path, opts: SaveOptions, pg: Any) -> SaveFuture:
         t0 = time.perf_counter()
         self._join_priming()
-        if path.exists() and not opts.overwrite:
-            raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it atomically")
-        col = collect(state, opts.weights if opts.weights is not None else {"model": "model"})
-        plan = self._plan(col.specs, opts)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _check_space(path.parent, plan.file_bytes + opts.min_free_bytes)
-        tmp = cm.make_temp_dir(str(path))
-        job = _Job(plan, tmp, opts, self.pool, self.hash_cache)
-        fut = SaveFuture(path)
-        fut._staged = job.staged
+        single = pg is None or (isinstance(pg, str) and pg == LOCAL)
+        coord = Coordinator.single() if single else Coordinator.for_group(pg)
+        timeout = opts.timeout_s if opts.timeout_s is not None else group_timeout_s(pg)
+        name = "save" if coord.is_single else _session_name(coord, path, opts)
+        sv = _Save(coord, coord.session(name, timeout), path, opts, SaveFuture(path), t0)
         try:
-            if opts.link_from is not None:
-                job.link_unchanged(col)
-            job.open_files()
-            job.stage(col.sources, col.frozen, col.trainable)
+            self._prepare(sv, state)
+            self._open(sv)
+            self._stage(sv)
         except BaseException:
-            job.close()
-            shutil.rmtree(tmp, ignore_errors=True)
+            self._abort(sv)
             raise
-        if not job.deferred:
-            job.staged.set()
+        fut = sv.fut
+        fut._staged = sv.job.staged
+        if not sv.job.deferred:
+            sv.job.staged.set()
         fut.blocking_s = time.perf_counter() - t0
         self._pending = fut
-        th = threading.Thread(target=_finish, args=(job, col, path, opts, fut, t0),
-                              name="fastckpt-commit", daemon=False)
-        th.start()
+        fut._start()
+        threading.Thread(target=self._finish, args=(sv,), name="fastckpt-commit", daemon=False).start()
         return fut
 
+    def _abort(self, sv: _Save) -> None:
+        """Undo a save that failed during the call: nothing held, nothing left on disk."""
+        if sv.job is not None:
+            sv.job.close()
+        if sv.part.leader:
+            remove_uncommitted(sv.folder, sv.opts)
+        if sv.claim is not None:
+            sv.claim.release()
+        sv.sess.close()
 
-def _finish(job: _Job, col, path: Path, opts: SaveOptions, fut: SaveFuture, t0: float) -> None:
-    exc: BaseException | None = None
-    try:
-        job.start_verify()
-        job.write_all()
-        job.verify_links()
-        job.record_hashes()
-        job.close(strict=True)
-        fut.bytes_written = _write_metadata(job, col, opts)
-        fut.bytes_linked = sum(job.plan.files[i].size for i in job.linked)
-        os.unlink(os.path.join(job.tmp, cm.OWNER))
-        cm.commit_dir(job.tmp, str(path), overwrite=opts.overwrite)
-        fut.total_s = time.perf_counter() - t0
-        if opts.on_commit is not None:
-            opts.on_commit(path)
-    except BaseException as e:  # re-raised by result(), never swallowed
-        exc = e
+    def _prepare(self, sv: _Save, state: Any) -> None:
+        """Step 1: validate, collect and plan; multi-rank: agree on the global plan."""
+        opts, coord, exc = sv.opts, sv.coord, None
+        try:
+            if sv.path.exists() and not opts.overwrite and (opts.commit == "rename" or coord.rank == 0):
+                hint = ("" if not sv.single or PathClaim(sv.path).store is None else
+                        " (if every rank saves this checkpoint together, pass process_group= on every rank)")
+                raise CheckpointExistsError(f"{sv.path} already exists; pass overwrite=True to replace it "
+                                            f"atomically{hint}")
+            if sv.single:
+                sv.claim = PathClaim(sv.path)
+                sv.claim.acquire()
+            _refuse_dtensor(state)
+            split = split_state(state, opts.local_keys) if has_split(state, opts.local_keys) else None
+            sv.col = collect(split.replicated if split else state, opts.stems)
+            sv.sources, sv.frozen, sv.trainable = sv.col.sources, sv.col.frozen, sv.col.trainable
+            loc_specs = self._collect_local(sv, split) if split else []
+            if sv.single:
+                if split is None:
+                    sv.plan = self._plan(sv.col.specs, opts)
+                    return
+                io = opts.io  # local keys / Shard values in one process: the one-rank case of their layout
+                sv.plan = global_plan(sv.col.specs, [loc_specs], max_shard_bytes=io.max_shard_bytes,
+                                      chunk_bytes=io.chunk_bytes, metadata=opts.metadata)
+                sv.nodes, sv.own = [coord.node], Ownership.of(sv.plan, [0], 1)
+                return
+        except Exception as e:
+            if sv.single:
+                raise
+            exc = e
+        infos = sv.sess.all_gather("prep", {"ok": exc is None, "error": exc and fmt(exc), "node": coord.node,
+                                            "digest": exc is None and _digest(sv.col),
+                                            "local": [] if exc is not None else spec_list(loc_specs)}, "planning")
+        for i in infos:
+            if i["ok"] and infos[0]["ok"] and i["digest"] != infos[0]["digest"]:
+                i.update(ok=False, error="replicated state (keys, dtypes, shapes) differs from rank 0's; put "
+                                         "per-rank values under local_keys or wrap them in Shard")
+        _check_all(infos, "planning", exc)
+        io = opts.io
+        sv.plan = global_plan(sv.col.specs, [specs_from_list(i["local"]) for i in infos],
+                              max_shard_bytes=io.max_shard_bytes, chunk_bytes=io.chunk_bytes, metadata=opts.metadata)
+        marker = opts.commit == "marker"
+        sv.nodes = list(dict.fromkeys(i["node"] for i in infos)) if marker else [coord.node]
+        group = [r for r in range(coord.world_size) if not marker or infos[r]["node"] == coord.node]
+        sv.own = Ownership.of(sv.plan, group, coord.world_size)
+        sv.part = Part(sv.own.units[coord.rank], sv.own.files, leader=coord.rank == group[0])
+
+    @staticmethod
+    def _collect_local(sv: _Save, split) -> list:
+        """Collect this rank's local state under :data:`RANK_KEY` keys; returns its specs."""
+        loc = collect(split.local, {})
+        pre = RANK_KEY.format(sv.coord.rank)
+        sv.sources = {**sv.sources, **{pre + k: t for k, t in loc.sources.items()}}
+        sv.frozen = sv.frozen | {pre + k for k in loc.frozen}
+        sv.trainable = sv.trainable | {pre + k for k in loc.trainable}
+        entries = {}
+        for k, e in loc.entries.items():
+            e = dict(e)
+            for ref in ("alias", "view"):
+                if ref in e:
+                    e[ref] = pre + e[ref]
+            entries[pre + k] = e
+        dtypes = {s.key: s.dtype for s in loc.specs}
+        shards = {kp: {**v, "dtype": dtypes[join("shards", kp)], "key": pre + join("shards", kp)}
+                  for kp, v in split.shards.items()}
+        sv.local = (loc.skeleton if (loc.specs or loc.entries) else None, entries, shards)
+        return rank_specs(loc.specs, sv.coord.rank)
+
+    def _open(self, sv: _Save) -> None:
+        """Step 2: the leader links unchanged files, creates the folder and the files."""
+        opts, exc = sv.opts, None
+        job = sv.job = SaveJob(sv.plan, "", opts, self.pool, self.hash_cache, sv.part)
+        if sv.part.leader:
+            try:
+                here = sv.own.files if sv.own is not None else range(len(sv.plan.files))
+                sv.folder = job.tmp = create_folder(sv.path, opts, sum(sv.plan.files[i].size for i in here))
+                if opts.consistency.link_from is not None:
+                    job.link_unchanged(Collected(None, sources=sv.sources, frozen=sv.frozen, trainable=sv.trainable))
+                job.open_files()
+            except Exception as e:
+                if sv.single:
+                    raise
+                exc = e
+        if sv.single:
+            return
+        opened = sv.sess.all_gather("open", {"ok": exc is None, "error": exc and fmt(exc), "folder": sv.folder,
+                                             "linked": sorted(job.linked) if exc is None else []},
+                                    "creating the folder")
+        _check_all(opened, "creating the folder", exc)
+        lead = opened[sv.own.group[0]]
+        sv.folder = job.tmp = lead["folder"]
+        job.linked = set(lead["linked"])
+
+    def _stage(self, sv: _Save) -> None:
+        """Step 3: open this rank's files, copy its tensors into staging memory."""
+        try:
+            if not sv.part.leader:
+                sv.job.open_files()
+            sv.job.stage(sv.sources, sv.frozen, sv.trainable)
+        except Exception as e:
+            if sv.single:
+                raise
+            sv.stage_exc = e  # reported to every rank from the background, which fails them all
+
+    def _finish(self, sv: _Save) -> None:
+        """Steps 4-5, in the background thread."""
+        job, own, report = sv.job, sv.stage_exc, None
+        if own is None:
+            try:
+                job.start_verify()
+                job.write_all()
+                job.verify_links()
+                job.record_hashes()
+                job.close(strict=True)
+                linked = sum(sv.plan.files[i].size for i in job.linked)
+                report = rank_report(sv.coord.rank, {k: v for k, v in job.hashes.items() if isinstance(v, str)},
+                                     sv.local, sv.folder, job.bytes_written, linked)
+            except BaseException as e:  # re-raised by result(), never swallowed
+                own = e
         job.close()
-        shutil.rmtree(job.tmp, ignore_errors=True)
-    fut._finish(exc)  # also sets fut._staged (= job.staged): a failed save never leaves a waiter hanging
+        exc: BaseException | None = None
+        try:
+            if sv.single:
+                if own is not None:
+                    raise own
+                self._commit_single(sv, report)
+            else:
+                self._finish_ranks(sv, report or {"ok": False, "error": fmt(own)}, own)
+        except BaseException as e:
+            exc = e
+            if sv.part.leader:
+                remove_uncommitted(sv.folder, sv.opts)
+        finally:
+            if sv.claim is not None:
+                sv.claim.release()
+            sv.sess.close()
+        sv.fut._finish(exc)  # also sets fut._staged: a failed save never leaves a waiter hanging
 
+    @staticmethod
+    def _commit_single(sv: _Save, report: dict) -> None:
+        """Step 5 in one process: manifest last, rename, ``on_commit``."""
+        fut, opts = sv.fut, sv.opts
+        if sv.claim is not None:
+            sv.claim.check()
+        dist = None if sv.local is None else dist_section(
+            sv.plan, {0: tuple(range(len(sv.plan.units)))}, {0: report}, mode=opts.commit, node=sv.coord.node,
+            nodes=sv.nodes, local_keys=opts.local_keys)
+        fut.bytes_written = write_metadata(sv.folder, sv.plan, None, sv.col.skeleton, sv.col.entries, opts,
+                                           {0: report}, world=1, dist=dist)
+        fut.bytes_linked = report["linked_bytes"]
+        fut.bytes_by_rank = {0: report["bytes"]}
+        commit_folder(sv.folder, sv.path, opts)
+        fut.total_s = time.perf_counter() - sv.t0
+        if opts.on_commit is not None:
+            opts.on_commit(sv.path)
 
-def _write_metadata(job: _Job, col, opts: SaveOptions) -> int:
-    """Write state.json, HF index files, extra files and (last) the manifest. Returns bytes of all files."""
-    files = write_side_files(job.tmp, job.plan, col.skeleton, opts.extra_files)
-    tensors = tensor_entries(job.plan, job.hashes, col.entries)
-    return write_manifest(job.tmp, manifest_doc(opts, files, tensors))
+    def _finish_ranks(self, sv: _Save, report: dict, own: BaseException | None) -> None:
+        """Steps 4-5 of a multi-rank save: report, rank 0 decides, every rank learns the outcome."""
+        sess, coord, opts = sv.sess, sv.coord, sv.opts
+        sess.restart_clock()
+        rollback = False
+        try:
+            sess.publish(f"done/{coord.rank}", report)
+            if coord.rank == 0:
+                self._decide(sv)
+            elif opts.commit == "marker" and sv.part.leader:
+                self._node_commit(sv)
+            outcome = sess.wait_for(["commit"], "waiting for rank 0's commit")[0]
+        except TimeoutError as e:  # rank 0 (the committer) died or hung: nothing is known to be committed
+            raise DistributedSaveError(f"multi-rank save of {sv.path} failed: rank 0 did not publish the "
+                                       f"outcome ({e})", {0: str(e)}) from own
+        # rank 0 wrote no marker: this node's marker (if any) names an uncommitted step, remove it
+        rollback = not outcome["ok"] and not outcome.get("committed", False)
+        if not outcome["ok"]:
+            if opts.commit == "marker" and sv.part.leader and rollback:
+                import shutil
+                shutil.rmtree(sv.folder, ignore_errors=True)
+            failures = {int(r): e for r, e in outcome["failures"].items()}
+            lines = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
+            raise DistributedSaveError(f"multi-rank save of {sv.path} failed: {lines}", failures) from own
+        fut = sv.fut
+        fut.total_s = time.perf_counter() - sv.t0
+        fut.bytes_written = report.get("bytes", 0)
+        fut.bytes_linked = report.get("linked_bytes", 0)
+        fut.bytes_by_rank = {int(r): b for r, b in outcome.get("bytes_by_rank", {}).items()}
 
+    def _wait_reports(self, sv: _Save, ranks: list[int], what: str) -> tuple[dict[int, dict], dict[int, str]]:
+        try:
+            return dict(zip(ranks, sv.sess.wait_for([f"done/{r}" for r in ranks], what))), {}
+        except TimeoutError:
+            store = sv.coord.store
+            missing = [r for r in ranks if not store.check([sv.sess.prefix + f"done/{r}"])]
+            return {}, {r: f"no report within {sv.sess.timeout_s:g} s after this rank's writes (died or hung?)"
+                        for r in missing}
 
-def _check_space(folder: Path, need: int) -> None:
-    st = os.statvfs(folder)
-    free = st.f_bavail * st.f_frsize
-    if free < need:
-        raise InsufficientSpaceError(
-            f"{folder}: {free} bytes free, the checkpoint needs {need} bytes; free space or save elsewhere")
+    def _decide(self, sv: _Save) -> None:
+        """Rank 0: wait for every rank, then commit (manifest + rename, or markers) or abort."""
+        sess, coord, opts = sv.sess, sv.coord, sv.opts
+        reports, failures = self._wait_reports(sv, list(range(coord.world_size)), "waiting for every rank's writes")
+        failures.update({r: rep["error"] for r, rep in reports.items() if not rep["ok"]})
+        committed = False
+        sess.publish("decision", {"ok": not failures})
+        if not failures:
+            mine = {r: rep for r, rep in reports.items() if r in sv.own.group}
+            try:
+                if opts.commit == "marker":
+                    acks = sess.wait_for([f"marked/{n}" for n in sv.nodes[1:]], "waiting for the other nodes' markers")
+                    failures.update({int(r): e for a in acks for r, e in a.get("failures", {}).items()})
+                if not failures:
+                    dist = dist_section(sv.plan, sv.own.units, mine, mode=opts.commit, node=coord.node,
+                                        nodes=sv.nodes, local_keys=opts.local_keys)
+                    write_metadata(sv.folder, sv.plan, sv.own.files, sv.col.skeleton, sv.col.entries, opts, mine,
+                                   world=coord.world_size, dist=dist)
+                    commit_folder(sv.folder, sv.path, opts)
+                    committed = True
+            except BaseException as e:
+                failures[0] = f"commit: {fmt(e)}"
+            if not failures and opts.on_commit is not None:
+                try:  # before the outcome is published: every rank returns after retention/`latest` ran
+                    opts.on_commit(sv.path)
+                except BaseException as e:
+                    failures[0] = f"on_commit hook (the checkpoint itself is committed): {fmt(e)}"
+        if failures:
+            remove_uncommitted(sv.folder, opts)
+        sess.publish("commit", {"ok": not failures, "committed": committed,
+                                "failures": {str(r): e for r, e in failures.items()},
+                                "bytes_by_rank": {str(r): rep.get("bytes", 0) for r, rep in reports.items()}})
+
+    def _node_commit(self, sv: _Save) -> None:
+        """Leader of another node in marker mode: write this node's manifest once rank 0 decided."""
+        sess, coord, opts = sv.sess, sv.coord, sv.opts
+        decision = sess.wait_for(["decision"], "waiting for rank 0's decision")[0]
+        failures: dict[str, str] = {}
+        if decision["ok"]:
+            reports, missing = self._wait_reports(sv, list(sv.own.group), "reading the node's reports")
+            try:
+                if missing:
+                    raise TimeoutError(f"ranks {sorted(missing)} did not report")
+                dist = dist_section(sv.plan, sv.own.units, reports, mode="marker", node=coord.node, nodes=sv.nodes,
+                                    local_keys=opts.local_keys)
+                write_metadata(sv.folder, sv.plan, sv.own.files, sv.col.skeleton, sv.col.entries, opts, reports,
+                               world=coord.world_size, dist=dist)
+            except BaseException as e:
+                failures[str(coord.rank)] = f"commit marker: {fmt(e)}"
+        sess.publish(f"marked/{coord.node}", {"failures": failures})

@@ -37,7 +37,7 @@ class StagingPool:
         """Block until the pool is free, then return ``(uint8 tensor, memoryview)`` of >= ``nbytes``."""
         self._busy.acquire()
         try:
-            if self.capacity < nbytes:
+            if self.capacity < nbytes or self._tensor is None:
                 self._tensor = self._view = None
                 # at least HUGE_MIN_BYTES: host_buffer is page aligned (mmap) only from that size,
                 # and O_DIRECT writes need page-aligned memory
