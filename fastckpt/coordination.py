@@ -130,8 +130,8 @@ class Session:
     def __init__(self, coord: Coordinator, prefix: str, timeout_s: float):
         self.coord, self.prefix, self.timeout_s = coord, prefix, float(timeout_s)
         self._local: dict[str, str] = {}  # the "store" of a one-process group
-        self._mine: list[str] = []  # keys this rank published (deleted by close)
-        self._shared: set[str] = {"t0", "left"}  # keys any rank may publish once (deleted by the last to leave)
+        self._keys: set[str] = {"t0", "left"}  # keys this rank touched (the last rank to leave deletes them)
+        self._gathers: set[str] = set()  # all_gather names: key/{r} for every rank
         self.deadline = time.monotonic() + self.timeout_s
         if coord.store is not None:
             t0 = float(coord.store.compare_set(prefix + "t0", "", repr(time.time())).decode())
@@ -147,10 +147,7 @@ class Session:
             self._local[key] = json.dumps(value)
             return
         self.coord.store.set(self.prefix + key, json.dumps(value))
-        if key.rsplit("/", 1)[-1] == str(self.coord.rank):
-            self._mine.append(key)
-        else:
-            self._shared.add(key)
+        self._keys.add(key)
 
     def wait_for(self, keys: list[str], what: str) -> list[Any]:
         """Wait until all ``keys`` exist (at most until the session's deadline) and return their values.
@@ -159,7 +156,7 @@ class Session:
             TimeoutError: at the deadline; names the keys that never appeared and ``what``.
         """
         store = self.coord.store
-        self._shared.update(k for k in keys if not k.rsplit("/", 1)[-1].isdigit())
+        self._keys.update(keys)
         if store is None:
             missing = [k for k in keys if k not in self._local]
             if missing:
@@ -187,6 +184,7 @@ class Session:
         """
         if self.coord.is_single:
             return [json.loads(json.dumps(value))]
+        self._gathers.add(key)
         self.publish(f"{key}/{self.coord.rank}", value)
         keys = [f"{key}/{r}" for r in range(self.coord.world_size)]
         try:
@@ -196,21 +194,22 @@ class Session:
             missing = [r for r, k in enumerate(keys) if not store.check([self.prefix + k])]
             failures = {r: f"no report within {self.timeout_s:g} s while {what}: did rank {r} call the same "
                            "operation with the same process_group and path?" for r in missing}
+            names = ", ".join(f"rank {r}" for r in missing)
             raise DistributedSaveError(
-                f"fastckpt: rank(s) {missing} of the group did not arrive within {self.timeout_s:g} s while "
-                f"{what} (every rank of process_group must make the same call; timeout_s= sets the wait)",
+                f"fastckpt: {names} of the group did not arrive within {self.timeout_s:g} s while {what} "
+                "(every rank of process_group must make the same call; timeout_s= sets the wait)",
                 failures) from e
 
     def close(self) -> None:
-        """Leave the session: delete this rank's keys; the last rank to leave deletes the shared ones."""
+        """Leave the session; the last rank to leave deletes its keys (every rank's ``all_gather``
+        keys included). Keys of a session some rank never joined stay (a few bytes)."""
         store = self.coord.store
         if store is None:
             return
+        keys = self._keys | {f"{g}/{r}" for g in self._gathers for r in range(self.coord.world_size)}
         try:
-            for k in self._mine:
-                store.delete_key(self.prefix + k)
             if store.add(self.prefix + "left", 1) >= self.coord.world_size:
-                for k in self._shared:
+                for k in sorted(keys - {"left"}) + ["left"]:
                     store.delete_key(self.prefix + k)
         except Exception:  # the store is gone (job shutting down): nothing left to clean
             pass

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fastckpt
-from fastckpt.saving import saver as dist_commit  # the engine calls its write_metadata
+from fastckpt.saving import committer as dist_commit
 from fastckpt.loading import sharded as dist_load
 from fastckpt.saving.ranks import shard_dim0
 from fastckpt.errors import CheckpointNotFoundError, DistributedSaveError

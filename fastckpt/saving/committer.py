@@ -10,7 +10,9 @@ By step of :mod:`fastckpt.saving.saver`'s call order:
 * rank 0: :func:`decide` takes every report, writes the side files and ``manifest.json``
   last, renames (the commit) and runs ``on_commit``; or removes the folder;
 * marker mode, the leader of every other node: :func:`node_commit` writes that node's
-  manifest once rank 0 decided.
+  manifest once rank 0 decided;
+* every rank: :func:`finish_ranks` publishes its report and waits for the outcome;
+  :func:`commit_single` is the whole step in one process.
 
 In one process the reports and the decision are plain calls; with several ranks they travel
 through the group's store (:mod:`fastckpt.coordination`).
@@ -21,20 +23,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import replace
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import xxhash
 
-from ..errors import CheckpointExistsError, InsufficientSpaceError
+from ..coordination import Coordinator, PathClaim, Session
+from ..errors import CheckpointExistsError, DistributedSaveError, InsufficientSpaceError
 from ..format.layout import SavePlan
 from ..storage import commit as cm
+from .collect import Collected
+from .future import SaveFuture
+from .job import Part, SaveJob
 from .metadata import manifest_doc, tensor_entries, write_manifest, write_side_files
-from .ranks import local_stem
-
-if TYPE_CHECKING:
-    from .options import SaveOptions
+from .options import SaveOptions
+from .ranks import Ownership, local_stem
 
 
 def fmt(e: BaseException) -> str:
@@ -179,3 +184,140 @@ def remove_uncommitted(folder: str | None, opts: SaveOptions) -> None:
     if folder and os.path.isdir(folder) and (
             opts.commit == "rename" or not os.path.exists(os.path.join(folder, cm.MANIFEST))):
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@dataclass
+class InFlight:
+    """Everything of one save in flight on this rank, filled in by the saver's steps, read by the commit steps."""
+
+    coord: Coordinator
+    sess: Session
+    path: Path
+    opts: SaveOptions
+    fut: SaveFuture
+    t0: float
+    claim: PathClaim | None = None
+    col: Collected | None = None  # the replicated state (one process: the whole state)
+    sources: dict = field(default_factory=dict)  # global key path -> tensor (local ones under RANK_KEY)
+    frozen: set = field(default_factory=set)
+    trainable: set = field(default_factory=set)
+    local: tuple | None = None  # multi-rank: (skeleton, entries, shards) of the rank-local state
+    plan: SavePlan | None = None
+    own: Ownership | None = None
+    part: Part = field(default_factory=Part)
+    job: SaveJob | None = None
+    folder: str | None = None
+    nodes: list = field(default_factory=list)
+    stage_exc: BaseException | None = None
+
+    @property
+    def single(self) -> bool:
+        return self.coord.is_single
+
+
+def commit_single(sv: InFlight, report: dict) -> None:
+    """Step 5 in one process: manifest last, rename, ``on_commit``."""
+    fut, opts = sv.fut, sv.opts
+    if sv.claim is not None:
+        sv.claim.check()
+    dist = None if sv.local is None else dist_section(
+        sv.plan, {0: tuple(range(len(sv.plan.units)))}, {0: report}, mode=opts.commit, node=sv.coord.node,
+        nodes=sv.nodes, local_keys=opts.local_keys)
+    fut.bytes_written = write_metadata(sv.folder, sv.plan, None, sv.col.skeleton, sv.col.entries, opts,
+                                       {0: report}, world=1, dist=dist)
+    fut.bytes_linked = report["linked_bytes"]
+    fut.bytes_by_rank = {0: report["bytes"]}
+    commit_folder(sv.folder, sv.path, opts)
+    fut.total_s = time.perf_counter() - sv.t0
+    if opts.on_commit is not None:
+        opts.on_commit(sv.path)
+
+def finish_ranks(sv: InFlight, report: dict, own: BaseException | None) -> None:
+    """Steps 4-5 of a multi-rank save: report, rank 0 decides, every rank learns the outcome."""
+    sess, coord, opts = sv.sess, sv.coord, sv.opts
+    sess.restart_clock()
+    rollback = False
+    try:
+        sess.publish(f"done/{coord.rank}", report)
+        if coord.rank == 0:
+            decide(sv)
+        elif opts.commit == "marker" and sv.part.leader:
+            node_commit(sv)
+        outcome = sess.wait_for(["commit"], "waiting for rank 0's commit")[0]
+    except TimeoutError as e:  # rank 0 (the committer) died or hung: nothing is known to be committed
+        raise DistributedSaveError(f"multi-rank save of {sv.path} failed: rank 0 did not publish the "
+                                   f"outcome ({e})", {0: str(e)}) from own
+    # rank 0 wrote no marker: this node's marker (if any) names an uncommitted step, remove it
+    rollback = not outcome["ok"] and not outcome.get("committed", False)
+    if not outcome["ok"]:
+        if opts.commit == "marker" and sv.part.leader and rollback:
+            import shutil
+            shutil.rmtree(sv.folder, ignore_errors=True)
+        failures = {int(r): e for r, e in outcome["failures"].items()}
+        lines = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
+        raise DistributedSaveError(f"multi-rank save of {sv.path} failed: {lines}", failures) from own
+    fut = sv.fut
+    fut.total_s = time.perf_counter() - sv.t0
+    fut.bytes_written = report.get("bytes", 0)
+    fut.bytes_linked = report.get("linked_bytes", 0)
+    fut.bytes_by_rank = {int(r): b for r, b in outcome.get("bytes_by_rank", {}).items()}
+
+def _wait_reports(sv: InFlight, ranks: list[int], what: str) -> tuple[dict[int, dict], dict[int, str]]:
+    try:
+        return dict(zip(ranks, sv.sess.wait_for([f"done/{r}" for r in ranks], what))), {}
+    except TimeoutError:
+        store = sv.coord.store
+        missing = [r for r in ranks if not store.check([sv.sess.prefix + f"done/{r}"])]
+        return {}, {r: f"no report within {sv.sess.timeout_s:g} s after this rank's writes (died or hung?)"
+                    for r in missing}
+
+def decide(sv: InFlight) -> None:
+    """Rank 0: wait for every rank, then commit (manifest + rename, or markers) or abort."""
+    sess, coord, opts = sv.sess, sv.coord, sv.opts
+    reports, failures = _wait_reports(sv, list(range(coord.world_size)), "waiting for every rank's writes")
+    failures.update({r: rep["error"] for r, rep in reports.items() if not rep["ok"]})
+    committed = False
+    sess.publish("decision", {"ok": not failures})
+    if not failures:
+        mine = {r: rep for r, rep in reports.items() if r in sv.own.group}
+        try:
+            if opts.commit == "marker":
+                acks = sess.wait_for([f"marked/{n}" for n in sv.nodes[1:]], "waiting for the other nodes' markers")
+                failures.update({int(r): e for a in acks for r, e in a.get("failures", {}).items()})
+            if not failures:
+                dist = dist_section(sv.plan, sv.own.units, mine, mode=opts.commit, node=coord.node,
+                                    nodes=sv.nodes, local_keys=opts.local_keys)
+                write_metadata(sv.folder, sv.plan, sv.own.files, sv.col.skeleton, sv.col.entries, opts, mine,
+                               world=coord.world_size, dist=dist)
+                commit_folder(sv.folder, sv.path, opts)
+                committed = True
+        except BaseException as e:
+            failures[0] = f"commit: {fmt(e)}"
+        if not failures and opts.on_commit is not None:
+            try:  # before the outcome is published: every rank returns after retention/`latest` ran
+                opts.on_commit(sv.path)
+            except BaseException as e:
+                failures[0] = f"on_commit hook (the checkpoint itself is committed): {fmt(e)}"
+    if failures:
+        remove_uncommitted(sv.folder, opts)
+    sess.publish("commit", {"ok": not failures, "committed": committed,
+                            "failures": {str(r): e for r, e in failures.items()},
+                            "bytes_by_rank": {str(r): rep.get("bytes", 0) for r, rep in reports.items()}})
+
+def node_commit(sv: InFlight) -> None:
+    """Leader of another node in marker mode: write this node's manifest once rank 0 decided."""
+    sess, coord, opts = sv.sess, sv.coord, sv.opts
+    decision = sess.wait_for(["decision"], "waiting for rank 0's decision")[0]
+    failures: dict[str, str] = {}
+    if decision["ok"]:
+        reports, missing = _wait_reports(sv, list(sv.own.group), "reading the node's reports")
+        try:
+            if missing:
+                raise TimeoutError(f"ranks {sorted(missing)} did not report")
+            dist = dist_section(sv.plan, sv.own.units, reports, mode="marker", node=coord.node, nodes=sv.nodes,
+                                local_keys=opts.local_keys)
+            write_metadata(sv.folder, sv.plan, sv.own.files, sv.col.skeleton, sv.col.entries, opts, reports,
+                           world=coord.world_size, dist=dist)
+        except BaseException as e:
+            failures[str(coord.rank)] = f"commit marker: {fmt(e)}"
+    sess.publish(f"marked/{coord.node}", {"failures": failures})

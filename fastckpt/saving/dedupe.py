@@ -15,14 +15,15 @@ This module is pure decision logic plus one ``os.link``; the saver calls it.
 from __future__ import annotations
 
 import errno
-import weakref
 import os
+import time
+import weakref
 
 import torch
 import xxhash
 
 from ..storage.commit import read_manifest_shared
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, LinkedTensorChangedError
 from ..format.layout import FilePlan
 
 
@@ -137,3 +138,81 @@ class HashCache:
     def forget(self, key: str) -> None:
         """Drop the record of ``key`` (proven stale): the next save hashes it again."""
         self._entries.pop(key, None)
+
+
+class LinkUnchanged:
+    """The ``link_from`` half of :class:`~fastckpt.saving.job.SaveJob`: at the call, hard-link the
+    files whose bytes equal the previous checkpoint's; in the background, re-hash what was linked on
+    its version counter alone (``link_check="version"``) and record hashes for the next save."""
+
+    def link_unchanged(self, col) -> None:
+        """Hard-link files whose bytes equal the previous checkpoint's (see :mod:`fastckpt.saving.dedupe`)."""
+        sources = col.sources
+        prev = previous_manifest(self.cons.link_from)
+        cands = candidate_files(self.plan.files, prev)
+        for i, f in enumerate(self.plan.files):
+            keys = [t.spec.key for t in f.tensors]
+            if f.name not in cands or any(k not in sources for k in keys):
+                continue  # changed, or another rank's local file
+            known: dict[str, str | None] = dict.fromkeys(keys)
+            if self.cache is not None:
+                if any(k in col.trainable for k in keys) or not any(k in col.frozen for k in keys):
+                    continue  # no frozen weights to link, or an optimizer steps them: stage
+                for k in keys:
+                    if k in col.frozen:
+                        known[k] = self.cache.lookup(k, sources[k])
+                        self.idents[k] = HashCache.ident(sources[k])
+                if CHANGED in known.values():
+                    continue  # written in place since the last save: stage it
+            todo = [k for k in keys if known[k] is None]  # hashed in parallel: xxhash releases the GIL
+            hashes = {**known, **self.batched(todo, lambda k: sources[k].numel() * sources[k].element_size(),
+                                              lambda k: source_hash(sources[k]))}
+            if identical(f, hashes, prev) and link_file(self.cons.link_from, self.tmp, f.name):
+                self.linked.add(i)
+                self.hashes.update(hashes)
+                self.to_verify += [(k, sources[k], known[k], sources[k]._version) for k in keys if known[k]]
+
+    def start_verify(self) -> None:
+        """Background half of ``link_check="version"``, started before the writes (it overlaps
+        them): re-hash every tensor linked on its version counter alone."""
+        items, self.to_verify = self.to_verify, []
+
+        self.verifying = self.batched(items, lambda it: it[1].numel() * it[1].element_size(), _changed,
+                                      wait=False)
+
+    def verify_links(self) -> None:
+        """Raise :class:`LinkedTensorChangedError` where :meth:`start_verify` found bytes that
+        differ although the version counter did not move (a write that bypassed it)."""
+        found, self.verifying = self.verifying, {}
+        suspects = [it for it, res in found.items() if res.result()]
+        # an in-place op running right now bumps the counter only when it is done: look again
+        for pause in (0.001, 0.01, 0.1, 1.0):
+            if not suspects:
+                break
+            time.sleep(pause)
+            suspects = [it for it in suspects if _changed(it)]
+        bad = [it[0] for it in suspects]
+        if bad:
+            for k in bad:
+                self.cache.forget(k)
+            raise LinkedTensorChangedError(
+                f"{len(bad)} tensor(s) hard-linked as unchanged from {self.cons.link_from} (same storage "
+                f"and version counter as at the last save) have different bytes, e.g. {bad[0]!r}: they "
+                "were written without the version counter seeing it (.data, a NumPy view); nothing was "
+                "committed; save with link_check='hash'")
+
+    def record_hashes(self) -> None:
+        """Give the cache the hash of every tensor this save hashed, for the next save."""
+        if self.cache is None:
+            return
+        for k, ident in self.idents.items():
+            h = self.hashes.get(k)
+            if isinstance(h, str):
+                self.cache.record(k, ident, h)
+
+
+def _changed(item: tuple) -> bool:
+    """True if a ``(key, tensor, xxh3, version at the call)`` item now hashes differently while
+    its version counter has not moved."""
+    _, t, want, version = item
+    return t._version == version and source_hash(t) != want

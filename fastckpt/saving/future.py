@@ -8,6 +8,7 @@ reported on stderr and makes the process exit with status 1.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401,I001  (its exit hook is registered first, so _finish_pending runs before it)
 import os
 import sys
 import threading
@@ -130,12 +131,14 @@ _PENDING: "set[SaveFuture]" = set()
 _PENDING_LOCK = threading.Lock()
 
 
-def _announce_pending() -> None:
-    """Before the interpreter joins the writer threads: say which saves it waits for."""
+def _finish_pending() -> None:
+    """At interpreter exit, before thread pools refuse new work: say which saves are pending
+    and wait for them (their writer threads still submit I/O)."""
     with _PENDING_LOCK:
-        pending = sorted(str(f.path) for f in _PENDING if not f.done())
-    for p in pending:
-        print(f"fastckpt: finishing the pending save of {p} before exit", file=sys.stderr, flush=True)
+        pending = sorted((f for f in _PENDING if not f.done()), key=lambda f: str(f.path))
+    for fut in pending:
+        print(f"fastckpt: finishing the pending save of {fut.path} before exit", file=sys.stderr, flush=True)
+        fut._event.wait()
 
 
 def _report_uncollected() -> None:
@@ -150,7 +153,7 @@ def _report_uncollected() -> None:
 
 
 atexit.register(_report_uncollected)
-try:  # runs before non-daemon threads are joined (CPython >= 3.9)
-    threading._register_atexit(_announce_pending)  # type: ignore[attr-defined]
+try:  # runs before non-daemon threads are joined and before thread pools shut down (CPython >= 3.9)
+    threading._register_atexit(_finish_pending)  # type: ignore[attr-defined]
 except (AttributeError, RuntimeError):  # pragma: no cover - other interpreters
     pass

@@ -12,21 +12,20 @@ from __future__ import annotations
 
 import bisect
 import os
-from dataclasses import dataclass
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
 import torch
 import xxhash
 
-from . import dedupe
-from ..errors import LinkedTensorChangedError, SourceChangedError
-from ..storage.io import FileWriter, default_threads, get_backend, write_all
 from ..format.layout import SavePlan
-from ..storage.staging import StagingPool, copy_into, copy_pieces
+from ..storage.io import ALIGN, FileWriter, default_threads, get_backend, write_all
+from ..storage.staging import StagingPool, copy_into, copy_pieces, copy_runs
+from . import dedupe
+from .dedupe import LinkUnchanged
+from .deferred import DeferredStaging
 
 if TYPE_CHECKING:
     from .options import SaveOptions
@@ -49,7 +48,7 @@ class Part:
     leader: bool = True
 
 
-class SaveJob:
+class SaveJob(LinkUnchanged, DeferredStaging):
     """One rank's part of one save: files, staging buffer, writer pool.
 
     Args:
@@ -150,38 +149,13 @@ class SaveJob:
             else:
                 merged.append([a, b])
         self.segs, off = [], 0
-        for a, b in merged:
+        for a, b in merged:  # page-aligned in the buffer as in the stream: O_DIRECT writes stay aligned
+            a -= a % ALIGN
+            b += -b % ALIGN
             self.segs.append((a, b, off))
             off += b - a
         self.seg_starts = [a for a, _, _ in self.segs]
         return off
-    def link_unchanged(self, col) -> None:
-        """Hard-link files whose bytes equal the previous checkpoint's (see :mod:`fastckpt.saving.dedupe`)."""
-        sources = col.sources
-        prev = dedupe.previous_manifest(self.cons.link_from)
-        cands = dedupe.candidate_files(self.plan.files, prev)
-        for i, f in enumerate(self.plan.files):
-            keys = [t.spec.key for t in f.tensors]
-            if f.name not in cands or any(k not in sources for k in keys):
-                continue  # changed, or another rank's local file
-            known: dict[str, str | None] = dict.fromkeys(keys)
-            if self.cache is not None:
-                if any(k in col.trainable for k in keys) or not any(k in col.frozen for k in keys):
-                    continue  # no frozen weights to link, or an optimizer steps them: stage
-                for k in keys:
-                    if k in col.frozen:
-                        known[k] = self.cache.lookup(k, sources[k])
-                        self.idents[k] = dedupe.HashCache.ident(sources[k])
-                if dedupe.CHANGED in known.values():
-                    continue  # written in place since the last save: stage it
-            todo = [k for k in keys if known[k] is None]  # hashed in parallel: xxhash releases the GIL
-            hashes = {**known, **self.batched(todo, lambda k: sources[k].numel() * sources[k].element_size(),
-                                              lambda k: dedupe.source_hash(sources[k]))}
-            if dedupe.identical(f, hashes, prev) and dedupe.link_file(self.cons.link_from, self.tmp, f.name):
-                self.linked.add(i)
-                self.hashes.update(hashes)
-                self.to_verify += [(k, sources[k], known[k], sources[k]._version) for k in keys if known[k]]
-
     def batched(self, items: list, size: Callable[[Any], int], fn: Callable[[Any], Any], *,
                 wait: bool = True) -> dict:
         """``{item: fn(item)}``, computed on the I/O pool in batches of >= :data:`_BATCH_BYTES`
@@ -203,44 +177,6 @@ class SaveJob:
         if not wait:
             return {it: _Pick(f, i) for b, f in futs for i, it in enumerate(b)}
         return {it: v for b, f in futs for it, v in zip(b, f.result())}
-
-    def start_verify(self) -> None:
-        """Background half of ``link_check="version"``, started before the writes (it overlaps
-        them): re-hash every tensor linked on its version counter alone."""
-        items, self.to_verify = self.to_verify, []
-
-        self.verifying = self.batched(items, lambda it: it[1].numel() * it[1].element_size(), _changed,
-                                      wait=False)
-
-    def verify_links(self) -> None:
-        """Raise :class:`LinkedTensorChangedError` where :meth:`start_verify` found bytes that
-        differ although the version counter did not move (a write that bypassed it)."""
-        found, self.verifying = self.verifying, {}
-        suspects = [it for it, res in found.items() if res.result()]
-        # an in-place op running right now bumps the counter only when it is done: look again
-        for pause in (0.001, 0.01, 0.1, 1.0):
-            if not suspects:
-                break
-            time.sleep(pause)
-            suspects = [it for it in suspects if _changed(it)]
-        bad = [it[0] for it in suspects]
-        if bad:
-            for k in bad:
-                self.cache.forget(k)
-            raise LinkedTensorChangedError(
-                f"{len(bad)} tensor(s) hard-linked as unchanged from {self.cons.link_from} (same storage "
-                f"and version counter as at the last save) have different bytes, e.g. {bad[0]!r}: they "
-                "were written without the version counter seeing it (.data, a NumPy view); nothing was "
-                "committed; save with link_check='hash'")
-
-    def record_hashes(self) -> None:
-        """Give the cache the hash of every tensor this save hashed, for the next save."""
-        if self.cache is None:
-            return
-        for k, ident in self.idents.items():
-            h = self.hashes.get(k)
-            if isinstance(h, str):
-                self.cache.record(k, ident, h)
 
     def open_files(self) -> None:
         """Leader: create (and preallocate) every file of the folder not linked; other ranks:
@@ -269,7 +205,7 @@ class SaveJob:
 
     def stage(self, sources: dict, frozen: set[str] = frozenset(), trainable: set[str] = frozenset()) -> None:
         """Copy every tensor into the staging buffer (the caller's blocking part)."""
-        p, chunk = self.plan, self.plan.chunk_bytes
+        chunk = self.plan.chunk_bytes
         budget = self.io.staging_bytes
         tensors = self._mine()
         need = self._layout(tensors)
@@ -290,7 +226,7 @@ class SaveJob:
             # disk works while the caller copies (save total ~ max(copy, write), not the sum)
             early = self.cons.early_writes and host and not self.deferred
             units, owned, nxt = self.plan.units, self.owned, 0
-            for run in _copy_runs(tensors, sources):
+            for run in copy_runs(tensors, sources):
                 b = self._copy_run(run, sources)
                 if early:
                     while nxt < len(owned) and units[owned[nxt]].stream_offset + units[owned[nxt]].nbytes <= b:
@@ -312,118 +248,6 @@ class SaveJob:
             torch.cat([sources[t.spec.key].reshape(-1) for t in run],
                       out=self.buf[x:x + b - a].view(sources[run[0].spec.key].dtype))
         return b
-
-    def _defer(self, tensors: list, sources: dict, frozen: set[str], trainable: set[str]) -> None:
-        """Leave to :meth:`write_all` the copy of (``defer_frozen``) every frozen tensor whose
-        recorded hash its version counter vouches for (checked against that hash there) and of
-        every tensor ``opts.defer`` accepts (checked on its version counter)."""
-        by_hash = self.cache is not None and self.cons.defer_frozen
-        pick = self.cons.defer
-        for t in tensors:
-            k = t.spec.key
-            src = sources[k]
-            if src.device.type != "cpu" or not t.spec.nbytes:
-                continue
-            try:
-                version = src._version
-            except (RuntimeError, TypeError):  # inference tensors have no version counter
-                continue
-            if by_hash and k in frozen:
-                h = self.cache.lookup(k, src)
-                if h is not None and h is not dedupe.CHANGED:
-                    self.deferred[k] = (h, version)
-                    continue
-            if pick is not None and k not in frozen and pick(k, k in trainable):
-                self.deferred[k] = (None, version)
-        if self.deferred:
-            self.sources = sources
-
-    def _stage_deferred(self) -> None:
-        """Background half of ``defer`` / ``defer_frozen``: copy the deferred tensors into their staging
-        slots, submitting each write unit once every byte of it is staged."""
-        p = self.plan
-        tensors = sorted((t for f in p.files for t in f.tensors if t.spec.key in self.deferred),
-                         key=lambda t: t.stream_offset)
-        spans = [(t.stream_offset, t.stream_offset + t.spec.nbytes) for t in tensors]
-        starts = [a for a, _ in spans]
-        waiting = []  # (units that overlap a deferred tensor, in stream order)
-        for i in self.owned:
-            u = p.units[i]
-            if u.file_index in self.linked:
-                continue
-            j = bisect.bisect_right(starts, u.stream_offset + u.nbytes - 1) - 1
-            overlaps = False
-            while j >= 0 and spans[j][1] > u.stream_offset:
-                overlaps = spans[j][0] < u.stream_offset + u.nbytes
-                if overlaps:
-                    break
-                j -= 1
-            if overlaps:
-                waiting.append(i)
-            else:
-                self.unit_futs[i] = self.exec.submit(self._write_unit, i, self._at(u.stream_offset))
-        nxt = 0
-        for run in _copy_runs(tensors, self.sources):
-            self._check_versions(run)
-            if len(run) == 1 and run[0].spec.nbytes >= _FUSED_BYTES and self.sources[run[0].spec.key].is_contiguous():
-                b = self._copy_and_hash(run[0])
-            else:
-                b = self._copy_run(run, self.sources)
-            while nxt < len(waiting) and p.units[waiting[nxt]].stream_offset + p.units[waiting[nxt]].nbytes <= b:
-                i = waiting[nxt]
-                self.unit_futs[i] = self.exec.submit(self._write_unit, i, self._at(p.units[i].stream_offset))
-                nxt += 1
-        # an in-place write that finished during a copy; one still running now bumps the counter
-        # only when done, indistinguishable from a write after staged (allowed): not seen
-        self._check_versions(tensors)
-        self.sources = {}
-        self.staged.set()
-        for i in waiting[nxt:]:
-            self.unit_futs[i] = self.exec.submit(self._write_unit, i, self._at(p.units[i].stream_offset))
-
-    def _copy_and_hash(self, t) -> int:
-        """Stage one large deferred tensor piece by piece, hashing each piece right after its copy
-        (from the CPU cache: one pass over memory fewer than copying, then hashing the staged bytes).
-        One thread (NumPy's copy, GIL released): this runs while training computes, and torch's
-        multi-threaded copy takes more from it. Measured on 2 cores, 327 MB staged every 0.3 s
-        while the main thread ran 60 MLP forward/backward passes (0.37 s alone): 0.56-0.58 s with
-        NumPy pieces of 512 KiB or 4 MiB, 0.68 s with torch pieces, 0.67 s with a torch copy then
-        pooled hashing."""
-        src = self.sources[t.spec.key].reshape(-1).view(torch.uint8).numpy()
-        dst = np.frombuffer(self.view, dtype=np.uint8)
-        h = xxhash.xxh3_64()
-        a, n = self._at(t.stream_offset), t.spec.nbytes
-        for off in range(0, n, _FUSED_PIECE):
-            m = min(_FUSED_PIECE, n - off)
-            np.copyto(dst[a + off:a + off + m], src[off:off + m])
-            h.update(self.view[a + off:a + off + m])
-        self.hashes[t.spec.key] = h.hexdigest()
-        return t.stream_offset + n
-
-    def _check_versions(self, tensors: list) -> None:
-        for t in tensors:
-            k = t.spec.key
-            was, now = self.deferred[k][1], self.sources[k]._version
-            if now != was:
-                if self.cache is not None:
-                    self.cache.forget(k)
-                raise SourceChangedError(
-                    f"{k!r} was written in place (version counter {was} -> {now}) after the save "
-                    f"call and before its background copy into staging finished "
-                    f"(defer/defer_frozen) for {self.tmp}: its call-time bytes are gone; nothing was committed")
-
-    def _check_deferred(self) -> None:
-        """Raise :class:`LinkedTensorChangedError` where a deferred tensor's staged bytes do not
-        hash to the value recorded when its version counter was last seen."""
-        bad = [k for k, (h, _) in self.deferred.items() if h is not None and self.hashes.get(k) != h]
-        if bad:
-            for k in bad:
-                self.cache.forget(k)
-            raise LinkedTensorChangedError(
-                f"{len(bad)} frozen tensor(s) copied in the background (defer_frozen=True, same storage "
-                f"and version counter as when last hashed) have different bytes, e.g. {bad[0]!r}: they "
-                "were written without the version counter seeing it (.data, a NumPy view); nothing was "
-                "committed; save with link_check='hash'")
 
     def _stage_streaming(self, tensors: list, sources: dict, n_slots: int) -> None:
         chunk = self.plan.chunk_bytes
@@ -518,47 +342,6 @@ class SaveJob:
         if strict and err is not None:
             raise err
 
-
-def _changed(item: tuple) -> bool:
-    """True if a ``(key, tensor, xxh3, version at the call)`` item now hashes differently while
-    its version counter has not moved."""
-    _, t, want, version = item
-    return t._version == version and dedupe.source_hash(t) != want
-
-
-#: Bytes of one batched staging copy (small enough for writes to start while the caller copies).
-_RUN_BYTES = 64 << 20
-#: Tensors below this size are staged in batches (their per-tensor overhead exceeds the copy).
-_SMALL_BYTES = 1 << 20
-
-
-def _copy_runs(tensors: list, sources: dict) -> list[list]:
-    """Split planned tensors (stream order) into runs that one ``torch.cat`` can stage: small
-    (< :data:`_SMALL_BYTES`), same dtype, contiguous CPU sources, back to back in the stream,
-    <= :data:`_RUN_BYTES` per run. Large tensors stay alone: their ``copy_`` runs on all
-    intra-op threads (``cat`` copies on one, which is slower into freshly faulted memory)."""
-    runs: list[list] = []
-    end, dtype, nbytes = -1, None, 0
-    for t in tensors:
-        src = sources[t.spec.key]
-        ok = src.device.type == "cpu" and src.is_contiguous() and 0 < t.spec.nbytes < _SMALL_BYTES
-        if ok and runs and t.stream_offset == end and src.dtype == dtype and nbytes + t.spec.nbytes <= _RUN_BYTES:
-            runs[-1].append(t)
-            nbytes += t.spec.nbytes
-        else:
-            runs.append([t])
-            nbytes = t.spec.nbytes
-            dtype = src.dtype if ok else None  # a device/strided/empty source stays alone
-        end = t.stream_offset + t.spec.nbytes if ok else -1
-    return runs
-
-
-#: Deferred tensors from this size on are copied and hashed piece by piece (:meth:`SaveJob._copy_and_hash`;
-#: smaller ones are batched by ``torch.cat`` and hashed on the pool).
-_FUSED_BYTES = 1 << 20
-#: Piece of :meth:`SaveJob._copy_and_hash`: hashed right after its copy, from the CPU cache; few
-#: pieces per tensor, since each takes the GIL (a Python-bound main thread holds it up to 5 ms).
-_FUSED_PIECE = 4 << 20
 
 #: Bytes of tensors hashed per I/O-pool task (tiny tasks cost more in scheduling than in hashing).
 _BATCH_BYTES = 16 << 20

@@ -34,19 +34,19 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+
 from pathlib import Path
 from typing import Any
 
-from ..coordination import LOCAL, Coordinator, PathClaim, Session, group_timeout_s, path_tag
+from ..coordination import LOCAL, Coordinator, PathClaim, group_timeout_s, path_tag
 from ..errors import CheckpointExistsError, DistributedSaveError
 from ..format.layout import SavePlan, plan_save
 from ..format.tree import join
 from ..storage.staging import StagingPool
 from . import dedupe
 from .collect import Collected, collect
-from .committer import (commit_folder, create_folder, dist_section, fmt, rank_report, remove_uncommitted,
-                        write_metadata)
+from .committer import (InFlight, commit_single, create_folder, finish_ranks, fmt, rank_report,
+                        remove_uncommitted)
 from .future import SaveFuture
 from .job import Part, SaveJob
 from .options import SaveOptions
@@ -67,35 +67,6 @@ def _session_name(coord: Coordinator, path: Path, opts: SaveOptions) -> str:
     with _SESSIONS_LOCK:
         n = _SESSIONS[(coord.group_key, tag)] = _SESSIONS.get((coord.group_key, tag), 0) + 1
     return f"save/{tag}/{n}"
-
-
-@dataclass
-class _Save:
-    """Everything of one save in flight on this rank."""
-
-    coord: Coordinator
-    sess: Session
-    path: Path
-    opts: SaveOptions
-    fut: SaveFuture
-    t0: float
-    claim: PathClaim | None = None
-    col: Collected | None = None  # the replicated state (one process: the whole state)
-    sources: dict = field(default_factory=dict)  # global key path -> tensor (local ones under RANK_KEY)
-    frozen: set = field(default_factory=set)
-    trainable: set = field(default_factory=set)
-    local: tuple | None = None  # multi-rank: (skeleton, entries, shards) of the rank-local state
-    plan: SavePlan | None = None
-    own: Ownership | None = None
-    part: Part = field(default_factory=Part)
-    job: SaveJob | None = None
-    folder: str | None = None
-    nodes: list = field(default_factory=list)
-    stage_exc: BaseException | None = None
-
-    @property
-    def single(self) -> bool:
-        return self.coord.is_single
 
 
 def _check_all(infos: list[dict], what: str, exc: BaseException | None) -> None:
@@ -274,7 +245,7 @@ class Saver:
         coord = Coordinator.single() if single else Coordinator.for_group(pg)
         timeout = opts.timeout_s if opts.timeout_s is not None else group_timeout_s(pg)
         name = "save" if coord.is_single else _session_name(coord, path, opts)
-        sv = _Save(coord, coord.session(name, timeout), path, opts, SaveFuture(path), t0)
+        sv = InFlight(coord, coord.session(name, timeout), path, opts, SaveFuture(path), t0)
         try:
             self._prepare(sv, state)
             self._open(sv)
@@ -292,7 +263,7 @@ class Saver:
         threading.Thread(target=self._finish, args=(sv,), name="fastckpt-commit", daemon=False).start()
         return fut
 
-    def _abort(self, sv: _Save) -> None:
+    def _abort(self, sv: InFlight) -> None:
         """Undo a save that failed during the call: nothing held, nothing left on disk."""
         if sv.job is not None:
             sv.job.close()
@@ -302,7 +273,7 @@ class Saver:
             sv.claim.release()
         sv.sess.close()
 
-    def _prepare(self, sv: _Save, state: Any) -> None:
+    def _prepare(self, sv: InFlight, state: Any) -> None:
         """Step 1: validate, collect and plan; multi-rank: agree on the global plan."""
         opts, coord, exc = sv.opts, sv.coord, None
         try:
@@ -350,7 +321,7 @@ class Saver:
         sv.part = Part(sv.own.units[coord.rank], sv.own.files, leader=coord.rank == group[0])
 
     @staticmethod
-    def _collect_local(sv: _Save, split) -> list:
+    def _collect_local(sv: InFlight, split) -> list:
         """Collect this rank's local state under :data:`RANK_KEY` keys; returns its specs."""
         loc = collect(split.local, {})
         pre = RANK_KEY.format(sv.coord.rank)
@@ -370,7 +341,7 @@ class Saver:
         sv.local = (loc.skeleton if (loc.specs or loc.entries) else None, entries, shards)
         return rank_specs(loc.specs, sv.coord.rank)
 
-    def _open(self, sv: _Save) -> None:
+    def _open(self, sv: InFlight) -> None:
         """Step 2: the leader links unchanged files, creates the folder and the files."""
         opts, exc = sv.opts, None
         job = sv.job = SaveJob(sv.plan, "", opts, self.pool, self.hash_cache, sv.part)
@@ -395,7 +366,7 @@ class Saver:
         sv.folder = job.tmp = lead["folder"]
         job.linked = set(lead["linked"])
 
-    def _stage(self, sv: _Save) -> None:
+    def _stage(self, sv: InFlight) -> None:
         """Step 3: open this rank's files, copy its tensors into staging memory."""
         try:
             if not sv.part.leader:
@@ -406,7 +377,7 @@ class Saver:
                 raise
             sv.stage_exc = e  # reported to every rank from the background, which fails them all
 
-    def _finish(self, sv: _Save) -> None:
+    def _finish(self, sv: InFlight) -> None:
         """Steps 4-5, in the background thread."""
         job, own, report = sv.job, sv.stage_exc, None
         if own is None:
@@ -427,9 +398,9 @@ class Saver:
             if sv.single:
                 if own is not None:
                     raise own
-                self._commit_single(sv, report)
+                commit_single(sv, report)
             else:
-                self._finish_ranks(sv, report or {"ok": False, "error": fmt(own)}, own)
+                finish_ranks(sv, report or {"ok": False, "error": fmt(own)}, own)
         except BaseException as e:
             exc = e
             if sv.part.leader:
@@ -439,111 +410,3 @@ class Saver:
                 sv.claim.release()
             sv.sess.close()
         sv.fut._finish(exc)  # also sets fut._staged: a failed save never leaves a waiter hanging
-
-    @staticmethod
-    def _commit_single(sv: _Save, report: dict) -> None:
-        """Step 5 in one process: manifest last, rename, ``on_commit``."""
-        fut, opts = sv.fut, sv.opts
-        if sv.claim is not None:
-            sv.claim.check()
-        dist = None if sv.local is None else dist_section(
-            sv.plan, {0: tuple(range(len(sv.plan.units)))}, {0: report}, mode=opts.commit, node=sv.coord.node,
-            nodes=sv.nodes, local_keys=opts.local_keys)
-        fut.bytes_written = write_metadata(sv.folder, sv.plan, None, sv.col.skeleton, sv.col.entries, opts,
-                                           {0: report}, world=1, dist=dist)
-        fut.bytes_linked = report["linked_bytes"]
-        fut.bytes_by_rank = {0: report["bytes"]}
-        commit_folder(sv.folder, sv.path, opts)
-        fut.total_s = time.perf_counter() - sv.t0
-        if opts.on_commit is not None:
-            opts.on_commit(sv.path)
-
-    def _finish_ranks(self, sv: _Save, report: dict, own: BaseException | None) -> None:
-        """Steps 4-5 of a multi-rank save: report, rank 0 decides, every rank learns the outcome."""
-        sess, coord, opts = sv.sess, sv.coord, sv.opts
-        sess.restart_clock()
-        rollback = False
-        try:
-            sess.publish(f"done/{coord.rank}", report)
-            if coord.rank == 0:
-                self._decide(sv)
-            elif opts.commit == "marker" and sv.part.leader:
-                self._node_commit(sv)
-            outcome = sess.wait_for(["commit"], "waiting for rank 0's commit")[0]
-        except TimeoutError as e:  # rank 0 (the committer) died or hung: nothing is known to be committed
-            raise DistributedSaveError(f"multi-rank save of {sv.path} failed: rank 0 did not publish the "
-                                       f"outcome ({e})", {0: str(e)}) from own
-        # rank 0 wrote no marker: this node's marker (if any) names an uncommitted step, remove it
-        rollback = not outcome["ok"] and not outcome.get("committed", False)
-        if not outcome["ok"]:
-            if opts.commit == "marker" and sv.part.leader and rollback:
-                import shutil
-                shutil.rmtree(sv.folder, ignore_errors=True)
-            failures = {int(r): e for r, e in outcome["failures"].items()}
-            lines = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
-            raise DistributedSaveError(f"multi-rank save of {sv.path} failed: {lines}", failures) from own
-        fut = sv.fut
-        fut.total_s = time.perf_counter() - sv.t0
-        fut.bytes_written = report.get("bytes", 0)
-        fut.bytes_linked = report.get("linked_bytes", 0)
-        fut.bytes_by_rank = {int(r): b for r, b in outcome.get("bytes_by_rank", {}).items()}
-
-    def _wait_reports(self, sv: _Save, ranks: list[int], what: str) -> tuple[dict[int, dict], dict[int, str]]:
-        try:
-            return dict(zip(ranks, sv.sess.wait_for([f"done/{r}" for r in ranks], what))), {}
-        except TimeoutError:
-            store = sv.coord.store
-            missing = [r for r in ranks if not store.check([sv.sess.prefix + f"done/{r}"])]
-            return {}, {r: f"no report within {sv.sess.timeout_s:g} s after this rank's writes (died or hung?)"
-                        for r in missing}
-
-    def _decide(self, sv: _Save) -> None:
-        """Rank 0: wait for every rank, then commit (manifest + rename, or markers) or abort."""
-        sess, coord, opts = sv.sess, sv.coord, sv.opts
-        reports, failures = self._wait_reports(sv, list(range(coord.world_size)), "waiting for every rank's writes")
-        failures.update({r: rep["error"] for r, rep in reports.items() if not rep["ok"]})
-        committed = False
-        sess.publish("decision", {"ok": not failures})
-        if not failures:
-            mine = {r: rep for r, rep in reports.items() if r in sv.own.group}
-            try:
-                if opts.commit == "marker":
-                    acks = sess.wait_for([f"marked/{n}" for n in sv.nodes[1:]], "waiting for the other nodes' markers")
-                    failures.update({int(r): e for a in acks for r, e in a.get("failures", {}).items()})
-                if not failures:
-                    dist = dist_section(sv.plan, sv.own.units, mine, mode=opts.commit, node=coord.node,
-                                        nodes=sv.nodes, local_keys=opts.local_keys)
-                    write_metadata(sv.folder, sv.plan, sv.own.files, sv.col.skeleton, sv.col.entries, opts, mine,
-                                   world=coord.world_size, dist=dist)
-                    commit_folder(sv.folder, sv.path, opts)
-                    committed = True
-            except BaseException as e:
-                failures[0] = f"commit: {fmt(e)}"
-            if not failures and opts.on_commit is not None:
-                try:  # before the outcome is published: every rank returns after retention/`latest` ran
-                    opts.on_commit(sv.path)
-                except BaseException as e:
-                    failures[0] = f"on_commit hook (the checkpoint itself is committed): {fmt(e)}"
-        if failures:
-            remove_uncommitted(sv.folder, opts)
-        sess.publish("commit", {"ok": not failures, "committed": committed,
-                                "failures": {str(r): e for r, e in failures.items()},
-                                "bytes_by_rank": {str(r): rep.get("bytes", 0) for r, rep in reports.items()}})
-
-    def _node_commit(self, sv: _Save) -> None:
-        """Leader of another node in marker mode: write this node's manifest once rank 0 decided."""
-        sess, coord, opts = sv.sess, sv.coord, sv.opts
-        decision = sess.wait_for(["decision"], "waiting for rank 0's decision")[0]
-        failures: dict[str, str] = {}
-        if decision["ok"]:
-            reports, missing = self._wait_reports(sv, list(sv.own.group), "reading the node's reports")
-            try:
-                if missing:
-                    raise TimeoutError(f"ranks {sorted(missing)} did not report")
-                dist = dist_section(sv.plan, sv.own.units, reports, mode="marker", node=coord.node, nodes=sv.nodes,
-                                    local_keys=opts.local_keys)
-                write_metadata(sv.folder, sv.plan, sv.own.files, sv.col.skeleton, sv.col.entries, opts, reports,
-                               world=coord.world_size, dist=dist)
-            except BaseException as e:
-                failures[str(coord.rank)] = f"commit marker: {fmt(e)}"
-        sess.publish(f"marked/{coord.node}", {"failures": failures})

@@ -104,3 +104,31 @@ def copy_pieces(src: torch.Tensor, start: int, chunk: int, slot_of: Callable[[in
         if hasher is not None:
             hasher.update(piece.numpy())
         a += m
+
+
+#: Bytes of one batched staging copy (small enough for writes to start while the caller copies).
+_RUN_BYTES = 64 << 20
+#: Tensors below this size are staged in batches (their per-tensor overhead exceeds the copy).
+_SMALL_BYTES = 1 << 20
+
+
+def copy_runs(tensors: list, sources: dict) -> list[list]:
+    """Split planned tensors (:class:`fastckpt.format.layout.PlannedTensor`, stream order) into runs
+    that one ``torch.cat`` can stage: small
+    (< :data:`_SMALL_BYTES`), same dtype, contiguous CPU sources, back to back in the stream,
+    <= :data:`_RUN_BYTES` per run. Large tensors stay alone: their ``copy_`` runs on all
+    intra-op threads (``cat`` copies on one, which is slower into freshly faulted memory)."""
+    runs: list[list] = []
+    end, dtype, nbytes = -1, None, 0
+    for t in tensors:
+        src = sources[t.spec.key]
+        ok = src.device.type == "cpu" and src.is_contiguous() and 0 < t.spec.nbytes < _SMALL_BYTES
+        if ok and runs and t.stream_offset == end and src.dtype == dtype and nbytes + t.spec.nbytes <= _RUN_BYTES:
+            runs[-1].append(t)
+            nbytes += t.spec.nbytes
+        else:
+            runs.append([t])
+            nbytes = t.spec.nbytes
+            dtype = src.dtype if ok else None  # a device/strided/empty source stays alone
+        end = t.stream_offset + t.spec.nbytes if ok else -1
+    return runs
