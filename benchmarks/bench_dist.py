@@ -1,6 +1,7 @@
 """1 vs 2 ranks writing the same replicated state: bytes written per rank and wall time.
 
-Run: ``python benchmarks/bench_dist.py --mib 512 --dir /path/on/the/tier``
+Run: ``python benchmarks/bench_dist.py --mib 512 --dir /path/on/the/tier`` (add ``PYTHONPATH=SRC`` to run
+another checkout's fastckpt, e.g. today's main, for a side-by-side figure)
 
 Model of the scaling (N ranks, M independent storage links, e.g. one NIC/NVMe path per node):
 each rank writes S/N bytes; the time of the write phase is
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 
@@ -32,30 +34,44 @@ import torch.multiprocessing as mp
 import fastckpt
 
 
-def _state(mib: int) -> dict:
+def _state(mib: int, step: int) -> dict:
+    """~``mib`` MiB of replicated weights plus a small optimizer part that changes every step."""
     g = torch.Generator().manual_seed(0)
     n = mib * (1 << 20) // 4 // 16
-    return {"model": {f"w{i}": torch.randn(n, generator=g) for i in range(16)}}
+    return {"model": {f"w{i}": torch.randn(n, generator=g) for i in range(16)},
+            "optimizer": {"m": torch.full((n // 64,), float(step))}, "step": step}
 
 
-def _rank(rank: int, world: int, mib: int, folder: str, out: str) -> None:
+def _rank(rank: int, world: int, mib: int, folder: str, out: str, reps: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
-    state = _state(mib)
-    times = []
-    for i in range(2):
+    pg = dist.group.WORLD if world > 1 else None  # one rank: the plain single-process save
+    rows = {"full": [], "linked": []}
+    for i in range(reps):
+        for kind in ("full", "linked"):
+            state = _state(mib, i * 2 + (kind == "linked"))
+            path = os.path.join(folder, f"ck{i}-{kind}")
+            opts = {"link_from": os.path.join(folder, f"ck{i}-full")} if kind == "linked" else {}
+            dist.barrier()
+            t0 = time.perf_counter()
+            fut = fastckpt.async_save(state, path, threads=4, process_group=pg, **opts)
+            blocking = time.perf_counter() - t0
+            fut.result()
+            by_rank = getattr(fut, "bytes_by_rank", None)  # older checkouts: this rank's own bytes
+            rows[kind].append({"wall_s": time.perf_counter() - t0, "blocking_s": blocking,
+                               "bytes": by_rank[rank] if by_rank else fut.bytes_written})
         dist.barrier()
-        t0 = time.perf_counter()
-        fut = fastckpt.async_save(state, os.path.join(folder, f"ck{i}"), threads=4)
-        fut.result()
-        times.append(time.perf_counter() - t0)
+        if rank == 0:
+            for kind in ("full", "linked"):
+                shutil.rmtree(os.path.join(folder, f"ck{i}-{kind}"), ignore_errors=True)
     with open(os.path.join(out, f"r{world}-{rank}.json"), "w") as f:
-        json.dump({"bytes": fut.bytes_written, "wall_s": min(times), "blocking_s": fut.blocking_s}, f)
+        json.dump(rows, f)
     dist.destroy_process_group()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=256, help="state size in MiB (default 256)")
+    ap.add_argument("--reps", type=int, default=3, help="saves of each kind per world size (default 3; medians)")
     ap.add_argument("--dir", default=None, help="folder on the storage tier (default: a temp folder)")
     a = ap.parse_args()
     base = tempfile.mkdtemp(dir=a.dir)
@@ -63,14 +79,21 @@ def main() -> None:
         res = {}
         for world in (1, 2):
             folder = tempfile.mkdtemp(dir=base)
-            mp.spawn(_rank, args=(world, a.mib, folder, base), nprocs=world, join=True)
+            mp.spawn(_rank, args=(world, a.mib, folder, base, a.reps), nprocs=world, join=True)
             res[world] = [json.load(open(os.path.join(base, f"r{world}-{r}.json"))) for r in range(world)]
             shutil.rmtree(folder)
+        med = statistics.median
+        walls = {}
         for world, rs in res.items():
-            wall = max(r["wall_s"] for r in rs)
-            per = ", ".join(f"rank {i}: {r['bytes'] / 2**20:.1f} MiB" for i, r in enumerate(rs))
-            print(f"{world} rank(s): wall {wall:.2f} s, {a.mib / wall:.0f} MiB/s; {per}")
-        print(f"2-rank / 1-rank wall time: {max(r['wall_s'] for r in res[2]) / res[1][0]['wall_s']:.2f}")
+            for kind in ("full", "linked"):
+                wall = med([max(r[kind][i]["wall_s"] for r in rs) for i in range(a.reps)])
+                walls[world, kind] = wall
+                per = ", ".join(f"rank {i}: {med([x['bytes'] for x in r[kind]]) / 2**20:.1f} MiB written"
+                                for i, r in enumerate(rs))
+                label = "full save" if kind == "full" else "link_from the previous (only the optimizer changed)"
+                print(f"{world} rank(s), {label}: wall {wall:.2f} s (median of {a.reps}), {a.mib / wall:.0f} MiB/s "
+                      f"of state; {per}")
+        print(f"2-rank / 1-rank wall time, full save: {walls[2, 'full'] / walls[1, 'full']:.2f}")
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

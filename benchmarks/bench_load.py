@@ -118,6 +118,9 @@ def main() -> None:
     ap.add_argument("--no-prepare", action="store_true", help="reuse the files of a previous run")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "load.json"))
     ap.add_argument("--plot", action="store_true")
+    ap.add_argument("--baseline", default=None, metavar="SRC",
+                    help="checkout of another fastckpt (e.g. `git worktree add /tmp/base main`): its "
+                         "fastckpt contenders run beside ours in the same run, named NAME@baseline")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="cold", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -127,7 +130,9 @@ def main() -> None:
                       child(a.child, a.dir, a.size_gib, a.mode))
         return
     nbytes = C.state_bytes(a.size_gib)
-    names = a.only.split(",") if a.only else CONTENDERS
+    names = a.only.split(",") if a.only else list(CONTENDERS)
+    if a.baseline and not a.only:
+        names += [n + C.BASELINE for n in CONTENDERS if n.startswith("fastckpt")]
     modes = a.modes.split(",")
     print(f"state: {nbytes / C.GB:.3f} GB of bf16 tensors under state['model']; {a.reps} reps; dir {a.dir}",
           flush=True)
@@ -148,7 +153,7 @@ def main() -> None:
             for mode in (modes if r % 2 == 0 else modes[::-1]):
                 if name in skipped:
                     continue
-                res = C.run_child(__file__, name, ["--dir", a.dir, "--size-gib", str(a.size_gib), "--mode", mode])
+                res = C.run_child(__file__, name, baseline=a.baseline, args=["--dir", a.dir, "--size-gib", str(a.size_gib), "--mode", mode])
                 if "error" in res:
                     skipped[name] = res["error"]
                     print(f"  skip {name}: {res['error']}", flush=True)

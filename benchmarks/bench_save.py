@@ -43,8 +43,8 @@ def child(name: str, folder: str, size_gib: float) -> dict:
         import fastckpt
         rows.append({"name": name, "seconds": timed(lambda: fastckpt.save(state, out))})
     elif name == "fastckpt.async_save":
-        from fastckpt.saving.saver import Saver
-        s = Saver()
+        import fastckpt
+        s = fastckpt.Saver()  # a saver of its own (the same in older checkouts)
         for label, path in (("first", out), ("repeat, pool reused", out + "2")):
             t0 = time.perf_counter()
             fut = s.async_save(state, path)
@@ -127,6 +127,9 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated contender names (default: all)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "save.json"))
     ap.add_argument("--plot", action="store_true")
+    ap.add_argument("--baseline", default=None, metavar="SRC",
+                    help="checkout of another fastckpt (e.g. `git worktree add /tmp/base main`): its "
+                         "fastckpt contenders run beside ours in the same run, named NAME@baseline")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     os.makedirs(a.dir, exist_ok=True)
@@ -134,7 +137,9 @@ def main() -> None:
         C.child_print(child(a.child, a.dir, a.size_gib))
         return
     nbytes = C.state_bytes(a.size_gib)
-    names = a.only.split(",") if a.only else CONTENDERS
+    names = a.only.split(",") if a.only else list(CONTENDERS)
+    if a.baseline and not a.only:
+        names += [n + C.BASELINE for n in CONTENDERS if n.startswith("fastckpt")]
     print(f"state: {nbytes / C.GB:.3f} GB of bf16 tensors under state['model']; {a.reps} reps; dir {a.dir}",
           flush=True)
     raw = C.raw_device(a.dir, nbytes, a.reps, write=True)
@@ -146,7 +151,7 @@ def main() -> None:
         for name in C.rotated(names, r):
             if name in skipped:
                 continue
-            res = C.run_child(__file__, name, ["--dir", a.dir, "--size-gib", str(a.size_gib)])
+            res = C.run_child(__file__, name, baseline=a.baseline, args=["--dir", a.dir, "--size-gib", str(a.size_gib)])
             if "error" in res:
                 skipped[name] = res["error"]
                 print(f"  skip {name}: {res['error']}", flush=True)

@@ -235,10 +235,34 @@ def raw_device(folder: str, nbytes: int, reps: int, write: bool) -> dict:
 
 
 # ----------------------------------------------------------------------------- child runs
-def run_child(script: str, name: str, args: list[str], timeout: float = 1800) -> dict:
-    """Run ``script --child name args`` in a fresh interpreter; returns its JSON (or an ``error``)."""
-    cmd = [sys.executable, script, "--child", name, *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+#: Suffix of a contender run with the fastckpt of another checkout (``--baseline SRC``).
+BASELINE = "@baseline"
+
+
+def run_child(script: str, name: str, args: list[str], timeout: float = 1800, baseline: str | None = None) -> dict:
+    """Run ``script --child name args`` in a fresh interpreter; returns its JSON (or an ``error``).
+
+    A ``name`` ending in :data:`BASELINE` runs the same contender (suffix removed) with the
+    fastckpt package of the checkout ``baseline`` first on ``PYTHONPATH`` (today's main beside
+    the new code, same bytes, same run), and its rows are renamed with the suffix.
+    """
+    env = None
+    child = name
+    if name.endswith(BASELINE):
+        if not baseline:
+            return {"error": f"{name} needs --baseline SRC (a checkout of the code to compare with)"}
+        child = name[:-len(BASELINE)]
+        env = {**os.environ, "PYTHONPATH": os.path.abspath(baseline) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, script, "--child", child, *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    res = _child_json(p)
+    if env is not None and "rows" in res:
+        for row in res["rows"]:
+            row["name"] += BASELINE
+    return res
+
+
+def _child_json(p: subprocess.CompletedProcess) -> dict:
     for line in reversed(p.stdout.strip().splitlines()):
         if line.startswith("{"):
             return json.loads(line)

@@ -65,7 +65,7 @@ def _scn_replicated(rank: int, tmp: str) -> dict:
     fut.result()
     back = fastckpt.load(os.path.join(tmp, "ck"))
     ok = staged and all(torch.equal(back["model"][k], v) for k, v in _state(rank)["model"].items())
-    return {"bytes": fut.bytes_written, "ok": ok}
+    return {"bytes": fut.bytes_by_rank[rank], "total": fut.bytes_written, "ok": ok}
 
 
 def _scn_local(rank: int, tmp: str) -> dict:
@@ -118,6 +118,7 @@ def test_replicated_split_each_rank_writes_about_half(spawned):
     m = fastckpt.read_manifest(str(tmp_path / "ck"))
     assert m["world_size"] == 2 and m["distributed"]["mode"] == "rename"
     b0, b1 = out[0]["bytes"], out[1]["bytes"]
+    assert out[0]["total"] == out[1]["total"] >= b0 + b1  # every rank learns the checkpoint's size
     assert abs(b0 - b1) <= 2 * CHUNK + 64 * 1024, (b0, b1)
     assert max(b0, b1) < 0.6 * (b0 + b1)
     # the files are plain safetensors an HF reader loads (written by both ranks)

@@ -17,6 +17,10 @@ from .safetensors import encode_header
 #: Header prefixes are padded to this many bytes so every data region is O_DIRECT aligned.
 HEADER_ALIGN = 4096
 
+#: Manifest key prefix of rank ``r``'s local tensors in a multi-rank checkpoint
+#: (``RANK_KEY.format(r) + key path``); their files are ``rank0000r-*.safetensors``.
+RANK_KEY = "@rank{}/"
+
 
 @dataclass(frozen=True)
 class ArraySpec:

@@ -20,7 +20,7 @@ import torch
 
 from ..storage.commit import is_committed
 from ..coordination import DEFAULT_TIMEOUT_S, Coordinator
-from ..saving.ranks import RANK_KEY
+from ..format.layout import RANK_KEY
 from ..format.dtypes import str_to_dtype
 from ..errors import CheckpointNotFoundError
 from .reader import load as load_single, open_checkpoint, read_tensors

@@ -258,8 +258,8 @@ def finish_ranks(sv: InFlight, report: dict, own: BaseException | None) -> None:
         raise DistributedSaveError(f"multi-rank save of {sv.path} failed: {lines}", failures) from own
     fut = sv.fut
     fut.total_s = time.perf_counter() - sv.t0
-    fut.bytes_written = report.get("bytes", 0)
-    fut.bytes_linked = report.get("linked_bytes", 0)
+    fut.bytes_written = outcome.get("bytes_total", 0)
+    fut.bytes_linked = outcome.get("bytes_linked", 0)
     fut.bytes_by_rank = {int(r): b for r, b in outcome.get("bytes_by_rank", {}).items()}
 
 def _wait_reports(sv: InFlight, ranks: list[int], what: str) -> tuple[dict[int, dict], dict[int, str]]:
@@ -276,7 +276,7 @@ def decide(sv: InFlight) -> None:
     sess, coord, opts = sv.sess, sv.coord, sv.opts
     reports, failures = _wait_reports(sv, list(range(coord.world_size)), "waiting for every rank's writes")
     failures.update({r: rep["error"] for r, rep in reports.items() if not rep["ok"]})
-    committed = False
+    committed, total = False, 0
     sess.publish("decision", {"ok": not failures})
     if not failures:
         mine = {r: rep for r, rep in reports.items() if r in sv.own.group}
@@ -287,8 +287,8 @@ def decide(sv: InFlight) -> None:
             if not failures:
                 dist = dist_section(sv.plan, sv.own.units, mine, mode=opts.commit, node=coord.node,
                                     nodes=sv.nodes, local_keys=opts.local_keys)
-                write_metadata(sv.folder, sv.plan, sv.own.files, sv.col.skeleton, sv.col.entries, opts, mine,
-                               world=coord.world_size, dist=dist)
+                total = write_metadata(sv.folder, sv.plan, sv.own.files, sv.col.skeleton, sv.col.entries, opts,
+                                       mine, world=coord.world_size, dist=dist)
                 commit_folder(sv.folder, sv.path, opts)
                 committed = True
         except BaseException as e:
@@ -302,6 +302,7 @@ def decide(sv: InFlight) -> None:
         remove_uncommitted(sv.folder, opts)
     sess.publish("commit", {"ok": not failures, "committed": committed,
                             "failures": {str(r): e for r, e in failures.items()},
+                            "bytes_total": total, "bytes_linked": sum(r.get("linked_bytes", 0) for r in reports.values()),
                             "bytes_by_rank": {str(r): rep.get("bytes", 0) for r, rep in reports.items()}})
 
 def node_commit(sv: InFlight) -> None:

@@ -27,11 +27,12 @@ class SaveFuture:
         path: the checkpoint folder it commits (``pathlib.Path``).
         blocking_s: seconds the ``async_save`` call blocked (validation + staging).
         total_s: seconds from the call until the commit (``None`` while pending).
-        bytes_written: bytes of all files of the checkpoint (set when done), linked ones included.
+        bytes_written: bytes of all files of the checkpoint (set when committed, on every rank),
+            linked ones included (marker mode: rank 0's node folder).
         bytes_linked: the part of ``bytes_written`` hard-linked from ``link_from`` instead of
             written (0 without ``link_from``).
-        bytes_by_rank: multi-rank saves, rank 0 once committed: bytes each rank wrote itself
-            (hard links excluded) ``{rank: bytes}``; ``{0: ...}`` for one process.
+        bytes_by_rank: bytes each rank wrote itself, hard links excluded (``{rank: bytes}``;
+            ``{0: ...}`` for one process).
     """
 
     def __init__(self, path: Path):

@@ -16,11 +16,8 @@ from typing import Any
 
 import torch
 
-from ..format.layout import ArraySpec, SavePlan, plan_save
+from ..format.layout import RANK_KEY, ArraySpec, SavePlan, plan_save
 from ..format.tree import join
-
-#: Manifest key prefix of rank ``r``'s local tensors (``RANK_KEY.format(r) + key path``).
-RANK_KEY = "@rank{}/"
 
 
 @dataclass(frozen=True)
