@@ -2,13 +2,18 @@
 
 Public API::
 
-    fastckpt.save(state, path, **options) -> Path            # durable + committed on return
-    fastckpt.async_save(state, path, **options) -> SaveFuture  # returns once staged
+    fastckpt.save(state, path, *, process_group=None, **options) -> Path   # durable + committed on return
+    fastckpt.async_save(state, path, *, process_group=None, **options) -> SaveFuture  # returns once staged
     fastckpt.load(path, *, device="cpu", keys=None) -> dict
-    fastckpt.CheckpointManager(root, keep_last=None, prefix="step-")
+    fastckpt.CheckpointManager(root, keep_last=None, prefix="step-", process_group=None)
+    fastckpt.Saver(process_group=None)        # a saver of your own (its failures stay its own)
+    fastckpt.SaveOptions / IOTuning / Consistency, fastckpt.Shard
     fastckpt.verify(path) -> VerifyReport
     fastckpt.is_committed(path) -> bool
 
+The package is laid out by layers, imports pointing one way (DESIGN.md):
+``integrations`` -> this module -> ``cli`` -> ``manager`` -> ``saving`` | ``loading`` ->
+``storage`` -> ``format`` -> ``coordination`` -> ``errors``.
 See docs/FORMAT.md for the on-disk format and README.md for figures.
 """
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Torture run of fastckpt's guarantees (issue 7); prints a table, exits 1 on any failure.
+"""Torture run of fastckpt's crash-safety guarantees; prints a table, exits 1 on any failure.
 
 - SIGKILL of a forked writer at random moments (``--iterations``, default 50), then: latest
   commit loads bit-exactly and verifies, nothing uncommitted is latest, leftovers are cleaned
