@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 from .storage import commit as cm
+from .storage import retention
 from .errors import CheckpointExistsError, CheckpointNotFoundError
 from .loading.reader import load
 from .storage.lock import RootLock
@@ -71,29 +71,12 @@ class CheckpointManager:
         return self.root / f"{self.prefix}{int(step)}"
 
     def _scan(self) -> tuple[list[int], list[tuple[str, str]]]:
-        steps, skipped = [], []
-        try:
-            names = sorted(os.listdir(self.root))
-        except FileNotFoundError:
-            return [], []
-        for n in names:
-            full = self.root / n
-            if n.startswith(".") and cm.TMP_MARK in n:
-                state = "live writer" if cm.owner_alive(str(full)) else "dead writer, removed on next save/prune"
-                skipped.append((n, f"temporary folder of an unfinished save ({state})"))
-                continue
-            m = self._pattern.match(n)
-            if not m or not full.is_dir():
-                continue
-            if cm.is_committed(full):
-                steps.append(int(m.group(1)))
-            else:
-                skipped.append((n, "no valid manifest.json: never committed (crashed save or not fastckpt)"))
-        return sorted(steps), skipped
+        scan = retention.scan_checkpoints(self.root, self.prefix)
+        return scan.steps, scan.skipped()
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
-        return self._scan()[0]
+        return retention.scan_checkpoints(self.root, self.prefix).steps
 
     def skipped(self) -> list[tuple[str, str]]:
         """``(folder name, reason)`` for every folder under ``root`` that looks like a step but is not committed."""
@@ -185,8 +168,10 @@ class CheckpointManager:
     def prune(self, keep: int, protect: tuple[int, ...] = ()) -> list[int]:
         """Remove the oldest committed steps so that ``keep`` remain, and dead temporaries.
 
-        The newest committed step and the steps in ``protect`` are never removed. A folder is
-        first renamed to a hidden name (so it stops being a checkpoint at once), then deleted.
+        The newest committed step and the steps in ``protect`` are never removed. Each folder
+        goes through :func:`fastckpt.storage.retention.delete_checkpoint`: renamed to a hidden
+        temporary name (so it stops being a checkpoint at once, and a crash in the middle leaves
+        a folder the next save or prune removes), then deleted.
 
         Returns:
             The removed steps.
@@ -194,8 +179,8 @@ class CheckpointManager:
         Raises:
             CheckpointLockedError: another job holds the root lock (it is saving or pruning).
         """
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1, got {keep}")
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise ValueError(f"keep must be >= 1 (an int), got {keep!r}")
         if not self.root.is_dir():
             return []
         self._lock.acquire(self.lock_timeout_s)
@@ -217,15 +202,4 @@ class CheckpointManager:
 
     def _prune_locked(self, keep: int, protect: tuple[int, ...]) -> list[int]:
         self._clean_leftovers()
-        steps = self.steps()
-        victims = [s for s in steps[:-keep] if s not in protect] if len(steps) > keep else []
-        for s in victims:
-            doomed = cm.temp_dir_for(str(self.path(s))) + ".del"
-            try:
-                os.rename(self.path(s), doomed)
-            except FileNotFoundError:
-                continue
-            shutil.rmtree(doomed, ignore_errors=True)
-        if victims:
-            cm.fsync_dir(str(self.root))
-        return victims
+        return retention.prune_checkpoints(self.root, self.prefix, keep, protect)

@@ -32,25 +32,18 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import fastckpt
-from fastckpt.coordination import LOCAL
+from fastckpt import LOCAL
+from fastckpt.storage import prune_checkpoints, step_folders
 
-from .hf_snapshot import capture_rng_state, restore_rng_state
+from .hf_snapshot import capture_rng_state, dedup_tied, restore_rng_state
 
 logger = logging.getLogger(__name__)
 
-_AUTO_RE = re.compile(r"^checkpoint_(\d+)$")
-
-
-def _auto_dirs(root: Path) -> list[tuple[int, Path]]:
-    if not root.is_dir():
-        return []
-    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _AUTO_RE.match(p.name)))
+_AUTO_PREFIX = "checkpoint_"  # accelerate's automatic_checkpoint_naming: checkpoints/checkpoint_<iteration>
 
 
 class FastCkptState:
@@ -79,9 +72,7 @@ class FastCkptState:
         for i, model in enumerate(acc._models):
             key = "model" if i == 0 else f"model_{i}"
             sd = acc.unwrap_model(model).state_dict()
-            from .hf_snapshot import _dedup_tied
-
-            state[key] = _dedup_tied(sd)
+            state[key] = dedup_tied(sd)
             weights[key] = key
             cfg = getattr(acc.unwrap_model(model), "config", None)
             if i == 0 and cfg is not None and hasattr(cfg, "to_json_string"):
@@ -188,21 +179,20 @@ class FastCkptState:
         self._rotate()
 
     def _rotate(self) -> None:
+        """Apply ``total_limit``: keep the newest committed ``checkpoint_N`` folders (the newest
+        always), deleting the others through :func:`fastckpt.storage.prune_checkpoints` (which
+        first removes dead writers' leftovers, e.g. a deletion interrupted by a crash)."""
         cfg = self.acc.project_configuration
         if not (cfg.automatic_checkpoint_naming and cfg.total_limit):
             return
-        committed = [p for _, p in _auto_dirs(Path(self.acc.project_dir) / "checkpoints")
-                     if fastckpt.is_committed(p)]
-        for p in committed[:-1][: max(0, len(committed) - cfg.total_limit)]:
-            hidden = p.with_name(f".{p.name}.deleting-{os.getpid()}")
-            os.rename(p, hidden)
-            shutil.rmtree(hidden, ignore_errors=True)
-            logger.info("fastckpt: deleted %s (total_limit=%d)", p, cfg.total_limit)
+        root = Path(self.acc.project_dir) / "checkpoints"
+        for step in prune_checkpoints(root, _AUTO_PREFIX, cfg.total_limit):
+            logger.info("fastckpt: deleted %s (total_limit=%d)", root / f"{_AUTO_PREFIX}{step}", cfg.total_limit)
 
     # -- load ----------------------------------------------------------------------------------
     def latest(self) -> Path | None:
         """Newest committed ``checkpoint_N`` under ``project_dir/checkpoints`` (others are logged)."""
-        for n, p in reversed(_auto_dirs(Path(self.acc.project_dir) / "checkpoints")):
+        for n, p in reversed(step_folders(Path(self.acc.project_dir) / "checkpoints", _AUTO_PREFIX)):
             if fastckpt.is_committed(p):
                 return p
             logger.info("fastckpt: skipping %s: no committed fastckpt manifest", p)

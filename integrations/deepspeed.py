@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 import fastckpt
-from fastckpt.coordination import LOCAL
+from fastckpt import LOCAL
 from fastckpt.errors import CheckpointNotFoundError, UnsupportedValueError, UntrustedTypeError
 
 #: The only classes :func:`decode` rebuilds (``module:qualname``): those DeepSpeed 0.19 puts in

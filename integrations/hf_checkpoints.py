@@ -8,30 +8,17 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import shutil
 from pathlib import Path
 
 import numpy as np
 
 import fastckpt
+from fastckpt.storage import prune_checkpoints, scan_checkpoints, step_folders
 
 logger = logging.getLogger("fastckpt.integrations.hf_trainer")
 
 PREFIX_CHECKPOINT_DIR = "checkpoint"
-_CKPT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
-
-
-def _checkpoint_dirs(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = _CKPT_RE.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+_PREFIX = f"{PREFIX_CHECKPOINT_DIR}-"
 
 
 def get_last_checkpoint(output_dir: str | os.PathLike) -> str | None:
@@ -45,7 +32,7 @@ def get_last_checkpoint(output_dir: str | os.PathLike) -> str | None:
         The folder path as ``str`` (what ``trainer.train(resume_from_checkpoint=...)`` takes),
         or None when there is none.
     """
-    for step, path in reversed(_checkpoint_dirs(output_dir)):
+    for step, path in reversed(step_folders(output_dir, _PREFIX)):
         if fastckpt.is_committed(path):
             return str(path)
         logger.info("fastckpt: skipping %s (step %d): no committed fastckpt manifest", path, step)
@@ -56,36 +43,61 @@ def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | No
                        best_model_checkpoint: str | None = None) -> list[Path]:
     """Delete the oldest committed checkpoints beyond ``save_total_limit``.
 
-    Never deletes the newest committed checkpoint or ``best_model_checkpoint`` (with a limit of
-    1 and a different best, two are kept, as the Trainer does); uncommitted folders are left
-    alone. Each victim is first renamed to a hidden name so it never looks half-deleted.
+    The Trainer's rule (``Trainer._rotate_checkpoints``): ``save_total_limit`` folders remain,
+    the best one counted among them; never deletes the newest committed checkpoint or
+    ``best_model_checkpoint`` (with a limit of 1 and a different best, two are kept, as the
+    Trainer does); uncommitted folders are left alone. Each victim goes through
+    :func:`fastckpt.storage.retention.delete_checkpoint` (renamed to a temporary name that the
+    next save's cleanup or ``fastckpt prune`` removes if this process dies mid-deletion), after
+    dead writers' leftovers in ``output_dir`` are removed.
+
+    Args:
+        output_dir: the Trainer's ``args.output_dir``.
+        save_total_limit: ``args.save_total_limit``; ``None`` or <= 0 deletes nothing.
+        best_model_checkpoint: ``state.best_model_checkpoint`` (a folder path) or ``None``.
 
     Returns:
-        The folders deleted.
+        The folders deleted, oldest first.
+
+    Raises:
+        OSError: a victim could not be renamed.
     """
     if not save_total_limit or save_total_limit <= 0:
         return []
-    committed = [p for _, p in _checkpoint_dirs(output_dir) if fastckpt.is_committed(p)]
+    scan = scan_checkpoints(output_dir, _PREFIX)
     best = Path(best_model_checkpoint).resolve() if best_model_checkpoint else None
-    limit = save_total_limit
-    if best is not None and limit == 1 and committed and committed[-1].resolve() != best:
-        limit = 2
-    victims = [p for p in committed[:-1] if p.resolve() != best][: max(0, len(committed) - limit)]
-    for p in victims:
-        hidden = p.with_name(f".{p.name}.deleting-{os.getpid()}")
-        os.rename(p, hidden)
-        shutil.rmtree(hidden, ignore_errors=True)
+    best_step = next((s for s, p in scan.committed if best is not None and p.resolve() == best), None)
+    keep = save_total_limit
+    if best_step is not None and best_step not in scan.steps[-keep:]:
+        keep = max(1, keep - 1)  # the best counts among the limit (the Trainer keeps limit folders)
+    protect = () if best_step is None else (best_step,)
+    deleted = [scan.root / f"{_PREFIX}{s}" for s in prune_checkpoints(output_dir, _PREFIX, keep, protect)]
+    for p in deleted:
         logger.info("fastckpt: deleted %s (save_total_limit=%d)", p, save_total_limit)
-    return victims
+    return deleted
 
 
-def _logged(state) -> bool:
-    """True if ``state.log_history`` already has the training log entry of the current step."""
+def logged_this_step(state) -> bool:
+    """True if ``state.log_history`` (a ``TrainerState``'s) already has the training log entry
+    (one with ``loss``) of ``state.global_step``; looks at the last 4 entries only."""
     return any(h.get("step") == state.global_step and "loss" in h for h in state.log_history[-4:])
 
 
-def _new_best(args, state, metrics: dict[str, float]) -> bool:
-    """Mirror of ``Trainer._determine_best_metric``; updates ``state`` and returns is-new-best."""
+def update_best_metric(args, state, metrics: dict[str, float]) -> bool:
+    """Mirror of ``Trainer._determine_best_metric``: update ``state.best_metric`` and
+    ``state.best_global_step`` from ``metrics`` and return whether this evaluation is a new best.
+
+    Args:
+        args: the ``TrainingArguments`` (``metric_for_best_model``, ``greater_is_better``).
+        state: the ``TrainerState`` (updated in place).
+        metrics: evaluation metrics (``eval_``-prefixed names).
+
+    Returns:
+        False when no ``metric_for_best_model`` is set or the value is not better.
+
+    Raises:
+        KeyError: the metric is not in ``metrics`` (names the ones there are).
+    """
     name = args.metric_for_best_model
     if not name:
         return False

@@ -60,8 +60,16 @@ def restore_rng_state(rng: dict[str, Any]) -> None:
         npu.set_rng_state_all([s.cpu() for s in rng["npu"]])
 
 
-def _dedup_tied(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop tensors that share storage with an earlier key (tied embeddings), like HF does."""
+def dedup_tied(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop tensors that share storage with an earlier key (tied embeddings), like HF does.
+
+    Args:
+        sd: a state dict (tensors of any dtype and device).
+
+    Returns:
+        A new dict, in ``sd``'s order, keeping the first key of each (storage pointer, storage
+        offset, shape); empty tensors are always kept.
+    """
     seen: set[tuple[int, int, tuple]] = set()
     out = {}
     for k, t in sd.items():
@@ -74,7 +82,8 @@ def _dedup_tied(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _is_peft(model) -> bool:
+def is_peft_model(model) -> bool:
+    """True if ``model`` is a ``peft.PeftModel`` (False when peft is not installed)."""
     try:
         from peft import PeftModel
     except ImportError:
@@ -82,8 +91,16 @@ def _is_peft(model) -> bool:
     return isinstance(model, PeftModel)
 
 
-def _peft_base_weights(model) -> dict[str, torch.Tensor]:
-    """Base-model weights of a PeftModel under the plain HF names (``x.base_layer.w`` -> ``x.w``)."""
+def peft_base_weights(model) -> dict[str, torch.Tensor]:
+    """Base-model weights of a PeftModel under the plain HF names (``x.base_layer.w`` -> ``x.w``).
+
+    Args:
+        model: a ``peft.PeftModel`` (tensors on any device).
+
+    Returns:
+        Name -> tensor (views of the live weights, no copy), tied weights once
+        (:func:`dedup_tied`); the adapter's own weights are left out.
+    """
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     base = model.get_base_model()
@@ -98,7 +115,7 @@ def _peft_base_weights(model) -> dict[str, torch.Tensor]:
         rest = key[len(owner) + 1:]
         if rest.startswith("base_layer."):
             out[f"{owner}.{rest[len('base_layer.'):]}"] = t
-    return _dedup_tied(out)
+    return dedup_tied(out)
 
 
 def model_snapshot(model) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, str], dict[str, bytes]]:
@@ -115,13 +132,13 @@ def model_snapshot(model) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str,
         ``generation_config.json`` when it has a generation config (the base model's for a PeftModel).
         Tensors are detached views of the live parameters/buffers (no copy).
     """
-    if _is_peft(model):
+    if is_peft_model(model):
         from peft import get_peft_model_state_dict
 
-        state = {"model": _peft_base_weights(model),
+        state = {"model": peft_base_weights(model),
                  "adapter": dict(get_peft_model_state_dict(model, adapter_name=_adapter_name(model)))}
     else:
-        state = {"model": _dedup_tied(model.state_dict())}
+        state = {"model": dedup_tied(model.state_dict())}
     return state, _weights_map(model), _model_files(model)
 
 
@@ -130,7 +147,7 @@ def _adapter_name(model) -> str:
 
 
 def _weights_map(model) -> dict[str, str]:
-    if _is_peft(model):
+    if is_peft_model(model):
         return {"model": "model", "adapter": "adapter_model.safetensors"}
     return {"model": "model"}
 
@@ -138,7 +155,7 @@ def _weights_map(model) -> dict[str, str]:
 def _model_files(model) -> dict[str, bytes]:
     """``config.json``, ``generation_config.json`` and (peft) ``adapter_config.json`` as bytes."""
     extra: dict[str, bytes] = {}
-    if _is_peft(model):
+    if is_peft_model(model):
         cfg = model.peft_config[_adapter_name(model)].to_dict()
         extra["adapter_config.json"] = json.dumps(
             cfg, indent=2, sort_keys=True, default=lambda o: sorted(o) if isinstance(o, set) else str(o)
@@ -176,7 +193,7 @@ class ModelSnapshotter:
 
     @staticmethod
     def _signature(model) -> tuple:
-        adapter = _adapter_name(model) if _is_peft(model) else None
+        adapter = _adapter_name(model) if is_peft_model(model) else None
         return (id(model), adapter, tuple(map(id, model.parameters())), tuple(map(id, model.buffers())))
 
     def __call__(self, model):
@@ -227,15 +244,11 @@ def tokenizer_files(processing_class) -> dict[str, bytes]:
         return {p.name: p.read_bytes() for p in sorted(Path(d).iterdir()) if p.is_file()}
 
 
-# ---------------------------------------------------------------------------------------------
-# Checkpoint folders
-# ---------------------------------------------------------------------------------------------
-def _snapshot_bytes_estimate(model) -> int:
-    """Bytes of a whole snapshot: every parameter and buffer, plus two Adam moments per trainable
-    parameter, plus 64 MiB for headers/alignment padding and small state."""
+def snapshot_bytes_estimate(model) -> int:
+    """Bytes of a whole Trainer snapshot of ``model`` (a ``torch.nn.Module``): every parameter and
+    buffer, plus two Adam moments per trainable parameter, plus 64 MiB for headers, alignment
+    padding and small state (what :func:`fastckpt.reserve` should reserve before training)."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return params + buffers + 2 * trainable + (64 << 20)
-
-

@@ -30,8 +30,10 @@ tells it the exact folder and makes ``resume_from_checkpoint=True`` pick the new
 checkpoint (:func:`get_last_checkpoint`).
 
 Folder helpers (:func:`get_last_checkpoint`, :func:`rotate_checkpoints`) live in
-:mod:`fastckpt.integrations.hf_checkpoints` and snapshot pieces in
-:mod:`fastckpt.integrations.hf_snapshot`; both are re-exported here.
+:mod:`fastckpt.integrations.hf_checkpoints`, snapshot pieces in
+:mod:`fastckpt.integrations.hf_snapshot` (both re-exported here), what a resume restores and
+when in :mod:`fastckpt.integrations.hf_resume`, the optimizer-step gate of ``defer_params`` in
+:mod:`fastckpt.integrations.hf_step_gate`.
 
 ``push_to_hub=True`` is refused with ``ValueError`` (upload a committed folder yourself).
 Multi-process training: the main process saves model/optimizer/RNG of rank 0 only.
@@ -42,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import signal
 import threading
@@ -51,20 +52,19 @@ from pathlib import Path
 from typing import Any
 
 import fastckpt
-from fastckpt.storage.commit import clean_stale_temps
 from fastckpt.errors import LinkedTensorChangedError, SourceChangedError
 from fastckpt.saving.saver import no_gc
+from fastckpt.storage import clean_stale_temps
+
+from .hf_checkpoints import (  # noqa: F401  (re-exported: public helpers, tests)
+    PREFIX_CHECKPOINT_DIR, get_last_checkpoint, logged_this_step, rotate_checkpoints, update_best_metric)
+from .hf_resume import TrainerResume, resume_checkpoint
+from .hf_snapshot import (  # noqa: F401  (re-exported: accelerate plugin, scripts)
+    ModelSnapshotter, capture_rng_state, dedup_tied, is_peft_model, model_snapshot, peft_base_weights,
+    restore_rng_state, snapshot_bytes_estimate, tokenizer_files)
+from .hf_step_gate import OptimizerStepGate, param_or_optimizer_state
 
 logger = logging.getLogger(__name__)
-
-
-
-from .hf_checkpoints import (  # noqa: E402,F401  (re-exported: public helpers, tests)
-    PREFIX_CHECKPOINT_DIR, _checkpoint_dirs, _logged, _new_best, get_last_checkpoint, rotate_checkpoints)
-from .hf_snapshot import (  # noqa: E402,F401  (re-exported: accelerate plugin, scripts)
-    capture_rng_state, restore_rng_state, _dedup_tied, _is_peft, _peft_base_weights, model_snapshot, tokenizer_files, _snapshot_bytes_estimate,
-    ModelSnapshotter)
-from .hf_step_gate import OptimizerStepGate, param_or_optimizer_state  # noqa: E402
 
 
 #: Options of :func:`fastckpt.async_save` a user may set; the callback sets ``step``, ``link_from``
@@ -159,8 +159,7 @@ class FastCkptCallback(_trainer_callback_base()):
         self._save_after_log = False
         self._training = False
         self._epoch_rng: dict[str, Any] | None = None
-        self._resume_rng: tuple[str, dict[str, Any]] | None = None  # (when, rng)
-        self._resume_step_rng: dict[str, Any] | None = None
+        self._resume = TrainerResume()  # optimizer/scheduler at train begin, RNG at epoch/step begin
         self._prev_sigterm = None
         self._gate = OptimizerStepGate(self._pending_save)  # defer_params: step() waits for staging
         self._model = self._args = self._state = None
@@ -180,9 +179,10 @@ class FastCkptCallback(_trainer_callback_base()):
         if model is not None:
             self._snapshot(model)  # learn the key -> parameter map now, not during the first save
             if not args.save_only_model:
-                fastckpt.reserve(_snapshot_bytes_estimate(model))  # first save copies into touched memory
+                fastckpt.reserve(snapshot_bytes_estimate(model))  # first save copies into touched memory
         if state.global_step > 0:
-            self._restore(args, state, optimizer, lr_scheduler)
+            ckpt = self.resume_from or str(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            self._resume.restore(ckpt, args, state, optimizer, lr_scheduler)
         if self.defer_params and not args.save_only_model:
             self._gate.install(optimizer)
         if model is not None and self.save_options.get("link_check") == "version" \
@@ -193,17 +193,12 @@ class FastCkptCallback(_trainer_callback_base()):
             fastckpt.prime_hashes(snap, weights=weights)
 
     def on_epoch_begin(self, args, state, control, **kw):
-        if self._resume_rng is not None:
-            when, rng = self._resume_rng
-            restore_rng_state(rng)
-            self._resume_rng = None if when == "epoch" else ("step", self._resume_step_rng)
+        self._resume.at_epoch_begin()
         self._epoch_rng = capture_rng_state()
 
     def on_step_begin(self, args, state, control, **kw):
         self._flush_deferred(args, state, control)
-        if self._resume_rng is not None and self._resume_rng[0] == "step":
-            restore_rng_state(self._resume_rng[1])
-            self._resume_rng = None
+        self._resume.at_step_begin()
 
     def on_step_end(self, args, state, control, **kw):
         self._refs(args, state, kw)
@@ -220,7 +215,7 @@ class FastCkptCallback(_trainer_callback_base()):
         if not self._training or metrics is None:
             return
         self._refs(args, state, kw)
-        is_best = _new_best(args, state, metrics)
+        is_best = update_best_metric(args, state, metrics)
         if args.save_strategy == "best":
             if is_best:
                 self._save(args, state, control)
@@ -246,7 +241,7 @@ class FastCkptCallback(_trainer_callback_base()):
             return
         if control.should_evaluate:
             self._save_after_eval = True  # save after metrics/best are known, as the Trainer does
-        elif control.should_log and not _logged(state):
+        elif control.should_log and not logged_this_step(state):
             # the Trainer logs this step right after on_step_end and saves after logging: save in
             # on_log, so trainer_state.json holds this step's log entry as the Trainer's own would
             self._save_after_log = True
@@ -412,37 +407,6 @@ class FastCkptCallback(_trainer_callback_base()):
         if pending is not None and pending[0].done():
             self.wait(self._args)
 
-    # -- resume --------------------------------------------------------------------------------
-    def _restore(self, args, state, optimizer, lr_scheduler) -> None:
-        ckpt = self.resume_from or str(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if not fastckpt.is_committed(ckpt):
-            logger.warning(
-                "fastckpt: resumed at step %d but %s is not a committed fastckpt checkpoint: optimizer, "
-                "scheduler and RNG states come from the Trainer's own files if any; resume may not be "
-                "exact (pass FastCkptCallback(resume_from=...) or use FastCkptTrainerMixin)",
-                state.global_step, ckpt)
-            return
-        snap = fastckpt.load(ckpt, keys=None)
-        if snap.get("trainer", {}).get("global_step") != state.global_step:
-            raise ValueError(f"{ckpt} holds step {snap.get('trainer', {}).get('global_step')}, "
-                             f"the Trainer resumed at step {state.global_step}")
-        if snap.get("optimizer") is None or snap.get("rng") is None:
-            logger.warning("fastckpt: %s has no optimizer/RNG state (save_only_model?): resume is not exact",
-                           ckpt)
-            return
-        if optimizer is not None:
-            optimizer.load_state_dict(snap["optimizer"])
-        if lr_scheduler is not None and snap.get("scheduler") is not None:
-            lr_scheduler.load_state_dict(snap["scheduler"])
-        epoch = float(snap["trainer"]["epoch"] or 0.0)
-        at_boundary = math.isclose(epoch, round(epoch)) or args.ignore_data_skip
-        if at_boundary or snap.get("epoch_rng") is None:
-            self._resume_rng = ("epoch", snap["rng"])
-        else:  # mid-epoch: replay the sampler's shuffle, then continue from the saved RNG
-            self._resume_rng = ("epoch+step", snap["epoch_rng"])
-            self._resume_step_rng = snap["rng"]
-        logger.info("fastckpt: restored optimizer, scheduler and RNG from %s", ckpt)
-
     # -- SIGTERM -------------------------------------------------------------------------------
     def _install_sigterm(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -500,15 +464,7 @@ class FastCkptTrainerMixin:
         self.fastckpt_callback.trainer_callbacks = self.callback_handler.callbacks
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if resume_from_checkpoint is True:
-            found = get_last_checkpoint(self.args.output_dir)
-            if found is None:
-                from fastckpt.errors import CheckpointNotFoundError
-
-                raise CheckpointNotFoundError(
-                    f"no committed fastckpt checkpoint in {self.args.output_dir}; "
-                    "start without resume_from_checkpoint")
-            resume_from_checkpoint = found
+        resume_from_checkpoint = resume_checkpoint(self.args.output_dir, resume_from_checkpoint)
         if resume_from_checkpoint:
             self.fastckpt_callback.resume_from = str(resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)

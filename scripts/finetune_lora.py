@@ -172,7 +172,7 @@ def trainer_own_saves(trainer, n: int) -> list[tuple[float, int]]:
             t0 = time.perf_counter()
             trainer._save_checkpoint(trainer.model_wrapped, trial=None)
             ck = tmp / f"checkpoint-{trainer.state.global_step}"
-            save_file(hf_trainer._peft_base_weights(trainer.model), str(ck / "model.safetensors"))
+            save_file(hf_trainer.peft_base_weights(trainer.model), str(ck / "model.safetensors"))
             dt = time.perf_counter() - t0
             out.append((dt, sum(f.stat().st_size for f in ck.rglob("*") if f.is_file())))
             shutil.rmtree(ck)

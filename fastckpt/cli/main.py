@@ -9,57 +9,40 @@ import argparse
 import os
 import sys
 
-from ..storage.commit import MANIFEST, read_manifest
 from ..errors import FastCkptError
 from ..manager import CheckpointManager
-
-
-def parse_bytes(text: str) -> int:
-    """Parse ``"512MiB"``, ``"5GB"``, ``"4096"`` into bytes (CLI only; the core takes ints)."""
-    units = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-             "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-    t = text.strip().lower()
-    num = t.rstrip("kmgtib")
-    try:
-        return int(float(num) * units[t[len(num):]])
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4096, 512MiB, 5GB)") from None
-
-
-def _human(n: float) -> str:
-    for u in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or u == "TiB":
-            return f"{n:.1f} {u}" if u != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
+from ..storage.commit import MANIFEST, read_manifest
+from ..storage.retention import scan_checkpoints
+from .common import human_bytes, parse_bytes  # noqa: F401  (parse_bytes re-exported: tests, scripts)
+from .serve import add_load_parser
 
 
 def _guess_prefix(root: str) -> str:
+    """``checkpoint-`` (Trainer), ``checkpoint_`` (accelerate) or ``step-`` (the default)."""
     try:
         names = os.listdir(root)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return "step-"
-    if any(n.startswith("checkpoint-") for n in names):
-        return "checkpoint-"
+    for prefix in ("checkpoint-", "checkpoint_"):
+        if any(n.startswith(prefix) for n in names):
+            return prefix
     return "step-"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
     """List committed steps with sizes, and what was skipped and why."""
     prefix = args.prefix or _guess_prefix(args.root)
-    mgr = CheckpointManager(args.root, prefix=prefix)
-    steps, skipped = mgr._scan()
-    if not steps and not skipped:
+    scan = scan_checkpoints(args.root, prefix)
+    skipped = scan.skipped()
+    if not scan.committed and not skipped:
         print(f"{args.root}: no checkpoints (prefix {prefix!r})")
         return 2
     print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'tensors':>7}  path")
-    for s in steps:
-        p = mgr.path(s)
+    for s, p in scan.committed:
         m = read_manifest(str(p))
         size = m.get("bytes_total", 0) + os.path.getsize(p / MANIFEST)  # the manifest cannot list itself
-        print(f"{s:>10}  {_human(size):>10}  {len(m['files']) + 1:>5}  {len(m['tensors']):>7}  {p}")
-    latest = mgr.latest()
-    print(f"latest committed: {latest if latest is not None else '-'}")
+        print(f"{s:>10}  {human_bytes(size):>10}  {len(m['files']) + 1:>5}  {len(m['tensors']):>7}  {p}")
+    print(f"latest committed: {scan.steps[-1] if scan.steps else '-'}")
     for name, why in skipped:
         print(f"skipped {name}: {why}")
     return 0
@@ -84,7 +67,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     n = len(rep.problems)
     status = ("OK" if not rep.notes else "headers and index valid, no checksums to compare") if rep.ok \
         else f"FAILED ({n} problem{'s' if n != 1 else ''})"
-    print(f"{path}: {status}, {_human(rep.bytes_checked)} checked")
+    print(f"{path}: {status}, {human_bytes(rep.bytes_checked)} checked")
     return 0 if rep.ok else 1
 
 
@@ -97,7 +80,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``fastckpt`` (subcommands ls, verify, prune)."""
+    """The argument parser of ``fastckpt`` (subcommands ls, verify, prune, load)."""
     p = argparse.ArgumentParser(prog="fastckpt", description="Fast, safe checkpoint and weight I/O.")
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("ls", help="list committed checkpoints under a root, and what was skipped")
@@ -118,12 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--keep", type=int, required=True, help="committed steps to keep (>= 1)")
     pr.add_argument("--prefix", default=None, help="step folder prefix (default: guessed, step- or checkpoint-)")
     pr.set_defaults(func=cmd_prune)
-    try:
-        from .serve import add_load_parser  # issue 4: `fastckpt load`
-    except ImportError:
-        pass
-    else:
-        add_load_parser(sub)
+    add_load_parser(sub)
     return p
 
 

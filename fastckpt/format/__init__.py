@@ -1,1 +1,23 @@
-"""Pure data and codecs, no I/O beyond reading one header: safetensors headers and HF index files, the dtype table, the key-path tree, the shard layout."""
+"""Pure data and codecs, no I/O beyond reading one header: safetensors headers and HF index files,
+the dtype table, the key-path tree, the shard layout.
+
+Public parts (importable from ``fastckpt.format``; integrations may use these and nothing
+else of the layer):
+
+* The safetensors codec (:mod:`.safetensors`): :func:`encode_header` (validated header bytes
+  for tensors laid out back to back, optionally padded for O_DIRECT), :func:`parse_header`,
+  :func:`read_header` / :func:`read_header_fd` (validated against the file size),
+  :class:`Header`, :class:`TensorInfo`, :func:`read_index` / :func:`write_index` (HF
+  ``*.safetensors.index.json``), :func:`safe_join`, :data:`INDEX_SUFFIX`.
+* The dtype table (:mod:`.dtypes`): :func:`dtype_to_str`, :func:`str_to_dtype`, :func:`itemsize`.
+
+The key-path tree (:mod:`.tree`) and the shard layout (:mod:`.layout`) serve the save and load
+engines and are not re-exported.
+"""
+
+from .dtypes import dtype_to_str, itemsize, str_to_dtype
+from .safetensors import (INDEX_SUFFIX, Header, TensorInfo, encode_header, parse_header, read_header, read_header_fd,
+                          read_index, safe_join, write_index)
+
+__all__ = ["dtype_to_str", "itemsize", "str_to_dtype", "INDEX_SUFFIX", "Header", "TensorInfo", "encode_header",
+           "parse_header", "read_header", "read_header_fd", "read_index", "safe_join", "write_index"]

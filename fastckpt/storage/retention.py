@@ -1,0 +1,223 @@
+"""Retention: which committed checkpoints of a run root to keep, and deleting one safely.
+
+A run root holds one folder per step, ``{prefix}{step}`` (``step-100``, ``checkpoint-100``,
+``checkpoint_3``). The one rule, used by :class:`fastckpt.CheckpointManager`, ``fastckpt prune``,
+the Trainer callback and the accelerate plugin:
+
+* Only committed folders (see :func:`fastckpt.storage.commit.is_committed`) count and are ever
+  deleted; a folder without a valid manifest is left alone.
+* The newest committed step is never deleted, so retention cannot remove the last good
+  checkpoint before a newer one is committed (run it after each commit).
+* A folder is deleted by :func:`delete_checkpoint`: one atomic ``rename`` to a hidden temporary
+  name (``.{name}.fastckpt-tmp-{pid}@{host}-{hex}.del``) made durable by an fsync of the root,
+  then ``rmtree``. From the rename on it is no checkpoint; if the process dies in the middle,
+  :func:`fastckpt.storage.commit.clean_stale_temps` (run by the next ``CheckpointManager`` save,
+  the Trainer callback's next save, the accelerate plugin's next rotation and ``fastckpt prune``)
+  recognises the leftover as a dead writer's temporary and removes it.
+
+Call order for one root: :func:`scan_checkpoints` (or :func:`prune_checkpoints`, which runs
+``clean_stale_temps`` -> scan -> :func:`select_victims` -> :func:`delete_checkpoint` per victim).
+None of these takes the root lock (:class:`fastckpt.storage.lock.RootLock`); the caller does
+when several jobs may share the root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from . import commit as cm
+from .io import fsync_dir
+
+#: Suffix of the hidden name a folder gets while :func:`delete_checkpoint` removes it.
+DOOMED_SUFFIX = ".del"
+
+
+@dataclass(frozen=True)
+class CheckpointScan:
+    """What :func:`scan_checkpoints` found under a run root.
+
+    Attributes:
+        root: the run root.
+        committed: ``(step, folder)`` of every committed step folder, ascending by step.
+        uncommitted: ``(step, folder)`` of step-named folders without a valid manifest (a
+            crashed save of another tool, or not fastckpt), ascending by step.
+        leftovers: names of hidden fastckpt temporaries (unfinished saves, interrupted
+            deletions), sorted.
+    """
+
+    root: Path
+    committed: list[tuple[int, Path]] = field(default_factory=list)
+    uncommitted: list[tuple[int, Path]] = field(default_factory=list)
+    leftovers: list[str] = field(default_factory=list)
+
+    @property
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return [s for s, _ in self.committed]
+
+    def skipped(self) -> list[tuple[str, str]]:
+        """``(folder name, reason)`` for every leftover and uncommitted folder, sorted by name.
+
+        Checks whether each leftover's writer is alive (an owner-record read per leftover).
+        """
+        out = [(n, describe_leftover(str(self.root / n))) for n in self.leftovers]
+        out += [(p.name, "no valid manifest.json: never committed (crashed save or not fastckpt)")
+                for _, p in self.uncommitted]
+        return sorted(out)
+
+
+def is_temp_name(name: str) -> bool:
+    """True if ``name`` (a folder name) is a fastckpt temporary: a save in progress or a
+    folder being deleted (never a checkpoint)."""
+    return name.startswith(".") and cm.TMP_MARK in name
+
+
+def describe_leftover(path: str) -> str:
+    """One line saying what temporary folder ``path`` is and what happens to it."""
+    state = "live writer" if cm.owner_alive(path) else "dead writer, removed on next save/prune"
+    if path.endswith(DOOMED_SUFFIX):
+        return f"checkpoint being deleted ({state})"
+    return f"temporary folder of an unfinished save ({state})"
+
+
+def step_folders(root: str | os.PathLike, prefix: str) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``{prefix}{step}`` folder of ``root``, ascending by step,
+    committed or not (no manifest is read: one ``listdir`` plus one ``stat`` per match).
+
+    Args:
+        root: run root; a missing root gives ``[]``.
+        prefix: step folder prefix, e.g. ``"step-"``, ``"checkpoint-"`` or ``"checkpoint_"``.
+    """
+    root = Path(os.path.abspath(os.fspath(root)))
+    pattern = re.compile(re.escape(prefix) + r"(\d+)$")
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = [(int(m.group(1)), root / n) for n in names if (m := pattern.match(n))]
+    return sorted((s, p) for s, p in found if p.is_dir())
+
+
+def scan_checkpoints(root: str | os.PathLike, prefix: str) -> CheckpointScan:
+    """Sort the folders of ``root`` into committed steps, uncommitted step folders and leftovers.
+
+    Args:
+        root: run root; a missing root gives an empty scan.
+        prefix: step folder prefix, e.g. ``"step-"``, ``"checkpoint-"`` or ``"checkpoint_"``.
+
+    Returns:
+        A :class:`CheckpointScan`. Reads every step folder's manifest (memoised on its inode and
+        mtime by :func:`fastckpt.storage.commit.read_manifest_shared`); to find only the newest
+        committed step, walk :func:`step_folders` backwards instead.
+    """
+    scan = CheckpointScan(Path(os.path.abspath(os.fspath(root))))
+    try:
+        scan.leftovers.extend(sorted(n for n in os.listdir(scan.root) if is_temp_name(n)))
+    except (FileNotFoundError, NotADirectoryError):
+        return scan
+    for step, folder in step_folders(scan.root, prefix):
+        (scan.committed if cm.is_committed(folder) else scan.uncommitted).append((step, folder))
+    return scan
+
+
+def select_victims(steps: Sequence[int], keep: int, protect: Iterable[int] = ()) -> list[int]:
+    """The committed steps to delete so that the newest ``keep`` remain (pure, no I/O).
+
+    The newest ``keep`` steps and every step in ``protect`` are kept; the newest step is always
+    kept (also when ``protect`` names others), so a retention pass run after a commit never
+    deletes the checkpoint just committed.
+
+    Args:
+        steps: committed steps (any order; duplicates ignored).
+        keep: how many of the newest steps to keep, >= 1.
+        protect: steps never to delete (e.g. the best checkpoint), kept in addition.
+
+    Returns:
+        The steps to delete, ascending.
+
+    Raises:
+        ValueError: ``keep`` is not an int >= 1.
+
+    Example::
+
+        >>> select_victims([1, 2, 3, 4], keep=2, protect=[1])
+        [2]
+    """
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise ValueError(f"keep must be >= 1 (an int), got {keep!r}")
+    ordered = sorted(set(steps))
+    kept = set(ordered[-keep:]) | set(protect)
+    return [s for s in ordered if s not in kept]
+
+
+def delete_checkpoint(path: str | os.PathLike) -> bool:
+    """Delete the checkpoint folder ``path`` so that no crash leaves a half-deleted checkpoint.
+
+    Steps: rename ``path`` to a hidden temporary sibling ``.{name}.fastckpt-tmp-{pid}@{host}-{hex}.del``
+    (one atomic ``rename``: from here on it is no checkpoint), write an owner record into it
+    (pid, host, time: a later pid reuse cannot make it look alive), fsync the parent folder (the
+    rename is durable before any file goes), then ``rmtree``. A process killed after the rename
+    leaves a folder that :func:`fastckpt.storage.commit.clean_stale_temps` removes once this
+    process is gone (the next save or ``fastckpt prune``); ``fastckpt ls`` shows it as a
+    checkpoint being deleted, never as a checkpoint.
+
+    Args:
+        path: a step folder (committed or not: the caller decides what to delete).
+
+    Returns:
+        True if the folder was removed, False if ``path`` did not exist.
+
+    Raises:
+        OSError: the rename failed (e.g. EACCES, EBUSY); ``path`` is then untouched. Errors of
+            the removal itself are ignored: what stays is a leftover the cleaner removes.
+    """
+    path = os.path.abspath(os.fspath(path))
+    doomed = cm.temp_dir_for(path) + DOOMED_SUFFIX
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        return False
+    owner = {"pid": os.getpid(), "host": socket.gethostname(), "started_unix_s": time.time()}
+    try:
+        cm.write_small_file(os.path.join(doomed, cm.OWNER), json.dumps(owner).encode(), fsync=False)
+    except OSError:
+        pass  # without a record the cleaner attributes the folder by its name (same pid and host)
+    fsync_dir(os.path.dirname(doomed))
+    shutil.rmtree(doomed, ignore_errors=True)
+    return True
+
+
+def prune_checkpoints(root: str | os.PathLike, prefix: str, keep: int,
+                      protect: Iterable[int] = ()) -> list[int]:
+    """Remove dead writers' temporaries in ``root``, then the committed steps beyond the newest ``keep``.
+
+    Selection is :func:`select_victims` over the committed steps of :func:`scan_checkpoints`;
+    each victim goes through :func:`delete_checkpoint`. Uncommitted folders are left alone.
+
+    Args:
+        root: run root (a missing root removes nothing).
+        prefix: step folder prefix (``"step-"``, ``"checkpoint-"``, ...).
+        keep: newest committed steps to keep, >= 1.
+        protect: steps never to delete, kept in addition to the newest ``keep``.
+
+    Returns:
+        The deleted steps, ascending.
+
+    Raises:
+        ValueError: ``keep`` is not an int >= 1.
+        OSError: a victim could not be renamed (the steps before it are already deleted).
+    """
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise ValueError(f"keep must be >= 1 (an int), got {keep!r}")
+    cm.clean_stale_temps(os.fspath(root))
+    scan = scan_checkpoints(root, prefix)
+    folders = dict(scan.committed)
+    return [s for s in select_victims(scan.steps, keep, protect) if delete_checkpoint(folders[s])]

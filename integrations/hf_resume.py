@@ -1,0 +1,122 @@
+"""Exact resume of a ``Trainer`` run from a fastckpt checkpoint: optimizer, scheduler, RNG.
+
+The Trainer restores the model weights itself (through its safetensors loader) when
+``train(resume_from_checkpoint=...)`` names a checkpoint folder. What it would read from its
+pickle files (``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``) the callback takes from the
+fastckpt checkpoint instead, through :class:`TrainerResume`:
+
+* at train begin: the optimizer and scheduler states (and a check that the checkpoint holds the
+  step the Trainer resumed at);
+* the RNG states exactly where the Trainer would restore ``rng_state.pth``: at the first epoch
+  begin when the checkpoint lies on an epoch boundary; otherwise the RNG state of the start of
+  that epoch first (so the sampler draws the same shuffle and the Trainer skips the same
+  batches), then the saved RNG state at the first step of the resumed run.
+
+:func:`resume_checkpoint` resolves ``resume_from_checkpoint=True`` to the newest *committed*
+checkpoint (what :class:`~fastckpt.integrations.hf_trainer.FastCkptTrainerMixin` uses).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import fastckpt
+from fastckpt.errors import CheckpointNotFoundError
+
+from .hf_checkpoints import get_last_checkpoint
+from .hf_snapshot import restore_rng_state
+
+logger = logging.getLogger("fastckpt.integrations.hf_trainer")
+
+
+def resume_checkpoint(output_dir: str, resume_from_checkpoint: Any) -> Any:
+    """What ``Trainer.train(resume_from_checkpoint=...)`` should get: ``True`` becomes the newest
+    committed ``checkpoint-N`` of ``output_dir`` (:func:`get_last_checkpoint`); anything else is
+    returned as is.
+
+    Raises:
+        CheckpointNotFoundError: ``True`` and no committed checkpoint exists in ``output_dir``.
+    """
+    if resume_from_checkpoint is not True:
+        return resume_from_checkpoint
+    found = get_last_checkpoint(output_dir)
+    if found is None:
+        raise CheckpointNotFoundError(
+            f"no committed fastckpt checkpoint in {output_dir}; start without resume_from_checkpoint")
+    return found
+
+
+class TrainerResume:
+    """The resume half of the Trainer callback: what to restore, and when.
+
+    Call order (from the callback's Trainer events): :meth:`restore` in ``on_train_begin`` (only
+    when the Trainer resumed, ``state.global_step > 0``), then :meth:`at_epoch_begin` in every
+    ``on_epoch_begin`` and :meth:`at_step_begin` in every ``on_step_begin``; both are no-ops
+    once the saved RNG states are restored.
+    """
+
+    def __init__(self) -> None:
+        self._rng: tuple[str, dict[str, Any]] | None = None  # (when: "epoch" | "epoch+step" | "step", rng)
+        self._step_rng: dict[str, Any] | None = None
+
+    def restore(self, ckpt: str, args, state, optimizer, lr_scheduler) -> bool:
+        """Load the optimizer and scheduler states of checkpoint folder ``ckpt`` now and schedule
+        its RNG states for the next epoch/step begin.
+
+        Args:
+            ckpt: the checkpoint folder the Trainer resumed from.
+            args: the ``TrainingArguments`` (``ignore_data_skip``).
+            state: the ``TrainerState`` (``global_step`` the Trainer resumed at).
+            optimizer, lr_scheduler: the Trainer's (``None`` when absent).
+
+        Returns:
+            False, with a WARNING, when ``ckpt`` is not a committed fastckpt checkpoint or holds
+            no optimizer/RNG state (``save_only_model``): the resume is then not exact.
+
+        Raises:
+            ValueError: ``ckpt`` holds another step than ``state.global_step``.
+        """
+        if not fastckpt.is_committed(ckpt):
+            logger.warning(
+                "fastckpt: resumed at step %d but %s is not a committed fastckpt checkpoint: optimizer, "
+                "scheduler and RNG states come from the Trainer's own files if any; resume may not be "
+                "exact (pass FastCkptCallback(resume_from=...) or use FastCkptTrainerMixin)",
+                state.global_step, ckpt)
+            return False
+        snap = fastckpt.load(ckpt, keys=None)
+        if snap.get("trainer", {}).get("global_step") != state.global_step:
+            raise ValueError(f"{ckpt} holds step {snap.get('trainer', {}).get('global_step')}, "
+                             f"the Trainer resumed at step {state.global_step}")
+        if snap.get("optimizer") is None or snap.get("rng") is None:
+            logger.warning("fastckpt: %s has no optimizer/RNG state (save_only_model?): resume is not exact",
+                           ckpt)
+            return False
+        if optimizer is not None:
+            optimizer.load_state_dict(snap["optimizer"])
+        if lr_scheduler is not None and snap.get("scheduler") is not None:
+            lr_scheduler.load_state_dict(snap["scheduler"])
+        epoch = float(snap["trainer"]["epoch"] or 0.0)
+        at_boundary = math.isclose(epoch, round(epoch)) or args.ignore_data_skip
+        if at_boundary or snap.get("epoch_rng") is None:
+            self._rng = ("epoch", snap["rng"])
+        else:  # mid-epoch: replay the sampler's shuffle, then continue from the saved RNG
+            self._rng = ("epoch+step", snap["epoch_rng"])
+            self._step_rng = snap["rng"]
+        logger.info("fastckpt: restored optimizer, scheduler and RNG from %s", ckpt)
+        return True
+
+    def at_epoch_begin(self) -> None:
+        """Restore the RNG state due at this epoch begin, if any (before the sampler draws)."""
+        if self._rng is None:
+            return
+        when, rng = self._rng
+        restore_rng_state(rng)
+        self._rng = None if when == "epoch" else ("step", self._step_rng)
+
+    def at_step_begin(self) -> None:
+        """Restore the saved RNG state at the first step of a run resumed mid-epoch."""
+        if self._rng is not None and self._rng[0] == "step":
+            restore_rng_state(self._rng[1])
+            self._rng = None
