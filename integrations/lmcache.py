@@ -44,7 +44,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from fastckpt.format.dtypes import dtype_to_str, str_to_dtype
+from fastckpt.format import dtype_to_str, str_to_dtype
 
 from .lmcache_config import CLASS_NAME, MODULE_PATH, BackendOptions, check_config, parse_options
 from .lmcache_store import ChunkHandle, KVFileStore, chunk_name

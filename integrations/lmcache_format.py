@@ -1,12 +1,11 @@
-"""Pieces of the fastckpt KV chunk store: options, counters, open-chunk handle, I/O helpers.
+"""Pieces of the fastckpt KV chunk store: options, counters, open-chunk handle, names, checksums.
 
-See :mod:`.lmcache_store` for the folder layout and the rules. No LMCache import.
+See :mod:`.lmcache_store` for the folder layout and the rules; bytes move through the storage
+layer (:mod:`fastckpt.storage`). No LMCache import.
 """
 
 from __future__ import annotations
 
-import errno
-import os
 import threading
 from dataclasses import dataclass, field
 
@@ -135,43 +134,3 @@ def chunk_name(key_string: str) -> str:
 def piece_hashes(buf: memoryview, piece_bytes: int) -> list[str]:
     """xxh3-64 hex digest of each ``piece_bytes`` piece of ``buf``."""
     return [xxhash.xxh3_64_hexdigest(buf[s:s + piece_bytes]) for s in range(0, len(buf), piece_bytes)]
-
-
-def _pread_into(fd: int, mv: memoryview, offset: int) -> int:
-    done = 0
-    while done < len(mv):
-        n = os.preadv(fd, [mv[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
-
-
-def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(mv):
-        done += os.pwritev(fd, [mv[done:]], offset + done)
-
-
-def _address(mv: memoryview) -> int:
-    import ctypes  # local: only for the O_DIRECT alignment check
-
-    return ctypes.addressof(ctypes.c_char.from_buffer(mv)) if not mv.readonly else -1
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some file systems refuse fsync on directories
-        if e.errno not in (errno.EINVAL, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)

@@ -10,8 +10,8 @@ share through the folder, and this process's view of it, but never a chunk's con
 * lookup, removal (also of corrupt chunks) and LRU eviction down to ``max_bytes``.
 
 Writing and reading chunk files is in :mod:`.lmcache_store`, which also describes the folder
-layout and the rules (case C8); options, stats, handles and I/O helpers are in
-:mod:`.lmcache_format`. No LMCache import.
+layout and the rules (case C8); options, stats and handles are in :mod:`.lmcache_format`.
+No LMCache import.
 """
 
 from __future__ import annotations
@@ -25,18 +25,22 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 from fastckpt.errors import InsufficientSpaceError
 
-from .lmcache_format import LOCK_NAME, SUFFIX, ChunkHandle, KVStats, StoreOptions, _unlink_quiet
+from .lmcache_format import LOCK_NAME, SUFFIX, ChunkHandle, KVStats, StoreOptions
 
 # the store's logger name, as before this module was split out of lmcache_store
 logger = logging.getLogger(__name__.rpartition(".")[0] + ".lmcache_store")
 
 _LOCK_FMT = struct.Struct("<8sQQ")
 _LOCK_MAGIC = b"FCKVLCK1"
-_FINAL_RE = re.compile(r"^([0-9a-f]{32})\.kv\.safetensors$")
-_TMP_RE = re.compile(r"^\.tmp\.([0-9a-f]{32})\.([^.]+)\.(\d+)\.[0-9a-f]+$")
+#: Name of a committed chunk file (group 1: the chunk name).
+FINAL_RE = re.compile(r"^([0-9a-f]{32})\.kv\.safetensors$")
+#: Name of a chunk file being written, ``.tmp.<chunk name>.<host>.<pid>.<hex>`` (never a hit;
+#: groups: chunk name, host, pid). :meth:`KVFolderIndex.temp_path_for` makes them.
+TMP_RE = re.compile(r"^\.tmp\.([0-9a-f]{32})\.([^.]+)\.(\d+)\.[0-9a-f]+$")
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
 
 
@@ -70,6 +74,11 @@ class KVFolderIndex:
     def path_for(self, name: str) -> str:
         """Final path of chunk ``name``."""
         return os.path.join(self.root, name[:2], name + SUFFIX)
+
+    def temp_path_for(self, name: str) -> str:
+        """A fresh temporary path for writing chunk ``name`` in its sub-folder (see :data:`TMP_RE`:
+        it names this host and process, so a scan can tell a dead writer's leftover)."""
+        return os.path.join(self.root, name[:2], f".tmp.{name}.{_HOST}.{os.getpid()}.{os.urandom(4).hex()}")
 
     def _locked(self):
         store = self
@@ -139,7 +148,7 @@ class KVFolderIndex:
     @staticmethod
     def _entries(sub: str) -> list:
         try:
-            return [e for e in os.scandir(sub) if _FINAL_RE.match(e.name) or _TMP_RE.match(e.name)]
+            return [e for e in os.scandir(sub) if FINAL_RE.match(e.name) or TMP_RE.match(e.name)]
         except FileNotFoundError:
             return []
 
@@ -169,10 +178,10 @@ class KVFolderIndex:
                     st = e.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                tm = _TMP_RE.match(e.name)
+                tm = TMP_RE.match(e.name)
                 if tm is not None:
                     if self._tmp_is_stale(tm, st.st_mtime, now):
-                        _unlink_quiet(e.path)
+                        Path(e.path).unlink(missing_ok=True)
                         logger.info("fastckpt kv: removed stale temp file %s (%d bytes)", e.path, st.st_size)
                         continue
                     used += st.st_size
@@ -247,7 +256,7 @@ class KVFolderIndex:
                 return False
             if ino is not None and st.st_ino != ino:
                 return False
-            _unlink_quiet(path)
+            Path(path).unlink(missing_ok=True)
             recorded = self._index.pop(name, None)
             if recorded != st.st_size:
                 self._rescan_locked()  # changed behind our back: recount from the folder

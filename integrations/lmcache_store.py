@@ -27,11 +27,13 @@ Rules (case C8 of ``shared/cases``):
       any anomaly (file gone, size changed).
 
 What lives where: this module writes and reads chunk files (:class:`KVFileStore`:
-``write``, ``open_chunk``, ``read_piece``, ``close_chunk``). Its base class
-:class:`~.lmcache_index.KVFolderIndex` (:mod:`.lmcache_index`) holds the lock file and
-shared counters, the folder scan, the LRU index, pins, removal and eviction. Options,
-stats, the chunk handle, ``chunk_name`` and the I/O helpers are in :mod:`.lmcache_format`.
-All of them stay importable from here.
+``write``, ``open_chunk``, ``read_piece``, ``close_chunk``), through the storage layer's
+primitives (:class:`fastckpt.storage.FileWriter`: preallocation, O_DIRECT for aligned
+buffers, fsync; :func:`fastckpt.storage.read_exact`; :func:`fastckpt.storage.fsync_dir`).
+Its base class :class:`~.lmcache_index.KVFolderIndex` (:mod:`.lmcache_index`) holds the lock
+file and shared counters, the folder scan, the LRU index, pins, removal, eviction and the
+temp-file names. Options, stats, the chunk handle and ``chunk_name`` are in
+:mod:`.lmcache_format`. All of them stay importable from here.
 """
 
 from __future__ import annotations
@@ -40,19 +42,18 @@ import errno
 import json
 import os
 import time
+from pathlib import Path
 
 import xxhash
 
 from fastckpt.errors import CorruptCheckpointError
-from fastckpt.format.safetensors import encode_header, read_header_fd
+from fastckpt.format import encode_header, read_header_fd
+from fastckpt.storage import ALIGN, FileWriter, buffer_address, fsync_dir, get_backend, read_exact
 
 from .lmcache_format import (  # noqa: F401  (re-exported: the store's public types)
-    FORMAT_TAG, HEADER_ALIGN, LOCK_NAME, SUFFIX, ChunkHandle, KVStats, StoreOptions, _address,
-    _fsync_dir, _pread_into, _pwrite_all, _unlink_quiet, chunk_name, piece_hashes,
+    FORMAT_TAG, HEADER_ALIGN, LOCK_NAME, SUFFIX, ChunkHandle, KVStats, StoreOptions, chunk_name, piece_hashes,
 )
-from .lmcache_index import (  # noqa: F401  (re-exported: the base class, its constants, the logger)
-    _FINAL_RE, _HOST, _LOCK_FMT, _LOCK_MAGIC, _TMP_RE, KVFolderIndex, logger,
-)
+from .lmcache_index import FINAL_RE, TMP_RE, KVFolderIndex, logger  # noqa: F401  (re-exported)
 
 
 class KVFileStore(KVFolderIndex):
@@ -70,6 +71,7 @@ class KVFileStore(KVFolderIndex):
 
     def __init__(self, options: StoreOptions):
         self._direct_ok = options.o_direct and hasattr(os, "O_DIRECT")
+        self._be = get_backend(None)
         super().__init__(options)
 
     # ----- writing -------------------------------------------------------------------------
@@ -116,58 +118,44 @@ class KVFileStore(KVFolderIndex):
         total = len(prefix) + len(buf)
         sub = os.path.join(self.root, name[:2])
         os.makedirs(sub, exist_ok=True)
-        tmp = os.path.join(sub, f".tmp.{name}.{_HOST}.{os.getpid()}.{os.urandom(4).hex()}")
+        tmp = self.temp_path_for(name)
         with self._locked():
             self._make_room_locked(total)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                os.posix_fallocate(fd, 0, total)
-            except OSError:
-                os.close(fd)
-                _unlink_quiet(tmp)
+            try:  # creates the file and reserves its bytes: a full tier fails here, before any write
+                w = FileWriter(self._be, tmp, total, o_direct=self._direct_ok)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
                 raise
             self._adjust_used(total)
         committed = False
         try:
             try:
-                _pwrite_all(fd, memoryview(prefix), 0)
-                self._write_data(fd, tmp, buf, len(prefix))
+                w.write(memoryview(prefix), 0)
+                self._write_data(w, buf, len(prefix))
                 if self.opts.durable:
-                    os.fsync(fd)
+                    w.sync()
             finally:
-                os.close(fd)
+                w.close()
             final = self.path_for(name)
             with self._locked():
                 if os.path.exists(final):  # same key committed meanwhile by another process
-                    _unlink_quiet(tmp)
+                    Path(tmp).unlink(missing_ok=True)
                     self._adjust_used(-total)
                 else:
                     os.rename(tmp, final)
                     self._index[name] = total
                 committed = True
             if self.opts.durable:
-                _fsync_dir(sub)
+                fsync_dir(sub)
         finally:
             if not committed:
-                _unlink_quiet(tmp)
+                Path(tmp).unlink(missing_ok=True)
                 with self._locked():
                     self._adjust_used(-total)
 
-    def _write_data(self, fd: int, path: str, buf: memoryview, offset: int) -> None:
-        aligned = (len(buf) // 4096) * 4096
-        if self._direct_ok and aligned and offset % 4096 == 0 and _address(buf) % 4096 == 0:
-            try:
-                dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
-                try:
-                    _pwrite_all(dfd, buf[:aligned], offset)
-                finally:
-                    os.close(dfd)
-                _pwrite_all(fd, buf[aligned:], offset + aligned)
-                return
-            except OSError as e:  # no O_DIRECT here (tmpfs...): write buffered instead
-                if e.errno != errno.EINVAL:
-                    raise
-        _pwrite_all(fd, buf, offset)
+    def _write_data(self, w: FileWriter, buf: memoryview, offset: int) -> None:
+        """Write the chunk's data region (O_DIRECT for its aligned part when ``buf`` is aligned)."""
+        w.write(buf, offset)
 
     # ----- reading -------------------------------------------------------------------------
     def open_chunk(self, name: str) -> ChunkHandle | None:
@@ -177,7 +165,7 @@ class KVFileStore(KVFolderIndex):
         """
         path = self.path_for(name)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = self._be.open_read(path)
         except FileNotFoundError:
             with self._tlock:
                 self._index.pop(name, None)
@@ -186,12 +174,12 @@ class KVFileStore(KVFolderIndex):
             h = self._parse(fd, name, path)
         except (CorruptCheckpointError, ValueError, KeyError, OSError) as e:
             ino = os.fstat(fd).st_ino
-            os.close(fd)
+            self._be.close(fd)
             self.drop_corrupt(ChunkHandle(name, path, -1, -1, 0, [], 0, "", "", 1, [], ino), str(e))
             return None
         if self._direct_ok:
             try:
-                h.fd_direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                h.fd_direct = self._be.open_read(path, o_direct=True)
             except OSError:
                 h.fd_direct = -1  # file system without O_DIRECT (tmpfs): buffered reads
         return h
@@ -217,24 +205,23 @@ class KVFileStore(KVFolderIndex):
         """Read data bytes ``[start, start+length)`` of ``h`` into ``buf[start:start+length]``.
 
         Raises:
-            CorruptCheckpointError: short read or checksum mismatch (the file is bad).
+            CorruptCheckpointError: the file ends early or a checksum does not match (the file is bad).
+            OSError: from the reads (EIO...).
         """
         mv = buf[start:start + length]
         off = h.data_offset + start
-        aligned = (length // 4096) * 4096
+        what = f"data bytes [{start}, {start + length}) of {h.nbytes}"
+        aligned = (length // ALIGN) * ALIGN
         done = 0
-        if h.fd_direct >= 0 and aligned and off % 4096 == 0 and _address(mv) % 4096 == 0:
+        if h.fd_direct >= 0 and aligned and off % ALIGN == 0 and buffer_address(mv) % ALIGN == 0:
             try:
-                done = _pread_into(h.fd_direct, mv[:aligned], off)
+                read_exact(self._be, h.fd_direct, mv[:aligned], off, path=h.path, what=what)
+                done = aligned
             except OSError as e:  # the file system refused this direct read: go buffered
                 if e.errno != errno.EINVAL:
                     raise
-                done = 0
-        if done == aligned or done == 0:
-            done += _pread_into(h.fd, mv[done:], off + done)
-        if done != length:
-            raise CorruptCheckpointError(f"{h.path}: short read at data byte {start + done} of {h.nbytes}",
-                                         path=h.path)
+        if done < length:
+            read_exact(self._be, h.fd, mv[done:], off + done, path=h.path, what=what)
         if self.opts.verify:
             i = start // h.piece_bytes
             if xxhash.xxh3_64_hexdigest(mv) != h.piece_hashes[i]:
@@ -245,5 +232,5 @@ class KVFileStore(KVFolderIndex):
         """Close the descriptors of ``h``."""
         for fd in (h.fd, h.fd_direct):
             if fd >= 0:
-                os.close(fd)
+                self._be.close(fd)
         h.fd = h.fd_direct = -1

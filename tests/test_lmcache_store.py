@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from fastckpt.errors import CorruptCheckpointError, InsufficientSpaceError
 from fastckpt.integrations.lmcache_store import (
-    KVFileStore, StoreOptions, _TMP_RE, chunk_name,
+    TMP_RE, KVFileStore, StoreOptions, chunk_name,
 )
 
 SHAPE = (2, 2, 256, 128)  # 2 * 2 * 256 * 128 * 2 bytes = 256 KiB per chunk
@@ -82,11 +82,11 @@ def test_get_while_put_in_flight_is_a_miss_and_nothing_partial_is_visible(tmp_pa
     started, release = threading.Event(), threading.Event()
     real = KVFileStore._write_data
 
-    def slow(self, fd, path, buf, offset):
-        real(self, fd, path, buf[: len(buf) // 2], offset)  # half the chunk is on disk
+    def slow(self, w, buf, offset):
+        real(self, w, buf[: len(buf) // 2], offset)  # half the chunk is on disk
         started.set()
         release.wait(10)
-        real(self, fd, path, buf, offset)
+        real(self, w, buf, offset)
 
     monkeypatch.setattr(KVFileStore, "_write_data", slow)
     t = threading.Thread(target=_put, args=(st, 7))
@@ -94,7 +94,7 @@ def test_get_while_put_in_flight_is_a_miss_and_nothing_partial_is_visible(tmp_pa
     assert started.wait(10)
     name = chunk_name("model@1@0@7@bfloat16")
     assert not st.contains(name) and _get(st, name) is None and st.is_writing(name)
-    assert [f for f in _files(tmp_path) if _TMP_RE.match(os.path.basename(f))]
+    assert [f for f in _files(tmp_path) if TMP_RE.match(os.path.basename(f))]
     release.set()
     t.join()
     assert st.contains(name) and torch.equal(_get(st, name), _chunk(7))
@@ -104,8 +104,8 @@ def test_get_while_put_in_flight_is_a_miss_and_nothing_partial_is_visible(tmp_pa
 def _die_halfway(path: str) -> None:
     st = _store(path)
 
-    def half_then_die(self, fd, p, buf, offset):
-        os.pwrite(fd, bytes(buf[: len(buf) // 2]), offset)
+    def half_then_die(self, w, buf, offset):
+        w.write(buf[: len(buf) // 2], offset)
         os._exit(9)
 
     KVFileStore._write_data = half_then_die
@@ -118,7 +118,7 @@ def test_writer_killed_halfway_never_becomes_a_hit_and_is_cleaned(tmp_path):
     p.join(60)
     assert p.exitcode == 9
     leftovers = _files(tmp_path)
-    assert len(leftovers) == 1 and _TMP_RE.match(os.path.basename(leftovers[0]))
+    assert len(leftovers) == 1 and TMP_RE.match(os.path.basename(leftovers[0]))
     st = _store(tmp_path)  # restart: the scan removes the dead writer's temp file
     assert not st.contains(chunk_name("model@1@0@3@bfloat16"))
     assert _files(tmp_path) == [] and st.used_bytes() == 0 == st.disk_bytes()
@@ -238,7 +238,7 @@ def test_processes_share_one_capacity_limit(tmp_path):
     st = _store(tmp_path, max_bytes=cap)
     files = _files(tmp_path)
     assert sum(os.path.getsize(f) for f in files) <= cap
-    assert not [f for f in files if _TMP_RE.match(os.path.basename(f))]
+    assert not [f for f in files if TMP_RE.match(os.path.basename(f))]
     assert st.used_bytes() == st.disk_bytes()
     for f in files:  # every surviving chunk is complete and correct
         name = os.path.basename(f)[:32]
@@ -265,7 +265,7 @@ def test_full_tier_fails_the_put_cleanly(tiny_tmpfs):
     assert ei.value.errno == errno.ENOSPC
     assert len(ok) == 3
     assert not st.contains(chunk_name(f"model@1@0@{len(ok):x}@bfloat16"))
-    assert not [f for f in _files(tiny_tmpfs) if _TMP_RE.match(os.path.basename(f))]
+    assert not [f for f in _files(tiny_tmpfs) if TMP_RE.match(os.path.basename(f))]
     assert st.used_bytes() == st.disk_bytes()
     assert all(torch.equal(_get(st, n), _chunk(i)) for i, n in enumerate(ok))
     st.close()
