@@ -29,6 +29,8 @@ from typing import Any, Iterator
 
 import torch
 
+from fastckpt.loading.source import resolve_source
+
 logger = logging.getLogger(__name__)
 
 LOAD_FORMAT = "fastckpt"
@@ -69,8 +71,7 @@ class FastCkptLoaderMixin:
 
     def download_model(self, model_config: Any) -> None:
         """Fetch a hub model if needed and validate its headers/index/manifest (no tensor data read)."""
-        from fastckpt.cli.serve import find_checkpoint, open_source
-        open_source(find_checkpoint(self._local_path(model_config)))
+        resolve_source(self._local_path(model_config))
 
     def get_weights_iterator(self, path: str) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(HF tensor name, tensor)`` for every weight of ``path``, file order.
@@ -81,35 +82,28 @@ class FastCkptLoaderMixin:
         Raises:
             CheckpointNotFoundError, HeaderError, CorruptCheckpointError, ChecksumMismatchError.
         """
-        from fastckpt.cli.serve import find_checkpoint, open_source
-        src = open_source(find_checkpoint(path))
-        r = src.resolved
-        batches: list[list[tuple[str, str]]] = [[]]
+        src = resolve_source(path)
+        batches: list[list[str]] = [[]]
         size = 0
-        for name, key in src.weights.items():
-            n = r.tensors[key][1].nbytes
+        for name in src.weights:
+            n = src.nbytes(name)
             if batches[-1] and size + n > self.batch_bytes:
                 batches.append([])
                 size = 0
-            batches[-1].append((name, key))
+            batches[-1].append(name)
             size += n
         with ThreadPoolExecutor(1, thread_name_prefix="fastckpt-vllm") as ex:
-            nxt = ex.submit(self._read, r, batches[0]) if batches[0] else None
+            nxt = ex.submit(self._read, src, batches[0]) if batches[0] else None
             for i in range(len(batches)):
                 got = nxt.result() if nxt is not None else {}
-                nxt = ex.submit(self._read, r, batches[i + 1]) if i + 1 < len(batches) else None
-                for name, key in batches[i]:
-                    yield name, got.pop(key)
+                nxt = ex.submit(self._read, src, batches[i + 1]) if i + 1 < len(batches) else None
+                for name in batches[i]:
+                    yield name, got.pop(name)
 
-    def _read(self, r, batch: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
-        keys = [k for _, k in batch]
-        check = self.verify and r.manifest is not None
-        if self.device and torch.device(self.device).type != "cpu":
-            from fastckpt.loading.device import DEFAULT_RING_BYTES, load_tensors
-            return load_tensors(r, keys, self.device, threads=self.threads, verify=check,
-                                ring_bytes=self.ring_bytes or DEFAULT_RING_BYTES)
-        from fastckpt.loading.reader import read_tensors
-        return read_tensors(r, keys, threads=self.threads, verify=check)
+    def _read(self, src, names: list[str]) -> dict[str, torch.Tensor]:
+        device = self.device if self.device and torch.device(self.device).type != "cpu" else "cpu"
+        return src.read(names, device=device, threads=self.threads, verify=self.verify,
+                        ring_bytes=self.ring_bytes)
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
         """Stream the weights into ``model.load_weights`` and check that every parameter was loaded.

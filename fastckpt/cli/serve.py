@@ -24,22 +24,18 @@ import contextlib
 import glob
 import json
 import os
-import re
 import shlex
 import shutil
 import sys
 import tempfile
 import warnings
-from dataclasses import dataclass
 
-from ..storage import commit as cm
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointExistsError, CorruptCheckpointError
+from ..loading.source import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Source, adapter_base_dir, resolve_source
 from ..saving.export import Entry, plan_shards, warm_files, write_shards
-from ..manager import CheckpointManager
-from ..loading.resolve import Resolved, resolve
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
+from ..storage import commit as cm
+from ..storage.io import copy_file, fsync_dir
+from .common import parse_bytes
 #: Small files copied next to the weights when present (config, generation and tokenizer files).
 META_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -47,98 +43,6 @@ META_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json", "tok
                  "processor_config.json", "*.tiktoken")
 #: Any of these makes ``AutoTokenizer.from_pretrained`` possible.
 TOKENIZER_PATTERNS = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken")
-_STEP_RE = re.compile(r"^(checkpoint|step)-(\d+)$")
-
-
-@dataclass
-class Source:
-    """What ``fastckpt load`` serves.
-
-    Attributes:
-        path: the checkpoint / model folder chosen.
-        resolved: its validated description (weights tensors).
-        weights: HF tensor name -> stored key in ``resolved.tensors``, in file order.
-        meta_dir: folder holding config and tokenizer files.
-        adapter_dir: folder with ``adapter_config.json`` + ``adapter_model.safetensors``, or ``None``.
-    """
-
-    path: str
-    resolved: Resolved
-    weights: dict[str, str]
-    meta_dir: str
-    adapter_dir: str | None = None
-
-    @property
-    def weight_files(self) -> list[str]:
-        """Absolute paths of the files holding the weights."""
-        return sorted({self.resolved.file_path(self.resolved.tensors[k][0]) for k in self.weights.values()})
-
-
-def find_checkpoint(source: str) -> str:
-    """The folder to serve: ``source`` itself, or the newest committed step of a run root.
-
-    Raises:
-        CheckpointNotFoundError: a run root without any committed step (lists what was skipped).
-    """
-    source = os.path.abspath(source)
-    if not os.path.isdir(source) or os.path.exists(os.path.join(source, cm.MANIFEST)):
-        return source
-    names = os.listdir(source)
-    prefixes = sorted({m.group(1) + "-" for n in names if (m := _STEP_RE.match(n))})
-    if not prefixes or glob.glob(os.path.join(glob.escape(source), "*.safetensors")):
-        return source
-    best: tuple[int, str] | None = None
-    skipped = []
-    for pre in prefixes:
-        mgr = CheckpointManager(source, prefix=pre)
-        steps, skip = mgr._scan()
-        skipped += skip
-        if steps and (best is None or steps[-1] > best[0]):
-            best = (steps[-1], str(mgr.path(steps[-1])))
-    if best is None:
-        why = "; ".join(f"{n}: {w}" for n, w in skipped) or "none"
-        raise CheckpointNotFoundError(f"{source}: run root without a committed checkpoint (skipped: {why})")
-    return best[1]
-
-
-def open_source(path: str, base: str | None = None) -> Source:
-    """Validate ``path`` (headers, index, manifest sizes) and describe its weights and adapter.
-
-    Raises:
-        CheckpointNotFoundError: no weights (an adapter folder needs ``base``).
-        HeaderError, CorruptCheckpointError: invalid files.
-    """
-    adapter = path if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) else None
-    if adapter and not os.path.isfile(os.path.join(path, ADAPTER_WEIGHTS)):
-        raise CheckpointNotFoundError(f"{path}: has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")
-    if adapter:
-        resolve(os.path.join(path, ADAPTER_WEIGHTS))  # header validation of the adapter
-    r = resolve(path)
-    if r.manifest is not None:
-        stem = (r.manifest.get("weights") or {"model": "model"}).get("model", "model")
-        ents = r.manifest["tensors"]
-        weights = {e["name"]: k for k, e in ents.items() if "file" in e and k.startswith("model/")
-                   and (e["file"].startswith(stem + "-") or e["file"] == stem + ".safetensors"
-                        or e["file"] == stem)}
-    else:
-        weights = {n: n for n, (f, _) in r.tensors.items() if f != ADAPTER_WEIGHTS}
-    if not weights:
-        if adapter is None:
-            raise CheckpointNotFoundError(f"{path}: no model weights found")
-        base = base or _adapter_base(path)
-        if base is None:
-            raise CheckpointNotFoundError(f"{path}: adapter only; pass --base BASE_MODEL_DIR")
-        src = open_source(os.path.abspath(base))
-        src.adapter_dir = adapter
-        return src
-    order = sorted(weights.items(), key=lambda kv: (r.tensors[kv[1]][0], r.tensors[kv[1]][1].start))
-    return Source(path, r, dict(order), path, adapter)
-
-
-def _adapter_base(path: str) -> str | None:
-    with open(os.path.join(path, ADAPTER_CONFIG), "rb") as f:
-        b = json.loads(f.read()).get("base_model_name_or_path")
-    return b if isinstance(b, str) and os.path.isdir(b) else None
 
 
 def _entries(src: Source) -> list[Entry]:
@@ -155,7 +59,7 @@ def _copy_meta(src_dir: str, dst: str) -> list[str]:
         for p in sorted(glob.glob(os.path.join(glob.escape(src_dir), pat))):
             name = os.path.basename(p)
             if os.path.isfile(p) and not os.path.exists(os.path.join(dst, name)):
-                shutil.copyfile(p, os.path.join(dst, name))
+                copy_file(p, os.path.join(dst, name))
                 copied.append(name)
     return copied
 
@@ -168,7 +72,7 @@ def _meta_fallbacks(src: Source, args: argparse.Namespace) -> list[str]:
     """Folders to take missing tokenizer/generation-config files from, after ``src.meta_dir``:
     ``--base``, then the adapter's local ``base_model_name_or_path``."""
     out = []
-    for d in (getattr(args, "base", None), src.adapter_dir and _adapter_base(src.adapter_dir)):
+    for d in (getattr(args, "base", None), src.adapter_dir and adapter_base_dir(src.adapter_dir)):
         if d and os.path.isdir(d) and os.path.abspath(d) != os.path.abspath(src.meta_dir) \
                 and os.path.abspath(d) not in out:
             out.append(os.path.abspath(d))
@@ -248,7 +152,6 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
         ChecksumMismatchError / CorruptCheckpointError: a source tensor is damaged (nothing at ``to``).
         CheckpointExistsError: ``to`` exists and ``--overwrite`` was not given.
     """
-    from ..loading.reader import read_tensors
     if os.path.lexists(to) and not args.overwrite:
         raise CheckpointExistsError(f"{to} exists; choose another --to or pass --overwrite")
     os.makedirs(os.path.dirname(to) or ".", exist_ok=True)
@@ -265,10 +168,7 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
             fetch = lambda names: {n: sd[n] for n in names}  # noqa: E731
         else:
             entries = _entries(src)
-            keys = src.weights
-            check = src.resolved.manifest is not None
-            fetch = lambda names: {n: t for n, t in zip(names, read_tensors(  # noqa: E731
-                src.resolved, [keys[n] for n in names], threads=args.threads, verify=check).values())}
+            fetch = lambda names: src.read(names, threads=args.threads)  # noqa: E731  (checksums if a manifest)
         plan = plan_shards(entries, args.max_shard_size)
         with _progress(plan.total_bytes, "export", args.quiet) as bar:
             write_shards(plan, fetch, tmp, threads=args.threads, progress=bar.update)
@@ -284,13 +184,14 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
 
 
 def _layout_adapter(adapter_dir: str, dst: str, base: str) -> None:
+    """``dst/adapter_config.json`` (base pointed at the export) + the adapter weights, fsynced."""
     os.makedirs(dst)
     with open(os.path.join(adapter_dir, ADAPTER_CONFIG), "rb") as f:
         cfg = json.loads(f.read())
     cfg["base_model_name_or_path"] = base
-    with open(os.path.join(dst, ADAPTER_CONFIG), "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-    shutil.copyfile(os.path.join(adapter_dir, ADAPTER_WEIGHTS), os.path.join(dst, ADAPTER_WEIGHTS))
+    cm.write_small_file(os.path.join(dst, ADAPTER_CONFIG), json.dumps(cfg, indent=2, sort_keys=True).encode())
+    copy_file(os.path.join(adapter_dir, ADAPTER_WEIGHTS), os.path.join(dst, ADAPTER_WEIGHTS))
+    fsync_dir(dst)
 
 
 def vllm_command(model_dir: str, adapter_dir: str | None) -> str:
@@ -305,8 +206,7 @@ def vllm_command(model_dir: str, adapter_dir: str | None) -> str:
 
 def cmd_load(args: argparse.Namespace) -> int:
     """Resolve, verify, export or warm, then print the ``vllm serve`` command."""
-    path = find_checkpoint(args.source)
-    src = open_source(path, args.base)
+    src = resolve_source(args.source, base=args.base)
     print(f"source: {src.path} ({len(src.weights)} weight tensors"
           f"{', LoRA adapter ' + src.adapter_dir if src.adapter_dir else ''})", file=sys.stderr)
     if args.merge_lora and not src.adapter_dir:
@@ -352,7 +252,6 @@ def _warm(files: list[str], args: argparse.Namespace) -> None:
 
 def add_load_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``fastckpt load`` to the ``fastckpt`` subcommands (called by :mod:`fastckpt.cli.main`)."""
-    from .main import parse_bytes
     p = subparsers.add_parser("load", help="prepare a checkpoint for vllm serve: verify, merge LoRA, export or warm",
                               description=__doc__.replace("``", "`"), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="run root, checkpoint folder, HF model folder or peft adapter folder")

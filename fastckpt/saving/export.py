@@ -3,7 +3,11 @@
 :func:`plan_shards` (pure) assigns tensors to ``model-0000k-of-0000n.safetensors`` files;
 :func:`write_shards` streams the tensors in batches of at most ``batch_bytes`` (the next batch
 is fetched while the current one is written) and writes each batch with parallel ``pwrite``
-in ``chunk_bytes`` requests. :func:`warm_files` reads files with parallel sequential reads so
+in ``chunk_bytes`` requests, through the storage layer (:class:`fastckpt.storage.io.FileWriter`
+per file, fsynced; the index by :func:`fastckpt.storage.commit.write_small_file`). The caller
+makes the folder visible (``fastckpt load --to`` writes into
+:func:`fastckpt.storage.commit.make_temp_dir` and renames it with
+:func:`~fastckpt.storage.commit.commit_dir`). :func:`warm_files` reads files with parallel sequential reads so
 that an mmap-based loader started next finds every page in memory.
 """
 
@@ -17,9 +21,9 @@ from typing import Callable
 import torch
 
 from ..format.safetensors import encode_header, write_index
-from ..storage.io import FileWriter, get_backend, read_exact
+from ..storage.commit import write_small_file
+from ..storage.io import DEFAULT_CHUNK_BYTES, FileWriter, default_threads, get_backend, read_exact
 from ..storage.memory import bytes_view
-from ..storage.io import DEFAULT_CHUNK_BYTES, default_threads
 
 #: ``(name, safetensors dtype string, shape, nbytes)`` of one tensor to write.
 Entry = tuple[str, str, tuple[int, ...], int]
@@ -145,9 +149,7 @@ def write_shards(plan: ShardPlan, fetch: Callable[[list[str]], dict[str, torch.T
                 nxt.cancel()
     if len(plan.files) > 1:
         idx = write_index(plan.weight_map(), plan.total_bytes)
-        with open(os.path.join(folder, f"{plan.stem}.safetensors.index.json"), "wb") as f:
-            f.write(idx)
-            os.fsync(f.fileno())
+        write_small_file(os.path.join(folder, f"{plan.stem}.safetensors.index.json"), idx)
         written += len(idx)
     return written
 

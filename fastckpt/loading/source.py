@@ -1,0 +1,186 @@
+"""Resolve a source to serve: which folder, which weights, which adapter (no tensor data read).
+
+A source is a run root (its newest committed ``checkpoint-N``/``step-N``), a committed fastckpt
+checkpoint folder, any HF model folder or safetensors file, or a peft adapter folder (with its
+base model folder). :func:`resolve_source` validates every header, index and manifest entry
+(:func:`fastckpt.loading.resolve.resolve`) and returns a :class:`Source`, whose
+:meth:`Source.read` streams weights with the parallel reader (CPU) or the device ring.
+
+Used by ``fastckpt load`` (:mod:`fastckpt.cli.serve`) and the vLLM loader plugin
+(:mod:`fastckpt.integrations.vllm`).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from ..errors import CheckpointNotFoundError
+from ..storage.commit import MANIFEST
+from ..storage.retention import scan_checkpoints
+from .reader import read_tensors
+from .resolve import Resolved, resolve
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_STEP_RE = re.compile(r"^(checkpoint|step)-(\d+)$")
+
+
+@dataclass
+class Source:
+    """What a source serves.
+
+    Attributes:
+        path: the checkpoint / model folder chosen.
+        resolved: its validated description (weights tensors).
+        weights: HF tensor name -> stored key in ``resolved.tensors``, in file order.
+        meta_dir: folder holding config and tokenizer files.
+        adapter_dir: folder with ``adapter_config.json`` + ``adapter_model.safetensors``, or ``None``.
+    """
+
+    path: str
+    resolved: Resolved
+    weights: dict[str, str]
+    meta_dir: str
+    adapter_dir: str | None = None
+
+    @property
+    def weight_files(self) -> list[str]:
+        """Absolute paths of the files holding the weights."""
+        return sorted({self.resolved.file_path(self.resolved.tensors[k][0]) for k in self.weights.values()})
+
+    def nbytes(self, name: str) -> int:
+        """Stored bytes of weight ``name`` (an HF tensor name of :attr:`weights`)."""
+        return self.resolved.tensors[self.weights[name]][1].nbytes
+
+    def read(self, names: Iterable[str], *, device: str | torch.device = "cpu", threads: int | None = None,
+             verify: bool = True, ring_bytes: int | None = None) -> dict[str, torch.Tensor]:
+        """Read weights ``names`` into new tensors on ``device``, each owning its memory.
+
+        Args:
+            names: HF tensor names (keys of :attr:`weights`).
+            device: ``"cpu"`` (default: parallel reads straight into the tensors) or a device
+                (``"cuda:N"``, ``"npu:N"``: through the pinned bounce ring of
+                :func:`fastckpt.loading.device.load_tensors`).
+            threads: reads in flight (default :func:`fastckpt.storage.io.default_threads`).
+            verify: check each tensor's xxh3 against the manifest when there is one (default True).
+            ring_bytes: host bounce memory in bytes for a device read (default 256 MiB).
+
+        Returns:
+            HF name -> tensor with the stored dtype and shape, in the order of ``names``.
+
+        Raises:
+            KeyError: a name that is not a weight of this source.
+            CorruptCheckpointError: a file is shorter than its header says.
+            ChecksumMismatchError: with ``verify``, a tensor's bytes differ from the manifest.
+            OSError: from the reads.
+        """
+        names = list(names)
+        keys = [self.weights[n] for n in names]
+        check = verify and self.resolved.manifest is not None
+        if torch.device(device).type == "cpu":
+            got = read_tensors(self.resolved, keys, threads=threads, verify=check)
+        else:
+            from .device import load_tensors
+            extra = {} if ring_bytes is None else {"ring_bytes": ring_bytes}
+            got = load_tensors(self.resolved, keys, device, threads=threads, verify=check, **extra)
+        return {n: got[k] for n, k in zip(names, keys)}
+
+
+def find_checkpoint(source: str | os.PathLike) -> str:
+    """The folder to serve: ``source`` itself, or the newest committed step of a run root.
+
+    A folder holding ``checkpoint-N`` or ``step-N`` folders (and no ``manifest.json`` or
+    ``*.safetensors`` of its own) is a run root; anything else is returned as is (absolute).
+
+    Raises:
+        CheckpointNotFoundError: a run root without any committed step (lists what was skipped).
+    """
+    source = os.path.abspath(os.fspath(source))
+    if not os.path.isdir(source) or os.path.exists(os.path.join(source, MANIFEST)):
+        return source
+    names = os.listdir(source)
+    prefixes = sorted({m.group(1) + "-" for n in names if (m := _STEP_RE.match(n))})
+    if not prefixes or glob.glob(os.path.join(glob.escape(source), "*.safetensors")):
+        return source
+    best: tuple[int, str] | None = None
+    skipped: dict[str, str] = {}
+    for pre in prefixes:
+        scan = scan_checkpoints(source, pre)
+        if scan.committed and (best is None or scan.committed[-1][0] > best[0]):
+            best = (scan.committed[-1][0], str(scan.committed[-1][1]))
+        skipped.update(scan.skipped())
+    if best is None:
+        why = "; ".join(f"{n}: {w}" for n, w in sorted(skipped.items())) or "none"
+        raise CheckpointNotFoundError(f"{source}: run root without a committed checkpoint (skipped: {why})")
+    return best[1]
+
+
+def open_source(path: str | os.PathLike, base: str | os.PathLike | None = None) -> Source:
+    """Validate ``path`` (headers, index, manifest sizes) and describe its weights and adapter.
+
+    Args:
+        path: a checkpoint or model folder, a safetensors file, or a peft adapter folder.
+        base: base model folder of an adapter-only ``path`` (default: the adapter's
+            ``base_model_name_or_path`` when it is a local folder).
+
+    Raises:
+        CheckpointNotFoundError: no weights (an adapter folder needs ``base``).
+        HeaderError, CorruptCheckpointError: invalid files.
+    """
+    path = os.fspath(path)
+    adapter = path if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) else None
+    if adapter and not os.path.isfile(os.path.join(path, ADAPTER_WEIGHTS)):
+        raise CheckpointNotFoundError(f"{path}: has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")
+    if adapter:
+        resolve(os.path.join(path, ADAPTER_WEIGHTS))  # header validation of the adapter
+    r = resolve(path)
+    if r.manifest is not None:
+        stem = (r.manifest.get("weights") or {"model": "model"}).get("model", "model")
+        ents = r.manifest["tensors"]
+        weights = {e["name"]: k for k, e in ents.items() if "file" in e and k.startswith("model/")
+                   and (e["file"].startswith(stem + "-") or e["file"] == stem + ".safetensors"
+                        or e["file"] == stem)}
+    else:
+        weights = {n: n for n, (f, _) in r.tensors.items() if f != ADAPTER_WEIGHTS}
+    if not weights:
+        if adapter is None:
+            raise CheckpointNotFoundError(f"{path}: no model weights found")
+        base = base or adapter_base_dir(path)
+        if base is None:
+            raise CheckpointNotFoundError(f"{path}: adapter only; pass --base BASE_MODEL_DIR")
+        src = open_source(os.path.abspath(base))
+        src.adapter_dir = adapter
+        return src
+    order = sorted(weights.items(), key=lambda kv: (r.tensors[kv[1]][0], r.tensors[kv[1]][1].start))
+    return Source(path, r, dict(order), path, adapter)
+
+
+def resolve_source(source: str | os.PathLike, *, base: str | os.PathLike | None = None) -> Source:
+    """:func:`open_source` of :func:`find_checkpoint`: a run root, checkpoint, HF folder or adapter
+    folder, validated and described (no tensor data read).
+
+    Raises:
+        CheckpointNotFoundError: nothing to serve (a run root without a committed step, no
+            weights, an adapter without a base). HeaderError, CorruptCheckpointError: invalid files.
+
+    Example::
+
+        src = resolve_source("runs/a")          # newest committed checkpoint-N of the run
+        first = next(iter(src.weights))
+        t = src.read([first])[first]
+    """
+    return open_source(find_checkpoint(source), base)
+
+
+def adapter_base_dir(path: str) -> str | None:
+    """``base_model_name_or_path`` of the adapter folder ``path`` when it is a local folder, else None."""
+    with open(os.path.join(path, ADAPTER_CONFIG), "rb") as f:
+        b = json.loads(f.read()).get("base_model_name_or_path")
+    return b if isinstance(b, str) and os.path.isdir(b) else None
