@@ -201,16 +201,24 @@ class Session:
                 failures) from e
 
     def close(self) -> None:
-        """Leave the session; the last rank to leave deletes its keys (every rank's ``all_gather``
-        keys included). Keys of a session some rank never joined stay (a few bytes)."""
+        """Leave the session; the last rank to leave deletes every key of it (each rank leaves
+        the names of the keys it touched under ``keys/{rank}`` first). Keys of a session that
+        some rank never joined stay (a few bytes)."""
         store = self.coord.store
         if store is None:
             return
-        keys = self._keys | {f"{g}/{r}" for g in self._gathers for r in range(self.coord.world_size)}
+        world, rank = self.coord.world_size, self.coord.rank
+        mine = self._keys | {f"{g}/{r}" for g in self._gathers for r in range(world)}
         try:
-            if store.add(self.prefix + "left", 1) >= self.coord.world_size:
-                for k in sorted(keys - {"left"}) + ["left"]:
-                    store.delete_key(self.prefix + k)
+            store.set(self.prefix + f"keys/{rank}", json.dumps(sorted(mine)))
+            if store.add(self.prefix + "left", 1) < world:
+                return
+            names: set[str] = set()
+            for r in range(world):
+                names.update(json.loads(store.get(self.prefix + f"keys/{r}").decode()))
+                names.add(f"keys/{r}")
+            for k in sorted(names - {"left"}) + ["left"]:
+                store.delete_key(self.prefix + k)
         except Exception:  # the store is gone (job shutting down): nothing left to clean
             pass
 

@@ -340,6 +340,23 @@ def rank_save_world(folder: str, name: str, version: int = 0) -> None:
     _save(dist.group.WORLD, make_state(version), os.path.join(folder, name), chunk_bytes=CHUNK)
 
 
+def rank_store_keys_around_saves(folder: str) -> dict:
+    """Keys in the group's store before and after a world save, a subgroup save and a plain save."""
+    from torch.distributed import distributed_c10d as c10d
+    store, rank = c10d._get_default_store(), dist.get_rank()
+    sub = dist.new_group([0, 1])
+    dist.barrier()
+    before = store.num_keys()
+    _save(dist.group.WORLD, make_state(0), os.path.join(folder, "world"), chunk_bytes=CHUNK)
+    if rank in (0, 1):
+        _save(sub, make_state(1), os.path.join(folder, "sub"), chunk_bytes=CHUNK)
+    _save(None, make_state(2), os.path.join(folder, f"alone{rank}"), chunk_bytes=CHUNK)
+    dist.barrier()
+    time.sleep(0.2)  # the last rank to leave a session deletes its keys just after its result()
+    dist.barrier()
+    return {"before": before, "after": store.num_keys()}
+
+
 def rank_save_empty(folder: str, which: str, multi: bool) -> None:
     pg = dist.group.WORLD if multi else None
     mgr = fastckpt.CheckpointManager(os.path.join(folder, "run"), process_group=pg)
@@ -536,6 +553,16 @@ def test_subgroup_save_then_world_save_repeatedly(pool, tmp_path):
     for i in range(rounds):
         assert_loads(tmp_path / f"sub{i}", make_state(i))
         assert_loads(tmp_path / f"world{i}", make_state(10 + i))
+
+
+def test_coordination_keys_are_deleted_after_the_saves(pool, tmp_path):
+    """Store keys of a save are named by group + path and deleted once every rank has left."""
+    out = pool.run(rank_store_keys_around_saves, folder=str(tmp_path), timeout_s=60)
+    for r, o in out.items():
+        # barrier keys of new_group/barrier may add a few; a save leaves none (it would add >= 10)
+        assert o["after"] - o["before"] <= 3, (r, o)
+    for name in ("world", "sub", "alone0", "alone1", "alone2"):
+        assert fastckpt.is_committed(tmp_path / name), name
 
 
 def test_plain_calls_from_every_rank_for_one_path_fail_at_once(pool, tmp_path):
