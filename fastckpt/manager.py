@@ -12,7 +12,8 @@ from .storage import retention
 from .errors import CheckpointExistsError, CheckpointNotFoundError
 from .loading.reader import load
 from .storage.lock import RootLock
-from .saving.saver import SaveFuture
+from .saving.future import SaveFuture
+from .saving.saver import Saver
 
 LATEST = "latest"
 
@@ -30,9 +31,10 @@ class CheckpointManager:
         lock_timeout_s: seconds a save or prune waits for another job's root lock before
             raising :class:`~fastckpt.errors.CheckpointLockedError` (default 0: fail at once).
             See :mod:`fastckpt.storage.lock`: one writing job per root, never interleaved files.
-        process_group: ``torch.distributed`` group that saves together (default: the world group
-            when initialized, else this process alone); see :class:`fastckpt.saving.ranks.DistSaver`.
-            Every rank calls ``save``; rank 0 holds the root lock, prunes and updates ``latest``.
+        process_group: ``torch.distributed`` group whose ranks save each checkpoint together
+            (default ``None``: this process saves alone, even when a group is initialized).
+            With a group, every rank calls ``save``; rank 0 holds the root lock, prunes and
+            updates ``latest``.
         link_unchanged: hard-link shard files whose bytes equal the newest committed step's
             instead of rewriting them (``link_from`` of :func:`fastckpt.async_save`; default
             ``False``). For runs whose large tensors rarely change (LoRA base weights).
@@ -58,9 +60,8 @@ class CheckpointManager:
         self.root = Path(os.path.abspath(os.fspath(root)))
         self.keep_last = keep_last
         self.prefix = prefix
-        from .saving.ranks import make_saver
-        self._saver = make_saver(process_group)  # multi-rank: only rank 0 locks, cleans, prunes
-        self._writer = getattr(self._saver, "rank", 0) == 0
+        self._saver = Saver(process_group)  # this manager's own: its failures stay its own
+        self._writer = self._saver.rank == 0  # multi-rank: only rank 0 locks, cleans, prunes
         self._pattern = re.compile(re.escape(prefix) + r"(\d+)$")
         self._lock = RootLock(self.root)
         self.lock_timeout_s = lock_timeout_s

@@ -42,6 +42,10 @@ class PosixBackend:
             flags |= O_DIRECT
         return os.open(path, flags, 0o644)
 
+    def open_existing(self, path: str) -> int:
+        """Open an existing file for positional writes (another rank created it)."""
+        return os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+
     def open_read(self, path: str, o_direct: bool = False) -> int:
         """Open ``path`` for reading; returns an fd."""
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
@@ -226,15 +230,17 @@ class FileWriter:
 
     With ``o_direct=True`` the aligned prefix of each write goes through an O_DIRECT fd and
     the unaligned tail through a buffered fd; buffers must be 4096-aligned (ours are mmap
-    backed) and offsets of O_DIRECT writes multiples of 4096.
+    backed) and offsets of O_DIRECT writes multiples of 4096. ``create=False`` opens a file
+    another rank created (and preallocated) instead of creating it.
     """
 
-    def __init__(self, be: PosixBackend, path: str, size: int, o_direct: bool = False):
+    def __init__(self, be: PosixBackend, path: str, size: int, o_direct: bool = False, create: bool = True):
         self.be, self.path, self.size = be, path, size
-        self.fd = be.open_write(path, False)
+        self.fd = be.open_write(path, False) if create else be.open_existing(path)
         self.dfd = -1
         try:
-            be.allocate(self.fd, size)
+            if create:
+                be.allocate(self.fd, size)
             if o_direct and O_DIRECT:
                 try:
                     self.dfd = os.open(path, os.O_WRONLY | O_DIRECT | getattr(os, "O_CLOEXEC", 0))
