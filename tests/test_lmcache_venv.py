@@ -1,8 +1,8 @@
 """Runs the LMCache backend tests inside the LMCache venv made by scripts/install.sh.
 
 LMCache 0.5.6 pins numpy<=2.2.6, so it cannot share the main environment (numpy 2.x newer);
-``scripts/install.sh`` makes ``.venv-lmcache`` (with system site packages, so the same torch and
-fastckpt) and this test runs the real-LMCache tests there with ``FASTCKPT_REQUIRE_LMCACHE=1``
+``scripts/install.sh`` makes ``.venv-lmcache`` (seeing the installing environment's packages after
+its own, so the same torch and fastckpt) and this test runs the real-LMCache tests there with ``FASTCKPT_REQUIRE_LMCACHE=1``
 (a missing LMCache is a failure, not a skip). Without the venv it skips, except under CI.
 """
 
