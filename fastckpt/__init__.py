@@ -29,12 +29,13 @@ from .errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMis
                      CorruptCheckpointError, DistributedSaveError, FastCkptError, HeaderError,
                      InsufficientSpaceError, SaveConflictError, UnsupportedDtypeError, UnsupportedValueError)
 from .loading.reader import load, open_checkpoint
+from .loading.source import Source, resolve_source
 from .manager import CheckpointManager
 from .coordination import LOCAL
 from .saving.future import SaveFuture
 from .saving.options import Consistency, IOTuning, SaveOptions
 from .saving.ranks import Shard
-from .saving.saver import Saver
+from .saving.saver import Saver, no_gc
 from .loading.verify import VerifyReport, verify
 
 __version__ = "0.1.0"
@@ -144,7 +145,7 @@ def wait() -> None:
 
 
 __all__ = ["save", "async_save", "load", "wait", "reserve", "prime_hashes", "verify", "is_committed", "read_manifest", "open_checkpoint",
-           "CheckpointManager", "Saver", "SaveFuture", "SaveOptions", "IOTuning", "Consistency", "Shard", "LOCAL",
+           "CheckpointManager", "Saver", "no_gc", "resolve_source", "Source", "SaveFuture", "SaveOptions", "IOTuning", "Consistency", "Shard", "LOCAL",
            "VerifyReport", "errors", "FastCkptError", "DistributedSaveError", "SaveConflictError",
            "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError", "HeaderError",
            "ChecksumMismatchError", "UnsupportedValueError", "UnsupportedDtypeError", "InsufficientSpaceError"]

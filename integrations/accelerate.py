@@ -23,7 +23,7 @@ With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` folders are
 ones (the newest committed is never deleted).
 
 Several processes (DDP, ``accelerate launch``): every rank calls ``save_state``/``load_state``
-(they are collective). Only the main process writes, alone (``process_group=LOCAL``): rank-0
+(they are collective). Only the main process writes, alone (no ``process_group``): rank-0
 model/optimizer state (DDP replicas are identical) plus every rank's RNG state, gathered to it
 (``rng_per_process``); on load each rank reads the folder and restores its own RNG state.
 """
@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import fastckpt
-from fastckpt import LOCAL
 from fastckpt.storage import prune_checkpoints, step_folders
 
 from .hf_snapshot import capture_rng_state, dedup_tied, restore_rng_state
@@ -60,6 +59,7 @@ class FastCkptState:
         self.acc = accelerator
         self.async_save = async_save
         self.save_options = save_options
+        self._saver = fastckpt.Saver()  # this plugin's own: another accelerator's failure never surfaces here
         self._pending = None
         self.records: list[dict[str, Any]] = []
 
@@ -137,10 +137,9 @@ class FastCkptState:
             state, weights, extra = self._snapshot()
             if rngs is not None:
                 state["rng_per_process"] = rngs
-            # LOCAL: the main process writes alone (the default would wait for every rank)
-            fut = fastckpt.async_save(state, out, overwrite=not cfg.automatic_checkpoint_naming,
-                                      weights=weights, extra_files=extra, process_group=LOCAL,
-                                      **self.save_options)
+            # no process_group: the main process writes alone
+            fut = self._saver.async_save(state, out, overwrite=not cfg.automatic_checkpoint_naming,
+                                         weights=weights, extra_files=extra, **self.save_options)
             self._pending = (fut, out)
             if not self.async_save:
                 self.wait()

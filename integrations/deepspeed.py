@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 import fastckpt
-from fastckpt import LOCAL
 from fastckpt.errors import CheckpointNotFoundError, UnsupportedValueError, UntrustedTypeError
 
 #: The only classes :func:`decode` rebuilds (``module:qualname``): those DeepSpeed 0.19 puts in
@@ -151,6 +150,7 @@ class FastCkptCheckpointEngine(_Base):
         self.name = "FastCkptCheckpointEngine"
         self.threads = threads
         self._pending: list = []
+        self._saver = fastckpt.Saver()  # this engine's own (one rank's files, written by this process alone)
 
     def create(self, info: Any) -> None:
         """Start of a tag (``info.tag``, ``info.save_dir``): nothing to prepare."""
@@ -167,8 +167,8 @@ class FastCkptCheckpointEngine(_Base):
             UnsupportedValueError: a value fastckpt cannot store without pickle (names its path).
         """
         self.wait_all()  # one staging buffer at a time, as fastckpt.async_save
-        fut = fastckpt.async_save({"ds": encode(state_dict)}, path, overwrite=True, weights={},
-                                  process_group=LOCAL, **({"threads": self.threads} if self.threads else {}))
+        fut = self._saver.async_save({"ds": encode(state_dict)}, path, overwrite=True, weights={},
+                                     **({"threads": self.threads} if self.threads else {}))
         self._pending.append(fut)
 
     def wait_all(self) -> None:

@@ -52,8 +52,8 @@ from pathlib import Path
 from typing import Any
 
 import fastckpt
+from fastckpt import no_gc
 from fastckpt.errors import LinkedTensorChangedError, SourceChangedError
-from fastckpt.saving.saver import no_gc
 from fastckpt.storage import clean_stale_temps
 
 from .hf_checkpoints import (  # noqa: F401  (re-exported: public helpers, tests)
@@ -136,6 +136,7 @@ class FastCkptCallback(_trainer_callback_base()):
     """
 
     def __init__(self, resume_from: str | os.PathLike | None = None, **save_options):
+        self._saver = fastckpt.Saver()  # this callback's own: its failures surface only in its calls
         self.link_unchanged = bool(save_options.pop("link_unchanged", True))
         self.defer_params = bool(save_options.pop("defer_params", True))
         save_options.setdefault("link_check", "version")
@@ -179,7 +180,7 @@ class FastCkptCallback(_trainer_callback_base()):
         if model is not None:
             self._snapshot(model)  # learn the key -> parameter map now, not during the first save
             if not args.save_only_model:
-                fastckpt.reserve(snapshot_bytes_estimate(model))  # first save copies into touched memory
+                self._saver.reserve(snapshot_bytes_estimate(model))  # first save copies into touched memory
         if state.global_step > 0:
             ckpt = self.resume_from or str(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
             self._resume.restore(ckpt, args, state, optimizer, lr_scheduler)
@@ -190,7 +191,7 @@ class FastCkptCallback(_trainer_callback_base()):
             # hash the frozen base weights in the background now: the first save then links them
             # (after --resume) or copies them in the background (defer_frozen), not while training waits
             snap, weights, _ = self._snapshot(model)
-            fastckpt.prime_hashes(snap, weights=weights)
+            self._saver.prime_hashes(snap, weights=weights)
 
     def on_epoch_begin(self, args, state, control, **kw):
         self._resume.at_epoch_begin()
@@ -297,8 +298,8 @@ class FastCkptCallback(_trainer_callback_base()):
         if self._gate.active:
             opts["defer"] = param_or_optimizer_state  # copied while the next step computes
         t_call = time.perf_counter()
-        fut = fastckpt.async_save(snap, out, overwrite=True, weights=weights, extra_files=extra, step=state.global_step,
-                                  metadata={"producer": "fastckpt.integrations.hf_trainer"}, **opts)
+        fut = self._saver.async_save(snap, out, overwrite=True, weights=weights, extra_files=extra,
+                                     step=state.global_step, metadata={"producer": "fastckpt.integrations.hf_trainer"}, **opts)
         blocking = time.perf_counter() - t0
         with self._lock:
             self._pending = (fut, state.global_step, out, blocking, t0, t_call)

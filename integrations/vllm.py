@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 import torch
 
-from fastckpt.loading.source import resolve_source
+from fastckpt import resolve_source
 
 logger = logging.getLogger(__name__)
 

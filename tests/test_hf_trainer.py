@@ -227,10 +227,10 @@ def test_background_failure_surfaces(tmp_path, monkeypatch):
     class Boom(OSError):
         pass
 
-    real = fastckpt.async_save
+    real = fastckpt.Saver.async_save  # the callback saves through its own Saver
 
-    def failing(state, path, **kw):
-        fut = real(state, Path(path).parent / ".never" / "x", **kw)  # keeps the future API
+    def failing(self, state, path, **kw):
+        fut = real(self, state, Path(path).parent / ".never" / "x", **kw)  # keeps the future API
         fut.result()
 
         class F:
@@ -244,7 +244,7 @@ def test_background_failure_surfaces(tmp_path, monkeypatch):
                 return True
         return F()
 
-    monkeypatch.setattr(fastckpt, "async_save", failing)
+    monkeypatch.setattr(fastckpt.Saver, "async_save", failing)
     tr = make_trainer(tmp_path, save_steps=4, num_train_epochs=1)
     with pytest.raises(Boom):
         tr.train()

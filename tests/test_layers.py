@@ -1,0 +1,30 @@
+"""The package's imports point one way (DESIGN.md "Layers"): import-linter's contracts in
+pyproject.toml, and the shared layering check (cycles, private names across modules) where the
+shared tools are present."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_import_linter_contracts_hold():
+    exe = shutil.which("lint-imports") or os.path.join(os.path.dirname(sys.executable), "lint-imports")
+    out = subprocess.run([exe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "BROKEN" not in out.stdout and "0 broken" in out.stdout, out.stdout[-2000:]
+
+
+def test_no_cycles_or_private_names_across_modules():
+    tool = os.path.join(ROOT, "..", "shared", "tools", "layering.py")
+    if not os.path.exists(tool):
+        pytest.skip("../shared/tools/layering.py is not beside this checkout")
+    out = subprocess.run([sys.executable, tool, "fastckpt", "integrations"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout
