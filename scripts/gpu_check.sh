@@ -2,7 +2,7 @@
 # GPU check for fastckpt's device loaders (issue 4). One prepared script, < 5 minutes, no network.
 # Runs from the source tree through PYTHONPATH with the machine's own Python/torch build:
 #   1. environment: torch/CUDA, pinned memory, kvikio (GDS) status;
-#   2. the CUDA tests of tests/test_device_load.py (skipped on CPU machines) if pytest is there;
+#   2. the CUDA tests of tests/loading/test_device.py (skipped on CPU machines) if pytest is there;
 #   3. GB/s into device memory: fastckpt ring (pinned bounce buffers, side-stream copies),
 #      kvikio if usable, and safetensors.load_file + .cuda() as the anchor, on GIB GiB (default 2)
 #      in 2 files, page cache dropped before each run when we are root (else fadvise DONTNEED).
@@ -32,7 +32,7 @@ PY
 
 echo "== CUDA tests"
 if "$PY" -c "import pytest" 2>/dev/null; then
-  timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_device_load.py || echo "TESTS FAILED"
+  timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/loading/test_device.py || echo "TESTS FAILED"
 else
   echo "pytest missing: skipped"
 fi

@@ -15,7 +15,7 @@ if [ "${FASTCKPT_SKIP_LMCACHE:-0}" != 1 ]; then
   # LMCache 0.5.6 (KV-tier tests) pins numpy<=2.2.6, so it lives in its own venv that also sees this
   # environment's packages (torch, transformers, fastckpt), after its own, through a .pth that adds
   # this environment's site dir (`venv --system-site-packages` would point at the base interpreter,
-  # not at the venv this script may run in); tests/test_lmcache_venv.py runs its tests there.
+  # not at the venv this script may run in); tests/integrations/test_lmcache_venv.py runs its tests there.
   [ -x .venv-lmcache/bin/python ] || $PY -m venv .venv-lmcache
   outer=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   inner=$(.venv-lmcache/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

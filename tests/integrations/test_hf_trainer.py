@@ -1,7 +1,7 @@
 """Trainer callback: saving, rotation, failures, exact resume (C7), SIGKILL during save (C6).
 
 Tiny random LlamaConfig models (attention dropout on, so RNG state matters), CPU, fp32.
-The resumed runs execute in a fresh process (``python tests/test_hf_trainer.py ...``).
+The resumed runs execute in a fresh process (``python tests/integrations/test_hf_trainer.py ...``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 try:
     from fastckpt.integrations import hf_trainer
     from fastckpt.integrations.models import tiny_llama

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 try:
     from fastckpt.integrations.hf_snapshot import ModelSnapshotter, model_snapshot
     from fastckpt.integrations.models import tiny_llama

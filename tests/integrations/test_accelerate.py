@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 try:
     from fastckpt.integrations import accelerate as fca
     from fastckpt.integrations.models import tiny_llama

@@ -6,7 +6,7 @@ B (empty CPU tier) retrieves it bit-exactly through our backend.
 
 Needs ``lmcache`` (``pip install lmcache==0.5.6 torch==2.13.0``); skipped without it
 unless ``FASTCKPT_REQUIRE_LMCACHE=1``, which turns the skip into a failure (CI).
-This file is also the worker script: ``python tests/test_lmcache.py ROLE PATH ...``.
+This file is also the worker script: ``python tests/integrations/test_lmcache.py ROLE PATH ...``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")

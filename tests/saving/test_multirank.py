@@ -35,7 +35,7 @@ from ranks import RankError, RankPool, RankTimeout, describe
 
 CHUNK = 64 << 10
 SAVE_TIMEOUT_S = 20  # timeout_s of every multi-rank save here: a coordination bug fails in bounded time
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TMP_MARK = ".fastckpt-tmp-"
 
 

@@ -28,7 +28,7 @@ from fastckpt.storage import retention
 from fastckpt.storage.retention import (delete_checkpoint, prune_checkpoints, scan_checkpoints, select_victims,
                                         step_folders)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def state(step: int) -> dict:

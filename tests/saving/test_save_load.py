@@ -439,7 +439,7 @@ def test_result_timeout_and_uncollected_failure_fails_the_exit(tmp_path):
     # at interpreter exit, a failure nobody collected is reported on stderr with exit status 1
     code = ("import sys, torch, fastckpt; sys.path.insert(0, %r); from conftest import FaultyBackend; "
             "fastckpt.async_save({'w': torch.ones(1000)}, %r, io_backend=FaultyBackend(fail_pwrite_after=0))"
-            % (os.path.dirname(__file__), str(tmp_path / "lost")))
+            % (os.path.dirname(os.path.dirname(__file__)), str(tmp_path / "lost")))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "lost" in out.stderr and "FAILED" in out.stderr, out.stderr
     assert not (tmp_path / "lost").exists()
