@@ -175,6 +175,14 @@ class Session:
                                        f"missing {missing}") from e
         return [json.loads(store.get(f).decode()) for f in full]
 
+    def settle(self, key: str, value: str) -> str:
+        """First writer wins: set ``key`` to ``value`` unless a rank set it already; returns the
+        value that holds (e.g. rank 0's "commit" against a waiting rank's "abort")."""
+        self._keys.add(key)
+        if self.coord.store is None:
+            return self._local.setdefault(key, value)
+        return self.coord.store.compare_set(self.prefix + key, "", value).decode()
+
     def all_gather(self, key: str, value: Any, what: str) -> list[Any]:
         """Publish ``value`` as ``key/{rank}`` and return every rank's value (rank order).
 

@@ -243,8 +243,8 @@ def finish_ranks(sv: InFlight, report: dict, own: BaseException | None) -> None:
             decide(sv)
         elif opts.commit == "marker" and sv.part.leader:
             node_commit(sv)
-        outcome = sess.wait_for(["commit"], "waiting for rank 0's commit")[0]
-    except TimeoutError as e:  # rank 0 (the committer) died or hung: nothing is known to be committed
+        outcome = _wait_outcome(sv)
+    except TimeoutError as e:  # rank 0 (the committer) died or hung: nothing was committed
         raise DistributedSaveError(f"multi-rank save of {sv.path} failed: rank 0 did not publish the "
                                    f"outcome ({e})", {0: str(e)}) from own
     # rank 0 wrote no marker: this node's marker (if any) names an uncommitted step, remove it
@@ -271,6 +271,20 @@ def _wait_reports(sv: InFlight, ranks: list[int], what: str) -> tuple[dict[int, 
         return {}, {r: f"no report within {sv.sess.timeout_s:g} s after this rank's writes (died or hung?)"
                     for r in missing}
 
+def _wait_outcome(sv: InFlight) -> dict:
+    """Wait for rank 0's outcome. At the deadline, settle ``verdict`` to "abort" (rank 0 then
+    commits nothing) unless rank 0 settled it to "commit" first: then it is committing, wait on.
+    Every rank thus sees the same outcome, even when it gives up waiting."""
+    sess = sv.sess
+    try:
+        return sess.wait_for(["commit"], "waiting for rank 0's commit")[0]
+    except TimeoutError:
+        if sess.settle("verdict", f"abort by rank {sv.coord.rank}") != "commit":
+            raise
+    sess.restart_clock()
+    return sess.wait_for(["commit"], "waiting for rank 0 to finish its commit")[0]
+
+
 def decide(sv: InFlight) -> None:
     """Rank 0: wait for every rank, then commit (manifest + rename, or markers) or abort."""
     sess, coord, opts = sv.sess, sv.coord, sv.opts
@@ -284,6 +298,10 @@ def decide(sv: InFlight) -> None:
             if opts.commit == "marker":
                 acks = sess.wait_for([f"marked/{n}" for n in sv.nodes[1:]], "waiting for the other nodes' markers")
                 failures.update({int(r): e for a in acks for r, e in a.get("failures", {}).items()})
+            verdict = sess.settle("verdict", "commit") if not failures else "commit"
+            if verdict != "commit":  # "abort by rank r": it gave up waiting for this commit
+                r = int(verdict.rsplit(" ", 1)[-1])
+                failures[r] = f"gave up waiting for rank 0's commit after timeout_s={sess.timeout_s:g} s"
             if not failures:
                 dist = dist_section(sv.plan, sv.own.units, mine, mode=opts.commit, node=coord.node,
                                     nodes=sv.nodes, local_keys=opts.local_keys)

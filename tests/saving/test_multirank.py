@@ -340,6 +340,38 @@ def rank_save_world(folder: str, name: str, version: int = 0) -> None:
     _save(dist.group.WORLD, make_state(version), os.path.join(folder, name), chunk_bytes=CHUNK)
 
 
+class SlowPwrite(PosixBackend):
+    """Each write takes ``delay_s`` longer (a rank whose disk is slow)."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+
+    def pwrite(self, fd, data, offset):
+        time.sleep(self.delay_s)
+        return super().pwrite(fd, data, offset)
+
+
+def rank_slow_rank0(folder: str, where: str) -> dict:
+    """Rank 0 is slow (its writes, or its commit) beyond the others' timeout_s; returns the outcome."""
+    from fastckpt.saving import committer
+    rank, t0 = dist.get_rank(), time.monotonic()
+    if rank == 0 and where == "commit":
+        real = committer.write_metadata
+        committer.write_metadata = lambda *a, **k: (time.sleep(3.0), real(*a, **k))[1]
+    try:
+        fut = fastckpt.async_save(make_state(0), os.path.join(folder, "ck"), process_group=dist.group.WORLD,
+                                  timeout_s=1.5, chunk_bytes=CHUNK, threads=1,
+                                  io_backend=SlowPwrite(0.4) if rank == 0 and where == "writes" else None)
+        fut.result(timeout_s=60)
+        err = None
+    except Exception as e:
+        err = describe(e)
+    finally:
+        if rank == 0 and where == "commit":
+            committer.write_metadata = real
+    return {"error": err, "elapsed": time.monotonic() - t0}
+
+
 def rank_store_keys_around_saves(folder: str) -> dict:
     """Keys in the group's store before and after a world save, a subgroup save and a plain save."""
     from torch.distributed import distributed_c10d as c10d
@@ -553,6 +585,22 @@ def test_subgroup_save_then_world_save_repeatedly(pool, tmp_path):
     for i in range(rounds):
         assert_loads(tmp_path / f"sub{i}", make_state(i))
         assert_loads(tmp_path / f"world{i}", make_state(10 + i))
+
+
+@pytest.mark.parametrize("where", ["writes", "commit"])
+def test_ranks_agree_when_a_rank_gives_up_on_a_slow_rank0(pool, tmp_path, where):
+    """A rank that stops waiting for rank 0 settles the verdict: if rank 0 was already committing
+    (slow commit) everyone waits for it and succeeds; if rank 0 was still writing, nobody commits
+    and every rank fails. Never: some ranks fail while the checkpoint is committed."""
+    out = pool.run(rank_slow_rank0, folder=str(tmp_path), where=where, timeout_s=60)
+    errors = {r: o["error"] for r, o in out.items()}
+    if where == "commit":
+        assert all(e is None for e in errors.values()), errors
+        assert_loads(tmp_path / "ck", make_state(0))
+    else:
+        assert all(e is not None and e.isa("DistributedSaveError") for e in errors.values()), errors
+        assert_nothing_committed(tmp_path / "ck")
+        assert "gave up" in errors[0].message or "timeout" in errors[0].message.lower(), errors[0].message
 
 
 def test_coordination_keys_are_deleted_after_the_saves(pool, tmp_path):
