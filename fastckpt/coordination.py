@@ -175,6 +175,28 @@ class Session:
                                        f"missing {missing}") from e
         return [json.loads(store.get(f).decode()) for f in full]
 
+    def wait_until(self, keys: list[str], stop: Any) -> tuple[dict[str, Any], list[str]]:
+        """Read ``keys`` as they appear until all are there, ``stop(values so far)`` is true, or
+        the deadline passes. Returns ``(values by key, keys still missing)``."""
+        self._keys.update(keys)
+        store = self.coord.store
+        if store is None:
+            got = {k: json.loads(self._local[k]) for k in keys if k in self._local}
+            return got, [k for k in keys if k not in got]
+        got: dict[str, Any] = {}
+        while True:
+            for k in keys:
+                if k not in got and store.check([self.prefix + k]):
+                    got[k] = json.loads(store.get(self.prefix + k).decode())
+            missing = [k for k in keys if k not in got]
+            if not missing or stop(got) or time.monotonic() >= self.deadline:
+                return got, missing
+            try:
+                store.wait([self.prefix + k for k in missing],
+                           timedelta(seconds=min(0.2, max(0.01, self.deadline - time.monotonic()))))
+            except Exception:  # timeout of this slice: look again
+                pass
+
     def settle(self, key: str, value: str) -> str:
         """First writer wins: set ``key`` to ``value`` unless a rank set it already; returns the
         value that holds (e.g. rank 0's "commit" against a waiting rank's "abort")."""

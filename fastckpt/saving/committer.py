@@ -263,13 +263,15 @@ def finish_ranks(sv: InFlight, report: dict, own: BaseException | None) -> None:
     fut.bytes_by_rank = {int(r): b for r, b in outcome.get("bytes_by_rank", {}).items()}
 
 def _wait_reports(sv: InFlight, ranks: list[int], what: str) -> tuple[dict[int, dict], dict[int, str]]:
-    try:
-        return dict(zip(ranks, sv.sess.wait_for([f"done/{r}" for r in ranks], what))), {}
-    except TimeoutError:
-        store = sv.coord.store
-        missing = [r for r in ranks if not store.check([sv.sess.prefix + f"done/{r}"])]
-        return {}, {r: f"no report within {sv.sess.timeout_s:g} s after this rank's writes (died or hung?)"
-                    for r in missing}
+    """The ranks' reports; stops at the first failed one (the save fails at once, not when the
+    slowest rank is done) or at the deadline (missing ranks are failures)."""
+    got, missing = sv.sess.wait_until([f"done/{r}" for r in ranks], lambda g: any(not v["ok"] for v in g.values()))
+    reports = {int(k.rsplit("/", 1)[1]): v for k, v in got.items()}
+    if any(not v["ok"] for v in reports.values()):
+        return reports, {}
+    return reports, {int(k.rsplit("/", 1)[1]): f"no report within {sv.sess.timeout_s:g} s after rank 0's "
+                                                 f"writes while {what} (died or hung?)" for k in missing}
+
 
 def _wait_outcome(sv: InFlight) -> dict:
     """Wait for rank 0's outcome. At the deadline, settle ``verdict`` to "abort" (rank 0 then
