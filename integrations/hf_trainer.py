@@ -153,6 +153,7 @@ class FastCkptCallback(_trainer_callback_base()):
         self.records: list[dict[str, Any]] = []
         self.failed_saves: list[dict[str, Any]] = []
         self._pending = None  # (future, step, path, blocking_s, t_start, t_call)
+        self._inflight = None  # future of the newest save, never cleared: read lock-free by the SIGTERM handler
         self._processing_class = None
         self._tok_cache: tuple[int, dict[str, bytes]] | None = None  # (id(processing_class), files)
         self._lock = threading.Lock()
@@ -300,6 +301,7 @@ class FastCkptCallback(_trainer_callback_base()):
         t_call = time.perf_counter()
         fut = self._saver.async_save(snap, out, overwrite=True, weights=weights, extra_files=extra,
                                      step=state.global_step, metadata={"producer": "fastckpt.integrations.hf_trainer"}, **opts)
+        self._inflight = fut  # what the SIGTERM handler waits for (without the lock)
         blocking = time.perf_counter() - t0
         with self._lock:
             self._pending = (fut, state.global_step, out, blocking, t0, t_call)
@@ -368,6 +370,10 @@ class FastCkptCallback(_trainer_callback_base()):
         """
         with self._lock:
             pending, self._pending = self._pending, None
+        return self._collect(pending, args)
+
+    def _collect(self, pending, args) -> bool:
+        """:meth:`wait` for a pending save already taken out of ``self._pending``."""
         if pending is None:
             return True
         fut, step, out, blocking, t0, t_call = pending
@@ -426,10 +432,27 @@ class FastCkptCallback(_trainer_callback_base()):
             self._prev_sigterm = None
 
     def _on_sigterm(self, signum, frame) -> None:
+        """SIGTERM: wait until the save in flight is committed (or failed), then pass the signal on.
+
+        A signal handler runs in the main thread between two bytecodes, possibly inside one of this
+        callback's ``with self._lock:`` blocks, so it never waits for that lock: it waits for the save's
+        future itself (``self._inflight``, read without the lock; only the commit thread sets it
+        done), then, if the lock is free (non-blocking try), collects it as :meth:`wait` does
+        (records; a background failure re-raised with its type). Otherwise the training thread
+        collects it after the handler returns, if the process is still alive.
+        """
         logger.warning("fastckpt: SIGTERM: completing the pending save before exit")
         prev = self._prev_sigterm
         try:
-            self.wait()
+            fut = self._inflight
+            if fut is not None:
+                fut.exception()  # waits for the commit thread only; never raises
+            if self._lock.acquire(blocking=False):
+                try:
+                    pending, self._pending = self._pending, None
+                finally:
+                    self._lock.release()
+                self._collect(pending, None)
         finally:
             self._uninstall_sigterm()
             if callable(prev):

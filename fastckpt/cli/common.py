@@ -1,8 +1,31 @@
-"""Helpers shared by the ``fastckpt`` subcommands: byte sizes in and out (the core takes ints)."""
+"""Helpers shared by the ``fastckpt`` subcommands: byte sizes in and out (the core takes ints), and
+finding the run roots of every checkpoint layout this project writes.
+
+Sizes are printed in decimal units (``kB``, ``MB``, ``GB``, ``TB`` = 10^3, 10^6, 10^9, 10^12 bytes),
+as the progress bars of ``fastckpt load`` and the GB/s figures everywhere else; size arguments take
+decimal (``5GB``) or binary (``512MiB``) units.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..storage.commit import MANIFEST, TMP_MARK
+from ..storage.retention import CheckpointScan, scan_checkpoints
+
+#: Step folder prefixes of the layouts this project writes: ``step-N`` (:class:`fastckpt.CheckpointManager`),
+#: ``checkpoint-N`` (the Trainer callback, in ``output_dir``) and ``checkpoint_N`` (the accelerate
+#: plugin, in ``project_dir/checkpoints``).
+PREFIXES = ("step-", "checkpoint-", "checkpoint_")
+#: Sub-folder of accelerate's ``project_dir`` that holds its ``checkpoint_N`` folders.
+RUNS_SUBDIR = "checkpoints"
+
+SIZE_UNITS_HELP = ("Sizes are printed in decimal units (1 kB = 1000 bytes, 1 MB = 10^6, 1 GB = 10^9); "
+                   "size arguments take 5GB (5*10^9) or 512MiB (512*2^20)")
 
 
 def parse_bytes(text: str) -> int:
@@ -25,9 +48,78 @@ def parse_bytes(text: str) -> int:
 
 
 def human_bytes(n: float) -> str:
-    """``n`` bytes as ``"512 B"``, ``"1.5 KiB"`` ... ``"2.0 TiB"`` (binary units, one decimal)."""
-    for u in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or u == "TiB":
+    """``n`` bytes as ``"512 B"``, ``"1.5 kB"``, ``"553.3 MB"`` ... ``"2.0 TB"`` (decimal units, one
+    decimal: the one unit system of the CLI's output, see :data:`SIZE_UNITS_HELP`)."""
+    for u in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or u == "TB":
             return f"{n:.1f} {u}" if u != "B" else f"{int(n)} B"
-        n /= 1024
+        n /= 1000
     return str(n)
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run root found by :func:`find_runs`: ``folder`` holds ``{prefix}{N}`` step folders
+    (committed or not) or leftovers of saves into them; ``scan`` is what
+    :func:`fastckpt.storage.scan_checkpoints` found there."""
+
+    folder: Path
+    prefix: str
+    scan: CheckpointScan
+
+    def describe(self) -> str:
+        """``"/abs/run/checkpoint-N"``: the folder and the name pattern of its steps."""
+        return str(self.folder / f"{self.prefix}N")
+
+
+def search_folders(root: str | os.PathLike) -> list[Path]:
+    """The folders :func:`find_runs` looks in: ``root`` and ``root/checkpoints`` (absolute)."""
+    root = Path(os.path.abspath(os.fspath(root)))
+    return [root, root / RUNS_SUBDIR]
+
+
+def _leftover_of(name: str, prefix: str) -> bool:
+    return re.match(r"\." + re.escape(prefix) + r"\d+" + re.escape(TMP_MARK), name) is not None
+
+
+def find_runs(root: str | os.PathLike, prefix: str | None = None) -> list[Run]:
+    """Every run root at ``root``, in every layout this project writes (reads only, creates nothing).
+
+    Looks in ``root`` and in ``root/checkpoints`` (accelerate's ``project_dir``) for folders named
+    ``{prefix}{N}`` with each prefix of :data:`PREFIXES` (or only ``prefix`` when given). A prefix
+    counts in a folder when a step folder or a save leftover (``.{prefix}{N}.fastckpt-tmp-...``)
+    carries it; a folder with leftovers of no known prefix counts as one run of the first prefix.
+
+    Args:
+        root: a run root, or the folder above accelerate's ``checkpoints``.
+        prefix: only this step folder prefix (default: all of :data:`PREFIXES`).
+
+    Returns:
+        The runs found, ``root``'s first, each folder's in :data:`PREFIXES` order; ``[]`` if none.
+    """
+    prefixes = (prefix,) if prefix else PREFIXES
+    runs: list[Run] = []
+    for folder in search_folders(root):
+        if not folder.is_dir():
+            continue
+        scans = [scan_checkpoints(folder, p) for p in prefixes]
+        found = [Run(folder, p, s) for p, s in zip(prefixes, scans)
+                 if s.committed or s.uncommitted or any(_leftover_of(n, p) for n in s.leftovers)]
+        if not found and scans[0].leftovers:
+            found = [Run(folder, prefixes[0], scans[0])]
+        runs += found
+    return runs
+
+
+def not_found_message(root: str | os.PathLike, prefix: str | None = None) -> str:
+    """Why :func:`find_runs` found nothing: the folders and name patterns it looked for."""
+    root = os.path.abspath(os.fspath(root))
+    if not os.path.exists(root):
+        return f"{root}: no checkpoints: no such file or folder"
+    pats = [f"{p}N" for p in ((prefix,) if prefix else PREFIXES)]
+    what = pats[0] if len(pats) == 1 else ", ".join(pats[:-1]) + " or " + pats[-1]
+    where = " or ".join(str(f) for f in search_folders(root))
+    hint = ""
+    if os.path.exists(os.path.join(root, MANIFEST)):
+        hint = f" ({root} is itself a checkpoint: `fastckpt verify {root}`)"
+    return f"{root}: no checkpoints: no {what} folders in {where}{hint}"

@@ -8,58 +8,72 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
-from ..errors import FastCkptError
+from ..errors import CheckpointNotFoundError, FastCkptError
 from ..manager import CheckpointManager
 from ..storage.commit import MANIFEST, read_manifest
-from ..storage.retention import scan_checkpoints
-from .common import human_bytes, parse_bytes  # noqa: F401  (parse_bytes re-exported: tests, scripts)
+from .common import (SIZE_UNITS_HELP, Run, find_runs, human_bytes, not_found_message,  # noqa: F401
+                     parse_bytes)  # parse_bytes re-exported: tests, scripts
 from .serve import add_load_parser
 
 
-def _guess_prefix(root: str) -> str:
-    """``checkpoint-`` (Trainer), ``checkpoint_`` (accelerate) or ``step-`` (the default)."""
-    try:
-        names = os.listdir(root)
-    except (FileNotFoundError, NotADirectoryError):
-        return "step-"
-    for prefix in ("checkpoint-", "checkpoint_"):
-        if any(n.startswith(prefix) for n in names):
-            return prefix
-    return "step-"
-
-
 def cmd_ls(args: argparse.Namespace) -> int:
-    """List committed steps with sizes, and what was skipped and why."""
-    prefix = args.prefix or _guess_prefix(args.root)
-    scan = scan_checkpoints(args.root, prefix)
-    skipped = scan.skipped()
-    if not scan.committed and not skipped:
-        print(f"{args.root}: no checkpoints (prefix {prefix!r})")
+    """List committed steps with sizes, and what was skipped and why (every layout, see find_runs)."""
+    runs = find_runs(args.root, args.prefix)
+    if not runs:
+        print(not_found_message(args.root, args.prefix))
         return 2
-    print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'tensors':>7}  path")
-    for s, p in scan.committed:
-        m = read_manifest(str(p))
-        size = m.get("bytes_total", 0) + os.path.getsize(p / MANIFEST)  # the manifest cannot list itself
-        print(f"{s:>10}  {human_bytes(size):>10}  {len(m['files']) + 1:>5}  {len(m['tensors']):>7}  {p}")
-    print(f"latest committed: {scan.steps[-1] if scan.steps else '-'}")
-    for name, why in skipped:
-        print(f"skipped {name}: {why}")
+    shown: set[tuple[Path, str]] = set()
+    for run in runs:
+        print(f"{run.describe()}:")
+        print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'tensors':>7}  path")
+        for s, p in run.scan.committed:
+            m = read_manifest(str(p))
+            size = m.get("bytes_total", 0) + os.path.getsize(p / MANIFEST)  # the manifest cannot list itself
+            print(f"{s:>10}  {human_bytes(size):>10}  {len(m['files']) + 1:>5}  {len(m['tensors']):>7}  {p}")
+        print(f"latest committed: {run.scan.steps[-1] if run.scan.steps else '-'}")
+        for name, why in run.scan.skipped():
+            if (run.folder, name) not in shown:  # a folder's leftovers are in the scan of each of its runs
+                shown.add((run.folder, name))
+                print(f"skipped {name}: {why}")
     return 0
+
+
+def _one_run(root: str, prefix: str | None, what: str) -> Run | None:
+    """The single run root at ``root`` (``None`` if there is none).
+
+    Raises:
+        CheckpointNotFoundError: several runs (other prefixes or ``root/checkpoints``): names them.
+    """
+    runs = find_runs(root, prefix)
+    if len(runs) > 1:
+        raise CheckpointNotFoundError(
+            f"{os.path.abspath(root)} holds several runs ({', '.join(r.describe() for r in runs)}); "
+            f"to {what} one, pass its folder and --prefix")
+    return runs[0] if runs else None
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Re-read every byte against the manifest; exit 1 on any mismatch."""
-    from ..storage.commit import MANIFEST
     from ..loading.verify import verify
     path = args.path
+    run = None
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST)):
-        mgr = CheckpointManager(path, prefix=args.prefix or _guess_prefix(path))
-        latest = mgr.latest()
-        if latest is not None:  # a run root: verify its newest committed checkpoint
-            path = str(mgr.path(latest))
+        run = _one_run(path, args.prefix, "verify")
+        if run is not None and run.scan.committed:  # a run root: verify its newest committed checkpoint
+            path = str(run.scan.committed[-1][1])
             print(f"{args.path} is a run root: verifying its newest committed checkpoint {path}")
-    rep = verify(path, threads=args.threads)
+    try:
+        rep = verify(path, threads=args.threads)
+    except CheckpointNotFoundError:
+        if not os.path.isdir(path):
+            raise
+        if run is None:  # nothing of ours and nothing foreign: say what was looked for
+            raise CheckpointNotFoundError(not_found_message(path, args.prefix) + "; no manifest.json, "
+                                          "*.safetensors.index.json or *.safetensors files in it either") from None
+        why = "; ".join(f"{n}: {w}" for n, w in run.scan.skipped())
+        raise CheckpointNotFoundError(f"{run.describe()}: no committed checkpoint (skipped: {why})") from None
     for p in rep.problems:
         print(f"MISMATCH {p}")
     for n in rep.notes:
@@ -72,37 +86,60 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    """Keep the newest N committed steps; remove older ones and dead temporaries."""
-    mgr = CheckpointManager(args.root, prefix=args.prefix or _guess_prefix(args.root))
+    """Keep the newest N committed steps; remove older ones and dead temporaries.
+
+    Touches nothing (not even the root lock file) where no run root is found.
+    """
+    if args.keep < 1:  # bad usage first, whatever the folder holds
+        raise ValueError(f"keep must be >= 1 (an int), got {args.keep!r}")
+    run = _one_run(args.root, args.prefix, "prune")
+    if run is None:
+        raise CheckpointNotFoundError(not_found_message(args.root, args.prefix) + "; nothing pruned")
+    mgr = CheckpointManager(run.folder, prefix=run.prefix)
     removed = mgr.prune(args.keep)
-    print(f"removed steps: {removed or 'none'}; kept: {mgr.steps()}")
+    print(f"{run.describe()}: removed steps: {removed or 'none'}; kept: {mgr.steps()}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``fastckpt`` (subcommands ls, verify, prune, load)."""
-    p = argparse.ArgumentParser(prog="fastckpt", description="Fast, safe checkpoint and weight I/O.")
+    """The argument parser of ``fastckpt`` (subcommands ls, verify, prune, load; ``--version``)."""
+    from .. import __version__
+    p = argparse.ArgumentParser(prog="fastckpt", description="Fast, safe checkpoint and weight I/O.",
+                                epilog=f"{_FOUND}. {SIZE_UNITS_HELP}.")
+    p.add_argument("--version", action="version", version=f"fastckpt {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
-    ls = sub.add_parser("ls", help="list committed checkpoints under a root, and what was skipped")
+    ls = sub.add_parser("ls", help="list committed checkpoints under a root, and what was skipped",
+                        description=f"List the committed checkpoints of a run root with their sizes "
+                                    f"(decimal units: 1 MB = 10^6 bytes), and what was skipped and why. "
+                                    f"{_FOUND}. Exit 0: listed; 2: nothing found (says where it looked).")
     ls.add_argument("root")
-    ls.add_argument("--prefix", default=None, help="step folder prefix (default: guessed, step- or checkpoint-)")
+    ls.add_argument("--prefix", default=None, help=_PREFIX_HELP)
     ls.set_defaults(func=cmd_ls)
     v = sub.add_parser("verify", help="re-read every byte of a checkpoint against its checksums",
                        description="Re-read every byte of a committed checkpoint (or the newest committed "
                                    "one of a run root) against the manifest's xxh3 checksums. Exit 0: all "
-                                   "match; 1: a mismatch or damaged file (named); 2: nothing to verify.")
+                                   "match; 1: a mismatch or damaged file (named); 2: nothing to verify. "
+                                   f"{_FOUND}. Sizes in decimal units (1 MB = 10^6 bytes).")
     v.add_argument("path", help="checkpoint folder, run root, or a foreign safetensors file/HF folder "
                                 "(headers and index validated only)")
-    v.add_argument("--prefix", default=None, help="step folder prefix of a run root (default: guessed)")
+    v.add_argument("--prefix", default=None, help=_PREFIX_HELP)
     v.add_argument("--threads", type=int, default=None, help="parallel readers (default 8-16)")
     v.set_defaults(func=cmd_verify)
-    pr = sub.add_parser("prune", help="keep the newest N committed checkpoints; remove dead writers' leftovers")
+    pr = sub.add_parser("prune", help="keep the newest N committed checkpoints; remove dead writers' leftovers",
+                        description="Keep the newest N committed checkpoints of a run root (never the newest "
+                                    f"one) and remove dead writers' leftovers. {_FOUND}. Exit 2, touching "
+                                    "nothing, where no run root is found.")
     pr.add_argument("root")
     pr.add_argument("--keep", type=int, required=True, help="committed steps to keep (>= 1)")
-    pr.add_argument("--prefix", default=None, help="step folder prefix (default: guessed, step- or checkpoint-)")
+    pr.add_argument("--prefix", default=None, help=_PREFIX_HELP)
     pr.set_defaults(func=cmd_prune)
     add_load_parser(sub)
     return p
+
+
+_FOUND = ("A run root is a folder of step-N (CheckpointManager), checkpoint-N (Trainer callback) or "
+          "checkpoint_N (accelerate plugin) folders; ROOT/checkpoints is searched too (accelerate's project_dir)")
+_PREFIX_HELP = "only step folders named PREFIX<N> (default: step-, checkpoint- and checkpoint_)"
 
 
 def main(argv: list[str] | None = None) -> int:

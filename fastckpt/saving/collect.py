@@ -1,7 +1,8 @@
 """Turn a nested state into what the planner needs: specs, sources, manifest entries.
 
 Validation happens here, before any file exists: value types (named by key path),
-dtypes, sparse/quantized/meta tensors, NumPy dtypes. Tensors that share storage are
+dtypes, sparse/quantized/meta tensors, NumPy dtypes. NumPy arrays in a non-native byte order
+(``">f4"``) are stored as a byte-swapped copy in native (little-endian) order: same values. Tensors that share storage are
 stored once: identical views become ``alias`` entries, different views of one storage
 become ``view`` entries over one byte blob, and are rebuilt sharing storage on load.
 Zero-element tensors never share.
@@ -56,8 +57,10 @@ class Collected:
 
 def _as_tensor(key: str, v: Any) -> torch.Tensor:
     if isinstance(v, np.ndarray):
+        if not v.dtype.isnative:  # e.g. ">f4": safetensors is little-endian and torch knows no byte order
+            v = v.astype(v.dtype.newbyteorder("="))  # a byte-swapped copy, same values (loads as native order)
         try:
-            return torch.from_numpy(np.ascontiguousarray(v))
+            return torch.from_numpy(v if v.flags.c_contiguous else np.ascontiguousarray(v))  # keeps 0-d 0-d
         except TypeError:
             raise UnsupportedDtypeError(f"array at key path {key!r} has NumPy dtype {v.dtype}, "
                                         "which has no torch/safetensors equivalent") from None
