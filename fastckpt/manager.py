@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +61,6 @@ class CheckpointManager:
         self.prefix = prefix
         self._saver = Saver(process_group)  # this manager's own: its failures stay its own
         self._writer = self._saver.rank == 0  # multi-rank: only rank 0 locks, cleans, prunes
-        self._pattern = re.compile(re.escape(prefix) + r"(\d+)$")
         self._lock = RootLock(self.root)
         self.lock_timeout_s = lock_timeout_s
         self.link_unchanged = link_unchanged
