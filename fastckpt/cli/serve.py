@@ -5,34 +5,37 @@
 1. Find the checkpoint: SOURCE is a run root (newest committed ``checkpoint-N``/``step-N``),
    a committed fastckpt checkpoint folder, or any HF model folder (or a peft adapter folder
    with ``--base``).
-2. Validate: headers, index and manifest sizes always; with a manifest, every tensor's xxh3
-   (``--verify`` checks all files up front; otherwise tensors are checked as they are copied
-   and the output is committed only if all match). Nothing appears at ``--to`` unless the
-   source is sound: the output is built in a hidden sibling folder and renamed into place.
+2. Validate: headers, index and manifest sizes always; with a manifest, every byte export
+   copies or merges (weights, adapter, config and tokenizer files the manifest lists) is
+   checked against its xxh3 as it is read (``--verify`` also checks all files up front).
+   Nothing appears at ``--to`` unless the source is sound: the output is built in a hidden
+   sibling folder and renamed into place. A ``--to`` equal to, inside or containing the
+   source (or the run root it came from, or the base model folder) is refused.
 3. With ``--to``: write a servable HF folder (config, generation config, tokenizer files
    from the checkpoint, else from the base model folder (``--base`` or the adapter's local
    ``base_model_name_or_path``), with a warning when none exist; sharded safetensors + index) with parallel large I/O; a LoRA adapter is merged through
    peft (``--merge-lora``) or laid out as ``DIR/adapter`` for ``vllm serve --enable-lora``.
-   Without ``--to``: warm the page cache with parallel sequential reads of the weights.
-4. Print the ``vllm serve ...`` command to run.
+   Without ``--to``: warm the page cache with parallel sequential reads of the weights (and
+   check them against the manifest checksums while reading, saying whether it could).
+4. Print the ``vllm serve ...`` command to run (none, and a WARNING, without ``config.json``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import errno
 import glob
 import json
 import os
 import shlex
 import shutil
 import sys
-import tempfile
 import warnings
 
-from ..errors import CheckpointExistsError, CorruptCheckpointError
-from ..loading.source import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Source, adapter_base_dir, resolve_source
-from ..saving.export import Entry, plan_shards, warm_files, write_shards
+from ..errors import CheckpointExistsError, CorruptCheckpointError, FastCkptError
+from ..loading.source import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Source, adapter_base_dir, file_checks,
+                              resolve_source)
+from ..saving.export import Entry, copy_checked, plan_shards, read_checked, warm_files, write_shards
 from ..storage import commit as cm
 from ..storage.io import copy_file, fsync_dir
 from .common import parse_bytes
@@ -53,14 +56,66 @@ def _entries(src: Source) -> list[Entry]:
     return out
 
 
-def _copy_meta(src_dir: str, dst: str) -> list[str]:
-    copied = []
+class _Checked:
+    """What the export or warm-up checked against manifest checksums, and what it could not."""
+
+    def __init__(self) -> None:
+        self.tensors = 0
+        self.files: list[str] = []
+        self.unchecked: list[str] = []
+
+    def summary(self) -> str:
+        """One line for stderr."""
+        if not self.tensors and not self.files:
+            return ("NOT verified: the source has no fastckpt manifest, so there are no checksums to compare "
+                    "against (headers and index were validated)")
+        out = f"verified while reading: {self.tensors} tensors and {len(self.files)} files matched the manifest xxh3"
+        if self.unchecked:
+            out += f"; no checksum for {', '.join(self.unchecked)}"
+        return out
+
+
+def _copy_side_file(folder: str, name: str, dst: str, checked: _Checked) -> None:
+    """Copy ``folder/name`` to ``dst``, checked against ``folder``'s manifest when it lists the file."""
+    src = os.path.join(folder, name)
+    fc = file_checks(folder, name)
+    if fc is None or not fc[1]:
+        copy_file(src, dst)
+        checked.unchecked.append(name)
+        return
+    copy_checked(src, dst, fc[0], fc[1])
+    checked.files.append(name)
+    checked.tensors += sum(c.what.startswith("tensor ") for c in fc[1])
+
+
+def _read_side_file(folder: str, name: str, checked: _Checked) -> bytes:
+    """The bytes of the small file ``folder/name``, checked when ``folder``'s manifest lists it."""
+    fc = file_checks(folder, name)
+    if fc is None or not fc[1]:
+        with open(os.path.join(folder, name), "rb") as f:
+            checked.unchecked.append(name)
+            return f.read()
+    data = read_checked(os.path.join(folder, name), fc[0], fc[1])
+    checked.files.append(name)
+    return data
+
+
+def _meta_files(src_dir: str) -> list[str]:
+    """Names of the config/tokenizer files of ``src_dir``, in :data:`META_PATTERNS` order."""
+    out: list[str] = []
     for pat in META_PATTERNS:
         for p in sorted(glob.glob(os.path.join(glob.escape(src_dir), pat))):
-            name = os.path.basename(p)
-            if os.path.isfile(p) and not os.path.exists(os.path.join(dst, name)):
-                copy_file(p, os.path.join(dst, name))
-                copied.append(name)
+            if os.path.isfile(p) and os.path.basename(p) not in out:
+                out.append(os.path.basename(p))
+    return out
+
+
+def _copy_meta(src_dir: str, dst: str, checked: _Checked) -> list[str]:
+    copied = []
+    for name in _meta_files(src_dir):
+        if not os.path.exists(os.path.join(dst, name)):
+            _copy_side_file(src_dir, name, os.path.join(dst, name), checked)
+            copied.append(name)
     return copied
 
 
@@ -79,14 +134,16 @@ def _meta_fallbacks(src: Source, args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _copy_all_meta(src: Source, dst: str, args: argparse.Namespace) -> list[str]:
+def _copy_all_meta(src: Source, dst: str, args: argparse.Namespace, checked: _Checked) -> list[str]:
     """Copy config/generation/tokenizer files from the source, then the missing ones from the
-    base model folder when known; warn when the result has no tokenizer."""
-    copied = _copy_meta(src.meta_dir, dst)
+    base model folder when known (each checked against its folder's manifest when it lists it);
+    warn when the result has no tokenizer."""
+    copied = _copy_meta(src.meta_dir, dst, checked)
     for d in _meta_fallbacks(src, args):
-        if _has_tokenizer(dst) and os.path.exists(os.path.join(dst, "generation_config.json")):
+        if _has_tokenizer(dst) and all(os.path.exists(os.path.join(dst, n))
+                                       for n in ("config.json", "generation_config.json")):
             break
-        more = _copy_meta(d, dst)
+        more = _copy_meta(d, dst, checked)
         if more:
             print(f"fastckpt load: copied {', '.join(more)} from the base model folder {d}", file=sys.stderr)
         copied += more
@@ -105,35 +162,49 @@ def _progress(total: int, desc: str, quiet: bool):
                 file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
 
 
-@contextlib.contextmanager
-def _view(files: dict[str, str]):
-    """A temporary folder of symlinks ``name -> path`` (to show peft/transformers only some files)."""
-    d = tempfile.mkdtemp(prefix="fastckpt-view-")
-    try:
-        for name, p in files.items():
-            os.symlink(p, os.path.join(d, name))
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def merged_state(src: Source):
+def merged_state(src: Source, config_dir: str, scratch: str, checked: _Checked, *, threads: int | None = None):
     """Merge ``src``'s adapter into its base through peft; returns ``(state_dict, entries)`` (CPU).
 
-    Tied weights (one storage under several names) are written once, under their first name.
+    Every byte comes through fastckpt's reader, checked against the manifest xxh3 when there is
+    one: the base weights (:meth:`Source.read`), the adapter tensors (:meth:`Source.read_adapter`)
+    and ``adapter_config.json``; the model is built from ``config_dir/config.json`` (the export's
+    own checked copy). peft reads the adapter back from ``scratch`` (an empty folder that the
+    caller removes), where the checked tensors are written. Tied weights (one storage under
+    several names) are written once, under their first name.
+
+    Raises:
+        ChecksumMismatchError: a source byte differs from the manifest (names file and tensor).
+        ValueError: no ``config.json``, or not a causal-LM config.
     """
     import peft
-    from transformers import AutoModelForCausalLM
+    import transformers
+    from safetensors.torch import save_file
 
     from ..format.dtypes import dtype_to_str
-    base_files = {os.path.basename(p): p for p in src.weight_files}
-    for ix in glob.glob(os.path.join(glob.escape(src.path), "*.safetensors.index.json")):
-        base_files[os.path.basename(ix)] = ix
-    base_files["config.json"] = os.path.join(src.meta_dir, "config.json")
-    ad = {n: os.path.join(src.adapter_dir, n) for n in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)}
-    with _view(base_files) as bdir, _view(ad) as adir:
-        model = AutoModelForCausalLM.from_pretrained(bdir, dtype="auto")
-        merged = peft.PeftModel.from_pretrained(model, adir).merge_and_unload()
+    if not os.path.isfile(os.path.join(config_dir, "config.json")):
+        raise ValueError(f"--merge-lora: {src.meta_dir} has no config.json (nor has the base model folder): "
+                         "transformers cannot build the model to merge into; pass --base BASE_MODEL_DIR")
+    cfg = transformers.AutoConfig.from_pretrained(config_dir)
+    try:
+        cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    except KeyError:
+        raise ValueError(f"--merge-lora: {type(cfg).__name__} ({src.meta_dir}/config.json) is not a causal LM "
+                         "that transformers knows") from None
+    base = src.read(list(src.weights), threads=threads)  # each tensor's xxh3 checked (manifest)
+    model = cls.from_pretrained(None, config=cfg, state_dict=base, dtype="auto")
+    del base
+    if src.checksummed:
+        checked.tensors += len(src.weights)
+    acfg = _read_side_file(src.adapter_dir, ADAPTER_CONFIG, checked)
+    cm.write_small_file(os.path.join(scratch, ADAPTER_CONFIG), acfg, fsync=False)
+    adapter = src.read_adapter(threads=threads)  # each tensor's xxh3 checked when the adapter has a manifest
+    if file_checks(src.adapter_dir, ADAPTER_WEIGHTS):
+        checked.tensors += len(adapter)
+    else:
+        checked.unchecked.append(ADAPTER_WEIGHTS)
+    save_file(adapter, os.path.join(scratch, ADAPTER_WEIGHTS))
+    del adapter
+    merged = peft.PeftModel.from_pretrained(model, scratch).merge_and_unload()
     sd, seen, entries = {}, set(), []
     for name, t in merged.state_dict().items():
         ptr = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
@@ -145,52 +216,139 @@ def merged_state(src: Source):
     return sd, entries
 
 
+def _header_checks(src: Source) -> None:
+    """Check the headers of the weight files against the manifest: the export parses them (and
+    compares every tensor entry with the manifest) but does not copy them, so a flip that leaves
+    valid JSON (padding, ``__metadata__``) would otherwise go unnoticed."""
+    if not src.checksummed:
+        return
+    for p in src.weight_files:
+        fc = file_checks(src.path, os.path.basename(p))
+        hdr = [c for c in (fc[1] if fc else ()) if c.what.startswith("header ")]
+        if hdr:
+            read_checked(p, None, hdr)
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path != folder and os.path.commonpath([path, folder]) == folder
+
+
+def check_to(to: str, src: Source, args: argparse.Namespace) -> None:
+    """Refuse a ``--to`` that is, lies inside or contains anything the export reads: the source
+    as given (a run root), the checkpoint chosen, its adapter and base model folders (symlinks
+    resolved), so that ``--overwrite`` can never delete the source.
+
+    Raises:
+        ValueError: naming both paths (before anything is written or removed).
+    """
+    real = os.path.realpath
+    separate_adapter = src.adapter_dir is not None and real(src.adapter_dir) != real(src.path)
+    given = "the source" if real(args.source) in (real(src.path), real(src.adapter_dir or src.path)) \
+        else "the run root the source checkpoint was taken from,"
+    reads = [(args.source, given),
+             (src.path, "the base model folder" if separate_adapter else "the source checkpoint"),
+             (src.adapter_dir, "the LoRA adapter folder"), (getattr(args, "base", None), "the base model folder")]
+    reads += [(d, "the base model folder") for d in _meta_fallbacks(src, args)]
+    real_to = os.path.realpath(to)
+    for p, what in reads:
+        if not p:
+            continue
+        rp = os.path.realpath(p)
+        how = "is" if real_to == rp else "is inside" if _inside(real_to, rp) else \
+            "contains" if _inside(rp, real_to) else None
+        if how:
+            raise ValueError(f"refusing --to {to}: it {how} {what} {os.path.abspath(p)}; writing there (and with "
+                             f"--overwrite, replacing it) would destroy what the export reads. Choose a --to "
+                             f"that is neither {os.path.abspath(p)}, inside it, nor a folder above it")
+
+
+def _user_path_error(e: OSError, to: str) -> OSError:
+    """``e`` naming ``to`` (or the file inside it) instead of the hidden temporary folder."""
+    prefix = os.path.join(os.path.dirname(to), "." + os.path.basename(to) + cm.TMP_MARK)
+    names = []
+    for f in (e.filename, e.filename2):
+        f = os.fsdecode(f) if f is not None else None
+        if f is not None and f.startswith(prefix):
+            rest = f[len(prefix):]
+            inner = rest.split(os.sep, 1)[1] if os.sep in rest else ""
+            names.append(os.path.join(to, inner) if inner else to)
+    if not names:
+        return e
+    parent = os.path.dirname(to) or "."
+    hint = (f" (fastckpt builds {to} in a hidden folder next to it and renames it into place: {parent} must "
+            "be writable)") if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else ""
+    return OSError(e.errno, f"{e.strerror}{hint}", names[0])
+
+
 def export(src: Source, to: str, args: argparse.Namespace) -> str:
     """Build the servable folder in a hidden sibling of ``to`` and rename it into place; returns ``to``.
 
+    Every byte copied or merged from a checkpoint with a manifest is checked against its xxh3 while
+    it is read (weights, adapter, config/tokenizer files the manifest lists); stderr says what was
+    checked.
+
     Raises:
-        ChecksumMismatchError / CorruptCheckpointError: a source tensor is damaged (nothing at ``to``).
+        ChecksumMismatchError / CorruptCheckpointError: a source byte is damaged (nothing at ``to``).
         CheckpointExistsError: ``to`` exists and ``--overwrite`` was not given.
+        OSError: naming ``to`` (not the temporary folder) when it cannot be written.
     """
     if os.path.lexists(to) and not args.overwrite:
         raise CheckpointExistsError(f"{to} exists; choose another --to or pass --overwrite")
-    os.makedirs(os.path.dirname(to) or ".", exist_ok=True)
-    tmp = cm.make_temp_dir(to)
+    checked = _Checked()
     try:
+        os.makedirs(os.path.dirname(to) or ".", exist_ok=True)
+        tmp = cm.make_temp_dir(to)
+    except OSError as e:
+        raise _user_path_error(e, to) from None
+    try:
+        _header_checks(src)
+        _copy_all_meta(src, tmp, args, checked)  # first: a merge builds the model from the checked config
         if args.merge_lora and src.adapter_dir:
+            scratch = os.path.join(tmp, ".merge-adapter")
+            os.mkdir(scratch)
             with warnings.catch_warnings():
                 if args.quiet:  # -q: also transformers' own "Loading weights" bar and notices
                     import transformers
                     transformers.utils.logging.disable_progress_bar()
                     transformers.utils.logging.set_verbosity_error()
                     warnings.simplefilter("ignore", FutureWarning)
-                sd, entries = merged_state(src)
+                try:
+                    sd, entries = merged_state(src, tmp, scratch, checked, threads=args.threads)
+                finally:
+                    shutil.rmtree(scratch, ignore_errors=True)
             fetch = lambda names: {n: sd[n] for n in names}  # noqa: E731
         else:
             entries = _entries(src)
             fetch = lambda names: src.read(names, threads=args.threads)  # noqa: E731  (checksums if a manifest)
+            if src.checksummed:
+                checked.tensors += len(entries)
+        if not src.checksummed:
+            checked.unchecked += [os.path.basename(p) for p in src.weight_files]
         plan = plan_shards(entries, args.max_shard_size)
         with _progress(plan.total_bytes, "export", args.quiet) as bar:
             write_shards(plan, fetch, tmp, threads=args.threads, progress=bar.update)
-        _copy_all_meta(src, tmp, args)
         if src.adapter_dir and not args.merge_lora:
-            _layout_adapter(src.adapter_dir, os.path.join(tmp, "adapter"), to)
+            _layout_adapter(src.adapter_dir, os.path.join(tmp, "adapter"), to, checked)
         os.unlink(os.path.join(tmp, cm.OWNER))
         cm.commit_dir(tmp, to, overwrite=args.overwrite)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        named = _user_path_error(e, to) if isinstance(e, OSError) and not isinstance(e, FastCkptError) else e
+        if named is not e:
+            raise named from e
         raise
+    print(f"fastckpt load: {checked.summary()}", file=sys.stderr)
     return to
 
 
-def _layout_adapter(adapter_dir: str, dst: str, base: str) -> None:
-    """``dst/adapter_config.json`` (base pointed at the export) + the adapter weights, fsynced."""
+def _layout_adapter(adapter_dir: str, dst: str, base: str, checked: _Checked) -> None:
+    """``dst/adapter_config.json`` (base pointed at the export) + the adapter weights, fsynced; both
+    checked against the adapter folder's manifest when it has one."""
     os.makedirs(dst)
-    with open(os.path.join(adapter_dir, ADAPTER_CONFIG), "rb") as f:
-        cfg = json.loads(f.read())
+    cfg = json.loads(_read_side_file(adapter_dir, ADAPTER_CONFIG, checked))
     cfg["base_model_name_or_path"] = base
     cm.write_small_file(os.path.join(dst, ADAPTER_CONFIG), json.dumps(cfg, indent=2, sort_keys=True).encode())
-    copy_file(os.path.join(adapter_dir, ADAPTER_WEIGHTS), os.path.join(dst, ADAPTER_WEIGHTS))
+    _copy_side_file(adapter_dir, ADAPTER_WEIGHTS, os.path.join(dst, ADAPTER_WEIGHTS), checked)
     fsync_dir(dst)
 
 
@@ -209,8 +367,12 @@ def cmd_load(args: argparse.Namespace) -> int:
     src = resolve_source(args.source, base=args.base)
     print(f"source: {src.path} ({len(src.weights)} weight tensors"
           f"{', LoRA adapter ' + src.adapter_dir if src.adapter_dir else ''})", file=sys.stderr)
+    if args.to:
+        check_to(os.path.abspath(args.to), src, args)
     if args.merge_lora and not src.adapter_dir:
         print("fastckpt load: --merge-lora: the source has no adapter; nothing to merge", file=sys.stderr)
+    if args.merge_lora and src.adapter_dir and not args.to:
+        raise ValueError("--merge-lora writes a new folder: pass --to DIR")
     if args.verify:
         if not _verify(src):
             return 1
@@ -221,12 +383,54 @@ def cmd_load(args: argparse.Namespace) -> int:
             _warm(glob.glob(os.path.join(glob.escape(out), "*.safetensors")), args)
         print(f"wrote {out}", file=sys.stderr)
     else:
-        if args.merge_lora and src.adapter_dir:
-            raise ValueError("--merge-lora writes a new folder: pass --to DIR")
-        _warm(src.weight_files, args)
+        _warm_source(src, args)
         out, adapter = src.path, src.adapter_dir
+    missing = _unservable(out)
+    if missing:
+        print(f"fastckpt load: WARNING: vllm serve cannot serve {out}: {missing}; no vllm serve command printed",
+              file=sys.stderr)
+        return 0
     print(vllm_command(out, adapter))
     return 0
+
+
+def _unservable(model_dir: str) -> str | None:
+    """Why ``vllm serve model_dir`` cannot work (vLLM reads the architecture from its config.json), or None."""
+    if not os.path.isdir(model_dir):
+        return ("it is a file and vLLM needs a model folder with a config.json (write one with --to DIR "
+                "--base BASE_MODEL_DIR, the base model folder providing config.json)")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        return ("it has no config.json, from which vLLM reads the model's architecture. Copy the base model's "
+                "config.json into it, or export with --to DIR --base BASE_MODEL_DIR to take it from there")
+    return None
+
+
+def _warm_source(src: Source, args: argparse.Namespace) -> None:
+    """Warm the weight (and adapter) files of ``src``, checking them against the manifest xxh3 while
+    reading when there is one (not again after ``--verify``); say on stderr what was verified."""
+    files = list(src.weight_files)
+    if src.adapter_dir:
+        files.append(os.path.join(src.adapter_dir, ADAPTER_WEIGHTS))
+    if args.verify:
+        _warm(files, args)
+        print("fastckpt load: warmed; verified up front (--verify)", file=sys.stderr)
+        return
+    checked, checks = _Checked(), {}
+    for p in files:
+        fc = file_checks(os.path.dirname(p), os.path.basename(p)) if os.path.isdir(os.path.dirname(p)) else None
+        if fc and fc[1]:
+            checks[p] = fc[1]
+            checked.files.append(os.path.basename(p))
+            checked.tensors += sum(c.what.startswith("tensor ") for c in fc[1])
+        else:
+            checked.unchecked.append(os.path.basename(p))
+    folders = [src.meta_dir] + ([src.adapter_dir] if src.adapter_dir else [])
+    for d in dict.fromkeys(folders):
+        if os.path.isdir(d):
+            for name in _meta_files(d) + ([ADAPTER_CONFIG] if d == src.adapter_dir else []):
+                _read_side_file(d, name, checked)
+    _warm(files, args, checks)
+    print(f"fastckpt load: warmed; {checked.summary()}", file=sys.stderr)
 
 
 def _verify(src: Source) -> bool:
@@ -244,10 +448,10 @@ def _verify(src: Source) -> bool:
     return True
 
 
-def _warm(files: list[str], args: argparse.Namespace) -> None:
+def _warm(files: list[str], args: argparse.Namespace, checks: dict | None = None) -> None:
     total = sum(os.stat(p).st_size for p in files)
     with _progress(total, "warm", args.quiet) as bar:
-        warm_files(files, threads=args.threads, progress=bar.update)
+        warm_files(files, threads=args.threads, progress=bar.update, checks=checks)
 
 
 def add_load_parser(subparsers) -> argparse.ArgumentParser:

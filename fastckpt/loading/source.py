@@ -4,7 +4,9 @@ A source is a run root (its newest committed ``checkpoint-N``/``step-N``), a com
 checkpoint folder, any HF model folder or safetensors file, or a peft adapter folder (with its
 base model folder). :func:`resolve_source` validates every header, index and manifest entry
 (:func:`fastckpt.loading.resolve.resolve`) and returns a :class:`Source`, whose
-:meth:`Source.read` streams weights with the parallel reader (CPU) or the device ring.
+:meth:`Source.read` streams weights with the parallel reader (CPU) or the device ring, and
+:meth:`Source.read_adapter` the LoRA adapter's tensors; :func:`file_checks` lists the byte ranges
+of a checkpoint file that its manifest checksums (what ``fastckpt load`` checks while copying).
 
 Used by ``fastckpt load`` (:mod:`fastckpt.cli.serve`) and the vLLM loader plugin
 (:mod:`fastckpt.integrations.vllm`).
@@ -17,12 +19,13 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 
 from ..errors import CheckpointNotFoundError
-from ..storage.commit import MANIFEST
+from ..format.safetensors import safe_join
+from ..storage.commit import MANIFEST, read_manifest_shared
 from ..storage.retention import scan_checkpoints
 from .reader import read_tensors
 from .resolve import Resolved, resolve
@@ -49,6 +52,11 @@ class Source:
     weights: dict[str, str]
     meta_dir: str
     adapter_dir: str | None = None
+
+    @property
+    def checksummed(self) -> bool:
+        """True when the weights come with manifest checksums (a fastckpt checkpoint)."""
+        return self.resolved.manifest is not None
 
     @property
     def weight_files(self) -> list[str]:
@@ -91,6 +99,69 @@ class Source:
             extra = {} if ring_bytes is None else {"ring_bytes": ring_bytes}
             got = load_tensors(self.resolved, keys, device, threads=threads, verify=check, **extra)
         return {n: got[k] for n, k in zip(names, keys)}
+
+    def read_adapter(self, *, threads: int | None = None) -> dict[str, torch.Tensor]:
+        """Read the LoRA adapter's tensors (names as stored in ``adapter_model.safetensors``) into CPU
+        tensors, each checked against its xxh3 when the adapter folder is a fastckpt checkpoint.
+
+        Raises:
+            ValueError: the source has no adapter.
+            ChecksumMismatchError: a tensor's bytes differ from the manifest (names file and tensor).
+            HeaderError, CorruptCheckpointError, OSError: invalid or unreadable adapter file.
+        """
+        if self.adapter_dir is None:
+            raise ValueError(f"{self.path}: no LoRA adapter")
+        if os.path.isfile(os.path.join(self.adapter_dir, MANIFEST)):
+            r = self.resolved if os.path.abspath(self.adapter_dir) == os.path.abspath(self.path) \
+                else resolve(self.adapter_dir)
+            keys = {k: r.manifest["tensors"][k]["name"] for k, (f, _) in r.tensors.items() if f == ADAPTER_WEIGHTS}
+            got = read_tensors(r, list(keys), threads=threads, verify=True)
+            return {keys[k]: t for k, t in got.items()}
+        r = resolve(os.path.join(self.adapter_dir, ADAPTER_WEIGHTS))
+        return read_tensors(r, list(r.tensors), threads=threads)
+
+
+class RangeCheck(NamedTuple):
+    """Bytes ``[start, end)`` of a file must hash to ``xxh3`` (xxh3-64 hex); ``what`` names them
+    (the tuple form is :data:`fastckpt.saving.export.Check`)."""
+
+    what: str
+    start: int
+    end: int
+    xxh3: str
+
+
+def file_checks(folder: str | os.PathLike, name: str) -> tuple[int, list[RangeCheck]] | None:
+    """Size and checksummed byte ranges of file ``name`` of the fastckpt checkpoint ``folder``.
+
+    The ranges are the whole file (small files: config, tokenizer, adapter config), the header
+    of a safetensors file, and each of its tensors, as the manifest lists them, sorted by start.
+
+    Returns:
+        ``(bytes, ranges)``, or ``None`` when ``folder`` has no manifest or the manifest does not
+        list ``name`` (nothing to check it against).
+
+    Raises:
+        CorruptCheckpointError: an unreadable manifest. UnsafePathError: ``name`` leaves the folder.
+    """
+    folder = os.fspath(folder)
+    if not os.path.isfile(os.path.join(folder, MANIFEST)):
+        return None
+    m = read_manifest_shared(folder)
+    info = m["files"].get(name)
+    if info is None:
+        return None
+    safe_join(folder, name)
+    out = []
+    if "xxh3" in info:
+        out.append(RangeCheck(f"file {name!r}", 0, info["bytes"], info["xxh3"]))
+    if "header_xxh3" in info:
+        out.append(RangeCheck(f"header of {name!r}", 0, info["header_bytes"], info["header_xxh3"]))
+    for key, e in m["tensors"].items():
+        if isinstance(e, dict) and e.get("file") == name and "xxh3" in e:
+            out.append(RangeCheck(f"tensor {key!r}", e["offsets"][0], e["offsets"][1], e["xxh3"]))
+    out.sort(key=lambda c: (c.start, c.end))
+    return info["bytes"], out
 
 
 def find_checkpoint(source: str | os.PathLike) -> str:

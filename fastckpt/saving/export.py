@@ -8,7 +8,10 @@ per file, fsynced; the index by :func:`fastckpt.storage.commit.write_small_file`
 makes the folder visible (``fastckpt load --to`` writes into
 :func:`fastckpt.storage.commit.make_temp_dir` and renames it with
 :func:`~fastckpt.storage.commit.commit_dir`). :func:`warm_files` reads files with parallel sequential reads so
-that an mmap-based loader started next finds every page in memory.
+that an mmap-based loader started next finds every page in memory. :func:`copy_checked` copies a
+file while hashing the byte ranges a manifest lists (header, tensors, or the whole file), and
+:func:`warm_files` can check the same ranges while it reads: in both the checksums are computed
+on the bytes as they are read, never in a second pass.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
+import xxhash
+
+from ..errors import ChecksumMismatchError, CorruptCheckpointError
 
 from ..format.safetensors import encode_header, write_index
 from ..storage.commit import write_small_file
@@ -29,6 +35,9 @@ from ..storage.memory import bytes_view
 Entry = tuple[str, str, tuple[int, ...], int]
 #: Called with the byte count each time bytes are read or written (progress bars).
 Progress = Callable[[int], None]
+#: ``(what, start, end, xxh3 hex)``: bytes ``[start, end)`` of a file must hash (xxh3-64) to the
+#: given value; ``what`` names them in errors (``"tensor 'model/w'"``). Ranges may overlap.
+Check = tuple[str, int, int, str]
 
 
 @dataclass(frozen=True)
@@ -160,38 +169,164 @@ def _write(w: FileWriter, data: memoryview, offset: int, progress: Progress | No
         progress(len(data))
 
 
+class _RangeHasher:
+    """Feeds the bytes of one file, read front to back, to the xxh3 of every :data:`Check` range."""
+
+    def __init__(self, path: str, checks: Sequence[Check]):
+        self.path = path
+        self.todo = sorted(checks, key=lambda c: (c[1], c[2]))
+        self.next = 0
+        self.active: list[tuple[Check, "xxhash.xxh3_64"]] = []
+
+    def feed(self, data: memoryview, offset: int) -> None:
+        """Hash ``data`` (bytes ``[offset, offset + len(data))`` of the file; calls in file order)."""
+        end = offset + len(data)
+        while self.next < len(self.todo) and self.todo[self.next][1] < end:
+            self.active.append((self.todo[self.next], xxhash.xxh3_64()))
+            self.next += 1
+        done = []
+        for c, h in self.active:
+            a, b = max(c[1], offset), min(c[2], end)
+            if a < b:
+                h.update(data[a - offset:b - offset])
+            if c[2] <= end:
+                done.append((c, h))
+        for c, h in done:
+            self.active.remove((c, h))
+            self._compare(c, h)
+
+    def finish(self) -> None:
+        """Compare what is left (empty ranges, ranges past the bytes fed)."""
+        self.feed(memoryview(b""), 1 << 62)
+
+    def _compare(self, c: Check, h: "xxhash.xxh3_64") -> None:
+        got = h.hexdigest()
+        if got != c[3]:
+            raise ChecksumMismatchError(f"{self.path}: {c[0]} (bytes {c[1]}-{c[2]}) has xxh3 {got}, manifest says "
+                                        f"{c[3]}: the file is damaged; refusing to use it", path=self.path)
+
+
+def copy_checked(src: str, dst: str, size: int, checks: Sequence[Check], *,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Copy file ``src`` (``size`` bytes) to the new file ``dst``, hashing ``checks`` on the way.
+
+    Each chunk is read once into a buffer, hashed into every range it overlaps and written from
+    that same buffer, so the bytes written are the bytes checked; the next chunk is read while
+    one is hashed and written (memory: two ``chunk_bytes`` buffers). ``dst`` is fsynced.
+
+    Returns:
+        Bytes copied.
+
+    Raises:
+        CorruptCheckpointError: ``src`` is not ``size`` bytes long.
+        ChecksumMismatchError: a range's xxh3 differs (``dst`` is then partial: write into a
+            temporary folder and discard it).
+        OSError: from the reads or writes.
+    """
+    be = get_backend(None)
+    hasher = _RangeHasher(src, checks)
+    fd = be.open_read(src)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise CorruptCheckpointError(f"{src}: {actual} bytes on disk, manifest says {size} (truncated or "
+                                         "replaced)", path=src)
+        w = FileWriter(be, dst, size)
+        try:
+            bufs = [memoryview(bytearray(min(chunk_bytes, max(size, 1)))) for _ in range(2)]
+            spans = [(i, a, min(chunk_bytes, size - a)) for i, a in enumerate(range(0, size, chunk_bytes))]
+
+            def read(span: tuple[int, int, int]) -> memoryview:
+                i, a, m = span
+                read_exact(be, fd, bufs[i % 2][:m], a, path=src)
+                return bufs[i % 2][:m]
+
+            with ThreadPoolExecutor(1, thread_name_prefix="fastckpt-copy") as reader:
+                nxt = reader.submit(read, spans[0]) if spans else None
+                for i, a, m in spans:  # read chunk i + 1 while chunk i is hashed and written
+                    data = nxt.result()
+                    nxt = reader.submit(read, spans[i + 1]) if i + 1 < len(spans) else None
+                    hasher.feed(data, a)
+                    w.write(data, a)
+            hasher.finish()
+            w.sync()
+        finally:
+            w.close()
+    finally:
+        be.close(fd)
+    return size
+
+
+def read_checked(path: str, size: int | None, checks: Sequence[Check]) -> bytes:
+    """Read the file ``path`` (a small file, or a header), hashing ``checks`` on the bytes read.
+
+    Args:
+        size: the file's expected size (all of it is read); ``None``: read only up to the end
+            of the last range (a safetensors header), whatever the file's size.
+
+    Raises:
+        CorruptCheckpointError: not ``size`` bytes (or shorter than the ranges). ChecksumMismatchError:
+            a range differs.
+    """
+    want = size if size is not None else max((c[2] for c in checks), default=0)
+    with open(path, "rb") as f:
+        data = f.read() if size is not None else f.read(want)
+    if len(data) != want:
+        raise CorruptCheckpointError(f"{path}: {len(data)} bytes on disk, manifest says "
+                                     f"{'' if size is not None else 'at least '}{want} (truncated or replaced)",
+                                     path=path)
+    h = _RangeHasher(path, checks)
+    h.feed(memoryview(data), 0)
+    h.finish()
+    return data
+
+
 def warm_files(paths: list[str], *, threads: int | None = None, range_bytes: int = 64 << 20,
-               chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Progress | None = None) -> int:
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Progress | None = None,
+               checks: dict[str, Sequence[Check]] | None = None) -> int:
     """Read every byte of ``paths`` into the page cache with parallel sequential reads.
 
     Each file is cut into ``range_bytes`` ranges (default 64 MiB); each worker reads one range
     front to back in ``chunk_bytes`` requests into its own buffer (data discarded). Memory:
-    ``threads * chunk_bytes``.
+    ``threads * chunk_bytes``. With ``checks`` (path -> :data:`Check` ranges, e.g. a file's
+    header and tensors), each checked range is one job whose bytes are hashed as they are read,
+    and the bytes no range covers are warmed as above: still one read of every byte.
 
     Returns:
         Bytes read.
 
     Raises:
         OSError: a file cannot be read. CorruptCheckpointError: a file shrank while read.
+        ChecksumMismatchError: a checked range differs from its checksum (names file and range).
     """
     be = get_backend(None)
-    jobs = []
+    jobs: list[tuple[str, int, int, Check | None]] = []
     for p in paths:
         size = os.stat(p).st_size
-        jobs += [(p, a, min(range_bytes, size - a)) for a in range(0, size, range_bytes)]
+        pos = 0
+        for c in sorted((checks or {}).get(p, ()), key=lambda c: (c[1], c[2])):
+            jobs += [(p, a, min(range_bytes, c[1] - a), None) for a in range(pos, c[1], range_bytes)]
+            jobs.append((p, c[1], c[2] - c[1], c))
+            pos = max(pos, c[2])
+        jobs += [(p, a, min(range_bytes, size - a), None) for a in range(pos, size, range_bytes)]
 
-    def run(job: tuple[str, int, int]) -> int:
-        path, start, n = job
+    def run(job: tuple[str, int, int, Check | None]) -> int:
+        path, start, n, check = job
+        hasher = _RangeHasher(path, [check]) if check else None
         fd = be.open_read(path)
         try:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, start, n, os.POSIX_FADV_SEQUENTIAL)
-            buf = memoryview(bytearray(min(chunk_bytes, n)))
+            buf = memoryview(bytearray(max(1, min(chunk_bytes, n))))
             for a in range(0, n, chunk_bytes):
                 m = min(chunk_bytes, n - a)
                 read_exact(be, fd, buf[:m], start + a, path=path)
+                if hasher is not None:
+                    hasher.feed(buf[:m], start + a)
                 if progress is not None:
                     progress(m)
+            if hasher is not None:
+                hasher.finish()
         finally:
             be.close(fd)
         return n
