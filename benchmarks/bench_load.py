@@ -7,6 +7,13 @@ format; every load then runs in a fresh subprocess that ends with every tensor i
 (mmap-backed loaders are copied out). Cold runs drop the page cache (``/proc/sys/vm/drop_caches``,
 root) right before the timed load; warm runs read the files through the page cache first.
 Order is rotated per repetition; medians are quoted. Results: ``benchmarks/results/load.json``.
+
+``fastckpt.load_weights(dtype=fp32)`` loads the same bf16 file converted to fp32 on the way
+(``fastckpt.loading.device.load_weights``, CPU, default 256 MiB ring / 16 MiB slots): its loaded
+size is twice the state. GB/s counts the bytes read (the state), as for every row; "RSS growth /
+loaded" divides by what the load returns; the row's stated bound (``R + B + S`` of
+``load_tensors``' docstring) is printed under the table. ``--only fastckpt.load_weights(dtype=fp32)``
+runs it alone; with ``--baseline SRC`` it also runs with another checkout's fastckpt.
 """
 
 from __future__ import annotations
@@ -21,12 +28,15 @@ import common as C  # noqa: E402
 
 CONTENDERS = ["fastckpt.load", "fastckpt.load(foreign .safetensors)", "safetensors.load_file(mmap)+copy",
               "safetensors.load_file(backend=pread)", "torch.load(mmap=True)+copy", "dcp.load",
-              "runai-model-streamer", "fastsafetensors(nogds)"]
+              "runai-model-streamer", "fastsafetensors(nogds)", "fastckpt.load_weights(dtype=fp32)"]
 SOURCE = {"fastckpt.load": "fastckpt", "fastckpt.load(foreign .safetensors)": "model.safetensors",
           "safetensors.load_file(mmap)+copy": "model.safetensors",
           "safetensors.load_file(backend=pread)": "model.safetensors", "torch.load(mmap=True)+copy": "model.pt",
           "dcp.load": "dcp", "runai-model-streamer": "model.safetensors",
-          "fastsafetensors(nogds)": "model.safetensors"}
+          "fastsafetensors(nogds)": "model.safetensors", "fastckpt.load_weights(dtype=fp32)": "model.safetensors"}
+#: Contenders that return another dtype: name -> (bytes returned per byte stored, bound on RSS growth
+#: in bytes as a function of the returned bytes R: load_tensors' docstring, R + ring + slot, CPU).
+CONVERTS = {"fastckpt.load_weights(dtype=fp32)": (2, lambda r: r + (256 << 20) + (16 << 20))}
 
 
 def prepare(folder: str, size_gib: float) -> dict:
@@ -58,6 +68,7 @@ def child(name: str, folder: str, size_gib: float, mode: str) -> dict:
         from fastsafetensors import SafeTensorsFileLoader, SingleGroup
     if name.startswith("fastckpt"):
         import fastckpt
+        from fastckpt.loading.device import load_weights
     if name.startswith("safetensors"):
         from safetensors.torch import load_file
     if name == "dcp.load":
@@ -73,6 +84,8 @@ def child(name: str, folder: str, size_gib: float, mode: str) -> dict:
         out = fastckpt.load(src)["model"]
     elif name == "fastckpt.load(foreign .safetensors)":
         out = fastckpt.load(src)
+    elif name == "fastckpt.load_weights(dtype=fp32)":
+        out = load_weights(src, "cpu", dtype=torch.float32)
     elif name == "safetensors.load_file(mmap)+copy":
         out = {k: v.clone() for k, v in load_file(src).items()}
     elif name == "safetensors.load_file(backend=pread)":
@@ -101,10 +114,10 @@ def child(name: str, folder: str, size_gib: float, mode: str) -> dict:
         raise SystemExit(f"unknown contender {name}")
     seconds = time.perf_counter() - t0
     got = sum(v.numel() * v.element_size() for v in out.values())
-    want = C.state_bytes(size_gib)
+    want = C.state_bytes(size_gib) * CONVERTS.get(name, (1,))[0]
     if got != want or len(out) != len(C.layout(size_gib)):
         raise SystemExit(f"{name}: loaded {got} bytes in {len(out)} tensors, expected {want}")
-    return {"rows": [{"name": name, "seconds": seconds, "dropped": dropped}], "base_rss": base,
+    return {"rows": [{"name": name, "seconds": seconds, "dropped": dropped, "loaded": got}], "base_rss": base,
             "maxrss": C.maxrss_bytes()}
 
 
@@ -166,9 +179,11 @@ def main() -> None:
     rows = []
     for (name, mode), ss in samples.items():
         s = C.med(ss, "seconds")
+        loaded = ss[0].get("loaded", nbytes)
         rows.append({"name": name, "mode": mode, "seconds": s, "gbps": nbytes / s / C.GB,
                      "peak_rss_gb": C.med(ss, "maxrss") / C.GB, "extra_rss_gb": C.med(ss, "extra_rss") / C.GB,
-                     "extra_rss_x_state": C.med(ss, "extra_rss") / nbytes,
+                     "extra_rss_x_state": C.med(ss, "extra_rss") / nbytes, "loaded_gb": loaded / C.GB,
+                     "extra_rss_x_loaded": C.med(ss, "extra_rss") / loaded,
                      "cache_dropped": all(x.get("dropped") for x in ss) if mode == "cold" else None,
                      "samples_s": [round(x["seconds"], 3) for x in ss]})
     best_anchor = {}
@@ -187,8 +202,16 @@ def main() -> None:
         rows, [("contender", "name", "s"), ("cache", "mode", "s"), ("GB/s", "gbps", ".2f"),
                ("seconds", "seconds", ".2f"), ("peak RSS GB", "peak_rss_gb", ".2f"),
                ("RSS growth GB", "extra_rss_gb", ".2f"), ("RSS growth / state", "extra_rss_x_state", ".2f"),
+               ("loaded GB", "loaded_gb", ".2f"), ("RSS growth / loaded", "extra_rss_x_loaded", ".2f"),
                ("x raw", "x_raw", ".2f"), ("x best anchor", "x_best_anchor", ".2f")])
     print("(peak RSS: whole process incl. ~0.2 GB of python+torch; RSS growth: peak minus RSS before the load)")
+    for r in rows:
+        conv = CONVERTS.get(r["name"].removesuffix(C.BASELINE))
+        if conv:
+            bound = conv[1](r["loaded_gb"] * C.GB) / C.GB
+            r["rss_bound_gb"] = bound
+            print(f"{r['name']} [{r['mode']}]: RSS growth {r['extra_rss_gb']:.3f} GB, stated bound R + ring + slot = "
+                  f"{bound:.3f} GB: {'within' if r['extra_rss_gb'] <= bound else 'OVER'}")
     for n, e in skipped.items():
         print(f"skipped {n}: {e}")
     data = {"bench": "load", "state_bytes": nbytes, "reps": a.reps, "dir": a.dir, "machine": C.machine(),

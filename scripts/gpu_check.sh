@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# GPU check for fastckpt's device loaders (issue 4). One prepared script, < 5 minutes, no network.
+# GPU check for fastckpt's device loaders (issue 4). One prepared script, < 9 minutes worst case (timeouts), no network.
 # Runs from the source tree through PYTHONPATH with the machine's own Python/torch build:
 #   1. environment: torch/CUDA, pinned memory, kvikio (GDS) status;
-#   2. the CUDA tests of tests/loading/test_device.py (skipped on CPU machines) if pytest is there;
+#   2. the CUDA tests of tests/loading/test_device.py and test_device_memory.py (skipped on CPU) if pytest is there;
 #   3. GB/s into device memory: fastckpt ring (pinned bounce buffers, side-stream copies),
 #      kvikio if usable, and safetensors.load_file + .cuda() as the anchor, on GIB GiB (default 2)
-#      in 2 files, page cache dropped before each run when we are root (else fadvise DONTNEED).
-# Usage: bash scripts/gpu_check.sh [GIB]     Output: human lines + one JSON line "RESULT {...}".
+#      in 2 files, page cache dropped before each run when we are root (else fadvise DONTNEED);
+#   4. peak device memory of load_weights against the bound stated in load_tensors' docstring
+#      (issue 15): torch.cuda.max_memory_allocated growth <= R + S with dtype conversion, R without.
+# Usage: bash scripts/gpu_check.sh [GIB]     Output: human lines + JSON lines "RESULT {...}", "RESULT_MEM {...}".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -32,13 +34,14 @@ PY
 
 echo "== CUDA tests"
 if "$PY" -c "import pytest" 2>/dev/null; then
-  timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/loading/test_device.py || echo "TESTS FAILED"
+  timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/loading/test_device.py \
+    tests/loading/test_device_memory.py::test_cuda_peak_device_memory_within_stated_bound || echo "TESTS FAILED"
 else
   echo "pytest missing: skipped"
 fi
 
 echo "== bandwidth into device memory (${GIB} GiB, 2 files)"
-timeout 200 "$PY" - "$WORK" "$GIB" <<'PY'
+timeout 200 "$PY" - "$WORK" "$GIB" <<'PY' || echo "BANDWIDTH RUN FAILED"
 import json, os, resource, subprocess, sys, time
 import torch
 from fastckpt.loading.device import kvikio_usable, load_weights
@@ -88,4 +91,52 @@ except ImportError:
     pass
 res["ring_vs_safetensors"] = round(res["ring_GBps"] / res["safetensors_cuda_GBps"], 2) if "safetensors_cuda_GBps" in res else None
 print("RESULT " + json.dumps(res))
+PY
+
+# ---------------------------------------------------------------------------------------------
+# 4. Device memory bound (issue 15). Separate from the bandwidth run above; it prints
+#    "MEMORY BOUND ok|OVER" per case and one "RESULT_MEM {...}" JSON line; it never stops the script.
+# ---------------------------------------------------------------------------------------------
+echo "== peak device memory vs stated bound (R + S converting, R otherwise)"
+MEMDIR="$WORK/mem"; mkdir -p "$MEMDIR"
+timeout 150 "$PY" - "$MEMDIR" <<'PY' || echo "MEMORY CHECK FAILED"
+import json, sys
+import torch
+from safetensors.torch import save_file
+from fastckpt.loading.device import kvikio_usable, load_weights
+from fastckpt.loading.tp import Shard
+
+d = sys.argv[1]
+assert torch.cuda.is_available(), "no CUDA device"
+g = torch.Generator().manual_seed(0)
+sd = {f"w{i}": torch.randn(4096, 4096, generator=g) for i in range(8)}  # 512 MiB fp32
+save_file(sd, f"{d}/f32.safetensors")
+save_file({k: v.bfloat16() for k, v in sd.items()}, f"{d}/bf16.safetensors")
+RING, SLOT = 64 << 20, 16 << 20
+cases = [("plain fp32", "f32", None, None, False), ("fp32->bf16", "f32", torch.bfloat16, None, False),
+         ("bf16->fp32", "bf16", torch.float32, None, False), ("tp 1/2 dim1 fp32", "f32", None, 1, False),
+         ("tp 1/2 dim1 fp32->bf16", "f32", torch.bfloat16, 1, False)]
+if kvikio_usable(torch.device("cuda", 0)):
+    cases.append(("kvikio plain fp32", "f32", None, None, True))
+res, ok_all = {}, True
+for name, src, dt, dim, kv in cases:
+    torch.cuda.synchronize(); torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(); torch.cuda.reset_peak_memory_stats()
+    out = load_weights(f"{d}/{src}.safetensors", "cuda:0", dtype=dt, use_kvikio=kv, ring_bytes=RING,
+                       slot_bytes=SLOT, shard=Shard(1, 2, {"*": dim}) if dim is not None else None)
+    torch.cuda.synchronize()
+    grew = torch.cuda.max_memory_allocated() - base
+    r = sum(v.numel() * v.element_size() for v in out.values())
+    bound = r + (SLOT if dt is not None else 0) + 512 * len(out)  # + the caching allocator's 512 B rounding
+    want = sd["w3"].chunk(2, dim)[1] if dim is not None else sd["w3"]
+    want = want.to(dt) if dt is not None else want
+    same = bool(torch.equal(out["w3"].cpu(), want if src == "f32" else want.bfloat16().to(want.dtype)))
+    ok = grew <= bound and same
+    ok_all &= ok
+    res[name] = {"grew_MiB": round(grew / 2**20, 1), "bound_MiB": round(bound / 2**20, 1), "values_ok": same}
+    print(f"MEMORY BOUND {'ok' if ok else 'OVER'}: {name}: device memory grew {grew / 2**20:.1f} MiB, "
+          f"bound {bound / 2**20:.1f} MiB, values {'ok' if same else 'WRONG'}")
+    del out
+res["all_ok"] = ok_all
+print("RESULT_MEM " + json.dumps(res))
 PY

@@ -14,8 +14,14 @@ its own byte ranges, see :mod:`fastckpt.loading.tp`). How the bytes move is a sm
 - ``cpu``: the same ring and code path with synchronous copies (used to test the ring, and for
   dtype conversion / tensor-parallel slices on CPU).
 
-Host memory stays at ``ring_bytes`` whatever the model size. Every returned tensor is its own
-allocation on the device: nothing points into a slot. GPU/NPU modules are imported lazily.
+Memory: every destination is allocated once, in its *returned* dtype and shape (the slice's under
+a TP split); a dtype conversion runs per copy, from the slot straight into the destination (pieces
+cut tensors at element boundaries), so no stored-dtype copy of a tensor ever exists. Peak growth,
+``R`` = returned bytes, ``B`` = ring_bytes, ``S`` = slot_bytes: ``cpu`` host ``<= R + B + S``;
+``cuda``/``npu`` device ``<= R + S`` (``R`` without conversion); details in :func:`load_tensors`.
+
+Every returned tensor is its own allocation on the device: nothing points into a slot.
+GPU/NPU modules are imported lazily.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Callable, Iterable
 import torch
 import xxhash
 
-from ..format.dtypes import str_to_dtype
+from ..format.dtypes import itemsize, str_to_dtype
 from ..errors import ChecksumMismatchError
 from ..format.safetensors import TensorInfo
 from ..storage.io import PosixBackend, get_backend, readv_exact
@@ -105,13 +111,23 @@ def _flat_ranges(t: Target) -> list[tuple[int, int, int]]:
     return []
 
 
+def _step(t: Target, slot_bytes: int) -> int:
+    """Largest multiple of ``t``'s element size that fits a slot: a split never cuts an element."""
+    isz = itemsize(str_to_dtype(t.info.dtype, tensor=t.key, path=t.file))
+    if slot_bytes < isz:
+        raise ValueError(f"slot_bytes={slot_bytes} is smaller than one element ({isz} bytes) of tensor {t.key!r}")
+    return slot_bytes - slot_bytes % isz
+
+
 def plan_pieces(targets: list[Target], slot_bytes: int, skip: frozenset[int] = frozenset()) -> list[Piece]:
     """Split the reads of ``targets`` into pieces of at most ``slot_bytes`` (pure, deterministic).
 
-    Copies name their target by index in ``targets``; indexes in ``skip`` are not read.
+    Copies name their target by index in ``targets``; indexes in ``skip`` are not read. A tensor
+    split across pieces is cut at multiples of its element size, so every copy holds whole
+    elements (a dtype conversion can run per copy).
 
     Raises:
-        ValueError: ``slot_bytes`` is not positive.
+        ValueError: ``slot_bytes`` is not positive, or smaller than one element of a split tensor.
     """
     if slot_bytes <= 0:
         raise ValueError(f"slot_bytes must be a positive int, got {slot_bytes!r}")
@@ -139,8 +155,9 @@ def plan_pieces(targets: list[Target], slot_bytes: int, skip: frozenset[int] = f
         for fo, do, n in flat:
             if n > slot_bytes // 4:
                 flush()
-                for a in range(0, n, slot_bytes):
-                    m = min(slot_bytes, n - a)
+                step = _step(t, slot_bytes)
+                for a in range(0, n, step):
+                    m = min(step, n - a)
                     pieces.append(Piece(t.file, fo + a, m, (Copy(i, do + a, 0, m),)))
                 continue
             if run and (run_file != t.file or run[-1][1] + run[-1][3] != fo
@@ -158,10 +175,11 @@ def _row_pieces(i: int, t: Target, slot_bytes: int) -> list[Piece]:
     assert s is not None
     out: list[Piece] = []
     if s.col_bytes >= SEGMENT_MIN_BYTES or s.row_bytes > slot_bytes:
+        step = _step(t, slot_bytes)
         for r in range(s.outer):
             fo, do = t.abs_offset + r * s.row_bytes + s.col_off, r * s.col_bytes
-            for a in range(0, s.col_bytes, slot_bytes):
-                m = min(slot_bytes, s.col_bytes - a)
+            for a in range(0, s.col_bytes, step):
+                m = min(step, s.col_bytes - a)
                 out.append(Piece(t.file, fo + a, m, (Copy(i, do + a, 0, m),)))
         return out
     per = max(1, slot_bytes // s.row_bytes)
@@ -179,8 +197,9 @@ def _row_pieces(i: int, t: Target, slot_bytes: int) -> list[Piece]:
 class Engine:
     """Synchronous CPU engine; base of the accelerator engines.
 
-    Call order for one load: ``empty`` (every destination) -> ``begin`` -> for each piece:
-    ``wait(slot)`` -> read into ``slot(i)`` -> ``copy`` ... -> ``record(slot)`` -> ``finish``.
+    Call order for one load: ``empty`` (every destination) -> ``reserve`` (only when converting)
+    -> ``begin`` -> for each piece: ``wait(slot)`` -> read into ``slot(i)`` -> ``copy`` or
+    ``convert`` ... -> ``record(slot)`` -> ``finish``.
     All calls come from the loading thread; only the file reads run in worker threads.
     """
 
@@ -204,6 +223,20 @@ class Engine:
         """Copy host ``src`` into device ``dst`` (same shape, uint8)."""
         dst.copy_(src)
 
+    def reserve(self, nbytes: int) -> None:
+        """Called before :meth:`begin` when a load converts dtypes: no piece is larger than ``nbytes``."""
+
+    def convert(self, dst: torch.Tensor, src: torch.Tensor, stored: torch.dtype) -> None:
+        """Copy host bytes ``src`` (uint8, last dim in bytes), read as ``stored``, into ``dst`` of another dtype.
+
+        ``dst`` has ``src``'s shape with the last dim in elements. The conversion runs on these
+        bytes only: its scratch is at most ``src.numel()`` bytes (an aligned copy of a slot range
+        whose address is not a multiple of the element size).
+        """
+        if src.data_ptr() % stored.itemsize:
+            src = torch.empty_like(src, memory_format=torch.contiguous_format).copy_(src)
+        dst.copy_(src.view(stored))
+
     def record(self, slot: int) -> None:
         """Mark that every copy from ``slot`` issued so far must finish before it is reused."""
 
@@ -225,10 +258,26 @@ class AcceleratorEngine(Engine):
         self.mod = mod
         self.stream = mod.Stream(device=device)
         self.events: dict[int, object] = {}
+        self.scratch: torch.Tensor | None = None
 
     def host_slot(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
-        t = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # pinned directly: no pageable twin
         return t, memoryview(t.numpy())
+
+    def reserve(self, nbytes: int) -> None:
+        # one device scratch for the whole load, owned by the side stream: every H2D copy into it
+        # and the conversion kernel reading it are ordered on that stream
+        with self.mod.stream(self.stream):
+            self.scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def convert(self, dst: torch.Tensor, src: torch.Tensor, stored: torch.dtype) -> None:
+        n = src.numel()
+        if self.scratch is None or self.scratch.numel() < n:
+            raise RuntimeError(f"convert of {n} bytes without reserve() of at least that much")
+        with self.mod.stream(self.stream):
+            raw = self.scratch[:n]
+            raw.copy_(src.reshape(-1), non_blocking=True)
+            dst.copy_(raw.view(stored).view(dst.shape))
 
     def begin(self) -> None:
         # destinations were allocated on the current stream: order the side stream after it
@@ -251,6 +300,7 @@ class AcceleratorEngine(Engine):
     def finish(self) -> None:
         self.stream.synchronize()
         self.events.clear()
+        self.scratch = None
 
 
 def _cuda_engine(device: torch.device) -> Engine:
@@ -315,13 +365,40 @@ def _targets(r: Resolved, keys: Iterable[str], shard: Shard | None) -> list[Targ
     return out
 
 
-def _apply(engine: Engine, c: Copy, dest: torch.Tensor, slot: torch.Tensor) -> None:
+@dataclass(frozen=True)
+class _Conv:
+    """A target converted on the way: stored dtype -> returned dtype."""
+
+    stored: torch.dtype
+    out: torch.dtype
+
+
+def _conv(t: Target, dtype: torch.dtype | None) -> _Conv | None:
+    stored = str_to_dtype(t.info.dtype, tensor=t.key, path=t.file)
+    if dtype is not None and stored != dtype and stored.is_floating_point and dtype.is_floating_point:
+        return _Conv(stored, dtype)
+    return None
+
+
+def _apply(engine: Engine, c: Copy, dest: torch.Tensor, slot: torch.Tensor, cv: _Conv | None = None) -> None:
     if c.rows == 0:
-        engine.copy(dest[c.dst_off:c.dst_off + c.nbytes], slot[c.src_off:c.src_off + c.nbytes])
+        src = slot[c.src_off:c.src_off + c.nbytes]
+        if cv is None:
+            engine.copy(dest[c.dst_off:c.dst_off + c.nbytes], src)
+        else:  # dest holds cv.out elements; offsets are in stored bytes (whole elements, see _step)
+            isz = cv.stored.itemsize
+            e0 = c.dst_off // isz
+            engine.convert(dest.view(cv.out)[e0:e0 + c.nbytes // isz], src, cv.stored)
         return
     src = slot[c.src_off:c.src_off + c.rows * c.row_bytes].view(c.rows, c.row_bytes)[:, c.col_off:c.col_off + c.col_bytes]
-    dst = dest[c.dst_off:c.dst_off + c.rows * c.col_bytes].view(c.rows, c.col_bytes)
-    engine.copy(dst, src.contiguous() if engine.device.type != "cpu" else src)
+    if engine.device.type != "cpu":
+        src = src.contiguous()  # gather the rank's columns: at most one piece of host scratch
+    if cv is None:
+        engine.copy(dest[c.dst_off:c.dst_off + c.rows * c.col_bytes].view(c.rows, c.col_bytes), src)
+        return
+    isz = cv.stored.itemsize
+    cols, r0 = c.col_bytes // isz, c.dst_off // c.col_bytes
+    engine.convert(dest.view(cv.out)[r0 * cols:(r0 + c.rows) * cols].view(c.rows, cols), src, cv.stored)
 
 
 class _Ring:
@@ -333,7 +410,8 @@ class _Ring:
         self.threads = max(1, min(threads, n_slots))
 
     def run(self, pieces: list[Piece], dests: list[torch.Tensor],
-            hashers: dict[int, "xxhash.xxh3_64"]) -> None:
+            hashers: dict[int, "xxhash.xxh3_64"], convs: list[_Conv | None] | None = None) -> None:
+        self.convs = convs or [None] * len(dests)
         n = len(self.slots)
         fds: dict[str, int] = {}
         pending: collections.deque = collections.deque()
@@ -367,7 +445,7 @@ class _Ring:
             h = hashers.get(c.dest)
             if h is not None:
                 h.update(slot_mv[c.src_off:c.src_off + c.nbytes])
-            _apply(self.engine, c, dests[c.dest], slot_t)
+            _apply(self.engine, c, dests[c.dest], slot_t, self.convs[c.dest])
         self.engine.record(s)
 
 
@@ -397,11 +475,25 @@ def load_tensors(r: Resolved, keys: Iterable[str], device: str | torch.device, *
                  ) -> dict[str, torch.Tensor]:
     """Read tensors ``keys`` of a resolved checkpoint into new tensors on ``device``.
 
+    Peak memory (bytes), with ``R`` the bytes of the returned tensors (``sum(numel * itemsize)`` in
+    the returned dtype: the slices under ``shard``, the converted size under ``dtype``),
+    ``B = ring_bytes`` and ``S = slot_bytes``:
+
+    - ``device="cpu"``: host memory grows by at most ``R + B + S``;
+    - CUDA / NPU: device memory grows by at most ``R + S`` (``R`` when nothing is converted),
+      host memory by at most ``(B // S) * P + S``, ``P`` = ``S`` rounded up to a power of two
+      (pinned slots come from torch's caching host allocator).
+
+    ``dtype`` is applied per ring piece, from the slot straight into the destination; a tensor
+    never exists in its stored dtype on the device. kvikio (GDS) reads add no buffer; they are used
+    only for tensors that keep their dtype. The bound is asserted by
+    ``tests/loading/test_device_memory.py`` (RSS) and ``scripts/gpu_check.sh`` (CUDA).
+
     Args:
         r: from :func:`fastckpt.loading.resolve.resolve` (headers validated).
         keys: stored tensor keys (``r.tensors`` keys).
         device: ``"cpu"``, ``"cuda:N"``, ``"npu:N"`` or a type registered in :data:`ENGINES`.
-        dtype: convert floating-point tensors to this dtype after loading (``None``: keep).
+        dtype: convert floating-point tensors to this dtype while loading (``None``: keep).
         shard: tensor-parallel split (:class:`fastckpt.loading.tp.Shard`); only this rank's bytes are read.
         ring_bytes: host bounce memory in bytes (default 256 MiB); at least two slots.
         slot_bytes: bytes per slot and per read (default 16 MiB).
@@ -425,12 +517,16 @@ def load_tensors(r: Resolved, keys: Iterable[str], device: str | torch.device, *
     keys = list(keys)
     engine = get_engine(device)
     targets = _targets(r, keys, shard)
-    dests = [engine.empty(t.nbytes) for t in targets]
+    convs = [_conv(t, dtype) for t in targets]
+    # each destination is allocated once, in the returned dtype: no stored-dtype twin
+    dests = [engine.empty(t.nbytes if cv is None else t.nbytes // cv.stored.itemsize * cv.out.itemsize)
+             for t, cv in zip(targets, convs)]
     want = {}
     if verify and r.manifest is not None:
         want = {i: r.manifest["tensors"][t.key].get("xxh3") for i, t in enumerate(targets) if t.slice is None}
     use_kv = kvikio_usable(engine.device) if use_kvikio is None else use_kvikio
-    direct = [i for i, t in enumerate(targets) if use_kv and i not in want and _flat_ranges(t)]
+    direct = [i for i, t in enumerate(targets)
+              if use_kv and i not in want and convs[i] is None and _flat_ranges(t)]
     if direct:
         _kvikio_read(targets, dests, direct, slot_bytes)
     pieces = plan_pieces(targets, slot_bytes, frozenset(direct))
@@ -438,21 +534,22 @@ def load_tensors(r: Resolved, keys: Iterable[str], device: str | torch.device, *
     if pieces:
         n_slots = min(ring_bytes // slot_bytes, max(2, len(pieces)))
         ring = _Ring(engine, n_slots, slot_bytes, threads or default_threads(), get_backend(io_backend))
-        ring.run(pieces, dests, hashers)
+        converting = [p.nbytes for p in pieces if any(convs[c.dest] is not None for c in p.copies)]
+        if converting:
+            engine.reserve(max(converting))
+        ring.run(pieces, dests, hashers, convs)
     for i, h in hashers.items():
         if want[i] is not None and h.hexdigest() != want[i]:
             t = targets[i]
             raise ChecksumMismatchError(f"{t.file}: tensor {t.key!r} has xxh3 {h.hexdigest()}, manifest says "
                                         f"{want[i]}", path=t.file, tensor=t.key)
-    return {t.key: _finish(t, d, dtype) for t, d in zip(targets, dests)}
+    return {t.key: _finish(t, d, cv) for t, d, cv in zip(targets, dests, convs)}
 
 
-def _finish(t: Target, raw: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    stored = str_to_dtype(t.info.dtype, tensor=t.key, path=t.file)
-    x = raw.view(stored).view(t.shape) if raw.numel() else torch.empty(t.shape, dtype=stored, device=raw.device)
-    if dtype is not None and x.dtype != dtype and x.dtype.is_floating_point and dtype.is_floating_point:
-        x = x.to(dtype)
-    return x
+def _finish(t: Target, raw: torch.Tensor, cv: _Conv | None) -> torch.Tensor:
+    """The destination's bytes as the returned tensor (a view: no copy, no conversion here)."""
+    dt = cv.out if cv is not None else str_to_dtype(t.info.dtype, tensor=t.key, path=t.file)
+    return raw.view(dt).view(t.shape) if raw.numel() else torch.empty(t.shape, dtype=dt, device=raw.device)
 
 
 def load_weights(path: str | os.PathLike, device: str | torch.device = "cpu", *, keys: Iterable[str] | None = None,
@@ -462,6 +559,13 @@ def load_weights(path: str | os.PathLike, device: str | torch.device = "cpu", *,
     ``options`` are those of :func:`load_tensors` (``ring_bytes``, ``slot_bytes``, ``threads``,
     ``verify``, ``io_backend``, ``use_kvikio``). Keys are tensor names for foreign files and key
     paths (``model/...``) for fastckpt checkpoints.
+
+    Peak memory (bytes), as :func:`load_tensors`: with ``R`` the bytes of the returned tensors (in
+    the returned dtype, slices under ``shard``), ``B = ring_bytes`` (default 256 MiB) and
+    ``S = slot_bytes`` (default 16 MiB), host memory grows by at most ``R + B + S`` on ``"cpu"``;
+    on CUDA / NPU device memory grows by at most ``R + S`` and host memory by at most
+    ``(B // S) * P + S`` (``P``: ``S`` rounded up to a power of two). A 256 MiB fp32 file loaded
+    with ``dtype=torch.bfloat16`` on CPU therefore peaks at 128 MiB + ``B`` + ``S``, never 256 + 128.
 
     Example::
 

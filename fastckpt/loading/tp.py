@@ -8,6 +8,11 @@ of which the rank needs ``[col_off, col_off + col_bytes)`` in each row. When ``o
 (a split along dim 0, or leading dims of size 1) the slice is one contiguous byte range of
 the file and nothing else is read.
 
+Memory: a sharded load allocates only the rank's slices, so ``R`` in the bound of
+:func:`fastckpt.loading.device.load_tensors` is the slices' bytes (host ``<= R + ring_bytes +
+slot_bytes`` on CPU; device ``<= R + slot_bytes`` on CUDA/NPU, ``R`` without dtype conversion).
+Narrow slices read blocks of whole rows into the ring's slots, never a whole stored tensor.
+
 Example::
 
     shard = Shard(rank=1, world_size=2, dims={"*.q_proj.weight": 0, "*.o_proj.weight": 1})
