@@ -59,7 +59,9 @@ class StoreOptions:
 class KVStats:
     """Counters of one process's use of the store (thread-safe through ``lock``).
 
-    Byte counts are chunk data bytes; ``*_s`` are summed wall seconds.
+    Byte counts are chunk data bytes; ``*_s`` are summed wall seconds. ``repairs`` counts the
+    times this process found the folder lock left inside a change by a dead process and
+    recounted the folder.
     """
 
     lookup_hits: int = 0
@@ -77,6 +79,7 @@ class KVStats:
     evictions: int = 0
     evicted_bytes: int = 0
     rescans: int = 0
+    repairs: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas) -> None:

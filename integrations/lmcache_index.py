@@ -3,8 +3,8 @@
 :class:`KVFolderIndex` is the base class of ``KVFileStore``. It owns what several processes
 share through the folder, and this process's view of it, but never a chunk's contents:
 
-* ``.fckv.lock``: the flock(2) lock (re-entrant per thread) and the shared counters
-  (used bytes, generation) stored in it;
+* ``.fckv.lock``: the flock(2) lock (re-entrant per thread) and the shared header stored in
+  it (used bytes, generation, the pid of the process inside the lock);
 * the folder scan that rebuilds both (and removes stale temp files of dead writers);
 * this process's LRU index of chunk names, its pins and its in-flight writes;
 * lookup, removal (also of corrupt chunks) and LRU eviction down to ``max_bytes``.
@@ -12,6 +12,27 @@ share through the folder, and this process's view of it, but never a chunk's con
 Writing and reading chunk files is in :mod:`.lmcache_store`, which also describes the folder
 layout and the rules (case C8); options, stats and handles are in :mod:`.lmcache_format`.
 No LMCache import.
+
+The accounting protocol (what keeps the shared capacity exact across processes):
+
+1. **What is counted**: ``used`` is the sum of ``st_size`` of every chunk and temp file in the
+   folder. It is a cache of a scan (:meth:`KVFolderIndex.rescan` re-derives it), never a
+   ledger of intentions.
+2. **When, under which lock**: every change of a file's existence or size in the folder
+   (create + preallocate a temp file, rename, unlink) happens inside the flock, and the same
+   lock section then adds exactly the delta it caused: the ``st_size`` of the file it created,
+   or the ``st_size`` (``stat`` just before) of the file its own ``unlink`` removed. An
+   ``unlink`` that finds nothing (another process got there first) subtracts nothing. Writing
+   the data into a preallocated temp file changes no size and needs no lock.
+3. **Capacity**: a put makes room (evicts) and creates its full-size temp file in one lock
+   section, so ``used + need <= max_bytes`` holds before any byte appears: the folder never
+   exceeds ``max_bytes`` (in-flight temp files included), with every process using the same
+   ``max_bytes``.
+4. **Crashes**: entering the lock writes this pid into the header, leaving clears it. A
+   process killed inside the lock leaves its pid there; the next process to take the lock
+   sees it and recounts by a scan before doing anything else. A process killed outside the
+   lock leaves only a temp file, which is counted (it occupies bytes) until a scan finds its
+   writer dead and deletes it (subtracting it by recounting).
 """
 
 from __future__ import annotations
@@ -34,14 +55,75 @@ from .lmcache_format import LOCK_NAME, SUFFIX, ChunkHandle, KVStats, StoreOption
 # the store's logger name, as before this module was split out of lmcache_store
 logger = logging.getLogger(__name__.rpartition(".")[0] + ".lmcache_store")
 
-_LOCK_FMT = struct.Struct("<8sQQ")
-_LOCK_MAGIC = b"FCKVLCK1"
+#: ``.fckv.lock`` header: magic, used bytes, generation (bumped on every change), holder pid
+#: (the process inside the lock; 0 when it was left cleanly). An older or unknown header is
+#: recounted by a scan.
+_LOCK_FMT = struct.Struct("<8sQQQ")
+_LOCK_MAGIC = b"FCKVLCK2"
 #: Name of a committed chunk file (group 1: the chunk name).
 FINAL_RE = re.compile(r"^([0-9a-f]{32})\.kv\.safetensors$")
 #: Name of a chunk file being written, ``.tmp.<chunk name>.<host>.<pid>.<hex>`` (never a hit;
 #: groups: chunk name, host, pid). :meth:`KVFolderIndex.temp_path_for` makes them.
 TMP_RE = re.compile(r"^\.tmp\.([0-9a-f]{32})\.([^.]+)\.(\d+)\.[0-9a-f]+$")
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
+
+
+def _read_header(fd: int) -> tuple[int, int, int] | None:
+    """``(used bytes, generation, holder pid)`` from an open ``.fckv.lock``; None if absent or unknown."""
+    raw = os.pread(fd, _LOCK_FMT.size, 0)
+    if len(raw) != _LOCK_FMT.size:
+        return None
+    magic, used, gen, holder = _LOCK_FMT.unpack(raw)
+    return (used, gen, holder) if magic == _LOCK_MAGIC else None
+
+
+def _folder_bytes(root: str) -> tuple[int, int, int]:
+    """``(bytes, chunk files, temp files)`` of the chunk and temp files under ``root`` now."""
+    total = chunks = temps = 0
+    try:
+        subs = [e.path for e in os.scandir(root) if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return 0, 0, 0
+    for sub in subs:
+        try:
+            entries = list(os.scandir(sub))
+        except FileNotFoundError:
+            continue
+        for e in entries:
+            final = FINAL_RE.match(e.name) is not None
+            if not final and TMP_RE.match(e.name) is None:
+                continue
+            try:
+                total += e.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue
+            chunks += final
+            temps += not final
+    return total, chunks, temps
+
+
+def audit(root: str) -> dict:
+    """The folder's accounting and its real bytes, read together under the folder lock.
+
+    Touches nothing (no repair, no temp-file removal): a read-only check for tests and
+    operators. Returns ``{"counter", "generation", "holder", "disk", "chunks", "temps"}``:
+    ``counter`` is the shared used-bytes counter (None if the lock file has no valid header),
+    ``holder`` the pid a process killed inside the lock left there (0 when clean), ``disk``
+    the summed ``st_size`` of chunk and temp files. With ``holder == 0`` the protocol
+    guarantees ``counter == disk``; otherwise the next lock section of any store recounts.
+    """
+    fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            hdr = _read_header(fd)
+            disk, chunks, temps = _folder_bytes(root)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+    return {"counter": hdr[0] if hdr else None, "generation": hdr[1] if hdr else None,
+            "holder": hdr[2] if hdr else None, "disk": disk, "chunks": chunks, "temps": temps}
 
 
 class KVFolderIndex:
@@ -66,7 +148,6 @@ class KVFolderIndex:
         self._pins: dict[str, int] = {}
         self._writing: set[str] = set()
         self._last_scan = 0.0
-        self._my_gen = -1
         with self._locked():
             self._rescan_locked()
 
@@ -81,62 +162,96 @@ class KVFolderIndex:
         return os.path.join(self.root, name[:2], f".tmp.{name}.{_HOST}.{os.getpid()}.{os.urandom(4).hex()}")
 
     def _locked(self):
+        """The folder lock as a context manager (re-entrant in one thread).
+
+        Taking it (depth 0 -> 1) opens a lock section: the header is read, recounted by a
+        scan if a previous holder died inside the lock (its pid is still there) or the header
+        is unreadable, and this pid is written into it. Leaving it clears the pid again, except
+        when an exception other than :class:`InsufficientSpaceError` (raised only with the
+        accounting settled) escapes the section: then the pid stays and the next section, of
+        any process, recounts.
+        """
         store = self
 
-        class _Ctx:  # re-entrant in one thread: the flock is taken at depth 0 -> 1 only
+        class _Ctx:
             def __enter__(self):
                 store._tlock.acquire()
-                store._depth += 1
-                if store._depth == 1:
-                    fcntl.flock(store._lock_fd, fcntl.LOCK_EX)
+                try:
+                    if store._depth == 0:
+                        fcntl.flock(store._lock_fd, fcntl.LOCK_EX)
+                        try:
+                            store._open_section()
+                        except BaseException:
+                            fcntl.flock(store._lock_fd, fcntl.LOCK_UN)
+                            raise
+                    store._depth += 1
+                except BaseException:
+                    store._tlock.release()
+                    raise
 
-            def __exit__(self, *exc):
-                store._depth -= 1
-                if store._depth == 0:
-                    fcntl.flock(store._lock_fd, fcntl.LOCK_UN)
-                store._tlock.release()
+            def __exit__(self, et, ev, tb):
+                try:
+                    store._depth -= 1
+                    if store._depth == 0:
+                        try:
+                            if et is None or issubclass(et, InsufficientSpaceError):
+                                store._close_section()
+                        finally:
+                            fcntl.flock(store._lock_fd, fcntl.LOCK_UN)
+                finally:
+                    store._tlock.release()
 
         return _Ctx()
 
-    def _read_counters(self) -> tuple[int, int] | None:
-        raw = os.pread(self._lock_fd, _LOCK_FMT.size, 0)
-        if len(raw) != _LOCK_FMT.size:
-            return None
-        magic, used, gen = _LOCK_FMT.unpack(raw)
-        return (used, gen) if magic == _LOCK_MAGIC else None
+    def _open_section(self) -> None:
+        hdr = _read_header(self._lock_fd)
+        if hdr is None or hdr[2] != 0:
+            if hdr is not None and hdr[2] == os.getpid():
+                logger.info("fastckpt kv: %s: a lock section of this process ended by an error; "
+                            "recounting the folder", self.root)
+            elif hdr is not None:
+                logger.warning("fastckpt kv: %s: process %d left the folder lock inside a change "
+                               "(killed?); recounting the folder", self.root, hdr[2])
+                self.stats.add(repairs=1)
+            self._rescan_locked()  # writes a header holding this pid
+        else:
+            self._write_header(hdr[0], hdr[1])
 
-    def _write_counters(self, used: int) -> None:
-        cur = self._read_counters()
-        gen = (cur[1] if cur else 0) + 1
-        os.pwrite(self._lock_fd, _LOCK_FMT.pack(_LOCK_MAGIC, max(0, used), gen), 0)
-        self._my_gen = gen
+    def _close_section(self) -> None:
+        hdr = _read_header(self._lock_fd)
+        if hdr is not None:
+            os.pwrite(self._lock_fd, _LOCK_FMT.pack(_LOCK_MAGIC, hdr[0], hdr[1], 0), 0)
+
+    def _write_header(self, used: int, gen: int) -> None:
+        os.pwrite(self._lock_fd, _LOCK_FMT.pack(_LOCK_MAGIC, max(0, used), gen, os.getpid()), 0)
+
+    def _used_locked(self) -> int:
+        """The shared used-bytes counter (lock held; valid: the section was opened by a check)."""
+        hdr = _read_header(self._lock_fd)
+        if hdr is None:  # clobbered by someone outside the protocol
+            self._rescan_locked()
+            hdr = _read_header(self._lock_fd)
+        return hdr[0]
 
     def _adjust_used(self, delta: int) -> None:
-        cur = self._read_counters()
-        if cur is None:
+        """Add ``delta``, the size change this section itself just made in the folder (lock held).
+
+        Called after the change: if the header is unreadable, the recount already sees it.
+        """
+        hdr = _read_header(self._lock_fd)
+        if hdr is None:
             self._rescan_locked()
-            cur = self._read_counters()
-        self._write_counters(cur[0] + delta)
+            return
+        self._write_header(hdr[0] + delta, hdr[1] + 1)
 
     def used_bytes(self) -> int:
         """Bytes of all files in the folder (all processes), per the shared counter."""
         with self._locked():
-            cur = self._read_counters()
-            if cur is None:
-                self._rescan_locked()
-                cur = self._read_counters()
-            return cur[0]
+            return self._used_locked()
 
     def disk_bytes(self) -> int:
-        """Bytes of all chunk and temp files, measured now by a scan (no side effects)."""
-        total = 0
-        for sub in self._subdirs():
-            for e in self._entries(sub):
-                try:
-                    total += e.stat(follow_symlinks=False).st_size
-                except FileNotFoundError:
-                    pass
-        return total
+        """Bytes of all chunk and temp files, measured now by a scan (no lock, no side effects)."""
+        return _folder_bytes(self.root)[0]
 
     # ----- scanning ------------------------------------------------------------------
     def _subdirs(self) -> list[str]:
@@ -168,7 +283,10 @@ class KVFolderIndex:
         return False
 
     def _rescan_locked(self) -> None:
-        """Rebuild the index and the shared used-bytes counter from the folder (lock held)."""
+        """Rebuild the index and re-derive the shared used-bytes counter from the folder (lock held).
+
+        Deletes stale temp files first (:meth:`_tmp_is_stale`); what remains is counted.
+        """
         now = time.time()
         found: list[tuple[float, str, int]] = []
         used = 0
@@ -191,7 +309,8 @@ class KVFolderIndex:
         recency = {n: i for i, n in enumerate(self._index)}
         found.sort(key=lambda t: (recency.get(t[1], -1), t[0]))  # unseen files first, oldest first
         self._index = OrderedDict((n, size) for _, n, size in found)
-        self._write_counters(used)
+        hdr = _read_header(self._lock_fd)
+        self._write_header(used, (hdr[1] if hdr else 0) + 1)
         self._last_scan = time.monotonic()
         self.stats.add(rescans=1)
 
@@ -246,23 +365,37 @@ class KVFolderIndex:
                 self._index.move_to_end(name)
 
     def remove(self, name: str, ino: int | None = None) -> bool:
-        """Delete chunk ``name`` (only if its inode is ``ino``, when given); True if deleted."""
-        path = self.path_for(name)
+        """Delete chunk ``name`` (only if its inode is ``ino``, when given); True if this call deleted it."""
         with self._locked():
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                self._index.pop(name, None)
-                return False
-            if ino is not None and st.st_ino != ino:
-                return False
-            Path(path).unlink(missing_ok=True)
-            recorded = self._index.pop(name, None)
-            if recorded != st.st_size:
-                self._rescan_locked()  # changed behind our back: recount from the folder
-            else:
-                self._adjust_used(-st.st_size)
-            return True
+            return self._unlink_chunk_locked(name, ino) is not None
+
+    def _unlink_chunk_locked(self, name: str, ino: int | None = None) -> int | None:
+        """Delete chunk ``name`` and subtract exactly the bytes this unlink removed (lock held).
+
+        Returns those bytes, or None if the file was already gone (someone else removed it and
+        subtracted it: nothing to subtract here) or is not inode ``ino``. A size other than the
+        one the index recorded means someone outside the protocol changed the file: recount.
+        """
+        path = self.path_for(name)
+        recorded = self._index.get(name)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            self._index.pop(name, None)
+            return None
+        if ino is not None and st.st_ino != ino:
+            return None
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            self._index.pop(name, None)
+            return None
+        self._index.pop(name, None)
+        if recorded is not None and recorded != st.st_size:
+            self._rescan_locked()  # changed behind our back: re-derive from the folder
+        else:
+            self._adjust_used(-st.st_size)
+        return st.st_size
 
     def drop_corrupt(self, handle: ChunkHandle, why: str) -> None:
         """Delete a chunk that failed validation (a miss from now on) and log ``why``."""
@@ -285,32 +418,29 @@ class KVFolderIndex:
         if need > cap:
             raise InsufficientSpaceError(
                 f"{self.root}: a {need}-byte chunk exceeds the capacity of {cap} bytes; raise max_bytes")
-        used = self._read_counters()[0]
+        used = self._used_locked()
         if used + need <= cap:
             return
+        rescanned = False
         if time.monotonic() - self._last_scan >= self.opts.min_rescan_interval_s:
             self._rescan_locked()
-            used = self._read_counters()[0]
-        for attempt in range(2):
+            rescanned = True
+            used = self._used_locked()
+        while True:
             for name in list(self._index):
                 if used + need <= cap:
                     return
                 if self._pins.get(name) or name in self._writing:
                     continue
-                size = self._index.pop(name)  # what the shared counter holds for it
-                path = self.path_for(name)
-                try:
-                    disk = os.stat(path).st_size  # smaller if someone truncated it
-                    os.unlink(path)
-                    self.stats.add(evictions=1, evicted_bytes=disk)
-                except FileNotFoundError:
-                    pass  # removed by someone else: its bytes are gone too
-                used -= size
-                self._write_counters(used)
-            if used + need <= cap or attempt:
+                freed = self._unlink_chunk_locked(name)
+                if freed is not None:
+                    self.stats.add(evictions=1, evicted_bytes=freed)
+                used = self._used_locked()  # what the folder holds now, other processes' changes included
+            if used + need <= cap or rescanned:
                 break
             self._rescan_locked()  # other processes' chunks are unknown to the index
-            used = self._read_counters()[0]
+            rescanned = True
+            used = self._used_locked()
         if used + need > cap:
             raise InsufficientSpaceError(
                 f"{self.root}: {need} bytes do not fit: {used} of {cap} bytes used and the rest is "

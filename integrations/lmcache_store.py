@@ -22,9 +22,12 @@ Rules (case C8 of ``shared/cases``):
     * A file that is short, has a bad header, or fails its checksum is a miss and
       is deleted.
     * ``used_bytes`` counts every file in the folder (committed and temp); it is
-      shared by all processes through the lock file and recomputed from a scan on
-      start, before eviction (at most once per ``min_rescan_interval_s``) and after
-      any anomaly (file gone, size changed).
+      shared by all processes through the lock file. Every file creation, rename and
+      unlink happens under the lock and adds exactly the size change it made, so the
+      counter equals the folder's bytes at every lock release; it is re-derived by a
+      scan on start, before eviction (at most once per ``min_rescan_interval_s``),
+      after any anomaly (size changed behind our back) and after a process died inside
+      the lock (see the protocol in :mod:`.lmcache_index`).
 
 What lives where: this module writes and reads chunk files (:class:`KVFileStore`:
 ``write``, ``open_chunk``, ``read_piece``, ``close_chunk``), through the storage layer's
@@ -119,14 +122,20 @@ class KVFileStore(KVFolderIndex):
         sub = os.path.join(self.root, name[:2])
         os.makedirs(sub, exist_ok=True)
         tmp = self.temp_path_for(name)
-        with self._locked():
+        with self._locked():  # make room and create the full-size temp file in one lock section
             self._make_room_locked(total)
+            w = None
             try:  # creates the file and reserves its bytes: a full tier fails here, before any write
                 w = FileWriter(self._be, tmp, total, o_direct=self._direct_ok)
+                if os.fstat(w.fd).st_size < total:  # no posix_fallocate here: the size is fixed now anyway
+                    os.ftruncate(w.fd, total)
+                size = os.fstat(w.fd).st_size
             except BaseException:
+                if w is not None:
+                    w.close()
                 Path(tmp).unlink(missing_ok=True)
                 raise
-            self._adjust_used(total)
+            self._adjust_used(size)  # the data writes below stay inside this size: no lock needed
         committed = False
         try:
             try:
@@ -139,19 +148,26 @@ class KVFileStore(KVFolderIndex):
             final = self.path_for(name)
             with self._locked():
                 if os.path.exists(final):  # same key committed meanwhile by another process
-                    Path(tmp).unlink(missing_ok=True)
-                    self._adjust_used(-total)
+                    self._discard_temp_locked(tmp)
                 else:
-                    os.rename(tmp, final)
-                    self._index[name] = total
+                    os.rename(tmp, final)  # FileNotFoundError if a scan judged our temp file stale
+                    self._index[name] = size
                 committed = True
             if self.opts.durable:
                 fsync_dir(sub)
         finally:
             if not committed:
-                Path(tmp).unlink(missing_ok=True)
                 with self._locked():
-                    self._adjust_used(-total)
+                    self._discard_temp_locked(tmp)
+
+    def _discard_temp_locked(self, tmp: str) -> None:
+        """Delete our temp file and subtract its bytes, if it is still there (lock held)."""
+        try:
+            size = os.stat(tmp, follow_symlinks=False).st_size
+            os.unlink(tmp)
+        except FileNotFoundError:
+            return  # a scan removed it (stale) and recounted: nothing left to subtract
+        self._adjust_used(-size)
 
     def _write_data(self, w: FileWriter, buf: memoryview, offset: int) -> None:
         """Write the chunk's data region (O_DIRECT for its aligned part when ``buf`` is aligned)."""
