@@ -22,9 +22,11 @@ on the ``LMCACHE_*`` environment.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -63,6 +65,10 @@ def _get(cfg, attr: str):
     return getattr(cfg, attr, None)
 
 
+class _Bad(ValueError):
+    """One bad option value; the message is a whole line (key, expected form, value)."""
+
+
 def _as_bool(v, name: str) -> bool:
     if isinstance(v, bool):
         return v
@@ -70,17 +76,133 @@ def _as_bool(v, name: str) -> bool:
         return bool(v)
     if isinstance(v, str) and v.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
         return v.strip().lower() in ("1", "true", "yes", "on")
-    raise ValueError(f"extra_config {name}: expected true/false, got {v!r}")
+    raise _Bad(f"extra_config {name}: expected true or false, got {v!r}")
 
 
-def _as_int(v, name: str) -> int:
+_UNITS = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+
+
+def _size_hint(v) -> str:
+    """``; write 5000000000`` for ``"5GB"`` (and ``5368709120`` for ``"5GiB"``), else ``""``."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?)b?\s*", str(v), re.IGNORECASE)
+    if not m:
+        return ""
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return f"; write {n} for {v!r}"
+
+
+def _as_int(v, name: str, minimum: int = 0, what: str = "an integer") -> int:
     try:
+        if isinstance(v, bool):
+            raise TypeError
         out = int(v)
+        if isinstance(v, float) and v != out:
+            raise ValueError
     except (TypeError, ValueError):
-        raise ValueError(f"extra_config {name}: expected an integer (plain bytes/count), got {v!r}") from None
-    if isinstance(v, float) and v != out:
-        raise ValueError(f"extra_config {name}: expected an integer, got {v!r}")
+        raise _Bad(f"extra_config {name}: expected {what}, got {v!r}{_size_hint(v)}") from None
+    if out < minimum:
+        raise _Bad(f"extra_config {name}: expected {what}, got {v!r}")
     return out
+
+
+def _as_seconds(v, name: str) -> float:
+    try:
+        if isinstance(v, bool):
+            raise TypeError
+        out = float(v)
+    except (TypeError, ValueError):
+        out = float("nan")
+    if not out >= 0 or out == float("inf"):
+        raise _Bad(f"extra_config {name}: expected a number of seconds >= 0, got {v!r}")
+    return out
+
+
+def _as_piece(v, name: str) -> int:
+    what = "a positive multiple of 4096 (bytes), e.g. 4194304 (4 MiB, the default)"
+    out = _as_int(v, name, 1, what)
+    if out % 4096:
+        near = max(1, round(out / 4096)) * 4096
+        raise _Bad(f"extra_config {name}: expected {what}, got {v!r}; the nearest is {near}")
+    return out
+
+
+def _as_path(v, name: str) -> str:
+    if not isinstance(v, (str, os.PathLike)) or not str(v).strip():
+        raise _Bad(f"extra_config {name} is required: the shared folder for KV chunk files (a path), got {v!r}")
+    return str(v)
+
+
+#: Every option the backend reads from ``storage_plugin.<name>.<option>``: (converter, default).
+#: ``module_path`` and ``class_name`` are LMCache's own keys of the plugin.
+OPTIONS = {
+    "module_path": (None, None),
+    "class_name": (None, None),
+    "path": (_as_path, None),
+    "max_bytes": (lambda v, n: _as_int(v, n, 0, "an integer number of bytes >= 0 (0 = unlimited), "
+                                             "e.g. 5368709120 for 5 GiB"), 0),
+    "o_direct": (_as_bool, True),
+    "durable": (_as_bool, True),
+    "piece_bytes": (_as_piece, 4 << 20),
+    "verify": (_as_bool, True),
+    "min_rescan_interval_s": (_as_seconds, 1.0),
+    "stale_tmp_s": (_as_seconds, 600.0),
+    "read_threads": (lambda v, n: _as_int(v, n, 1, "an integer >= 1"), 16),
+    "write_threads": (lambda v, n: _as_int(v, n, 1, "an integer >= 1"), 4),
+    "stats_log_interval_s": (_as_seconds, 60.0),
+}
+_TOP_KEYS = ("storage_plugins", "extra_config", "external_backends")
+
+
+def _closest(word: str, known) -> str | None:
+    got = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return got[0] if got else None
+
+
+def _read_options(extra: dict, name: str) -> tuple[dict, list[str]]:
+    """``({option: value}, [one line per bad value])`` for plugin ``name``; defaults fill the gaps."""
+    pre = f"storage_plugin.{name}."
+    vals, errs = {}, []
+    for o, (conv, default) in OPTIONS.items():
+        if conv is None:
+            continue
+        v = extra.get(pre + o)
+        if v is None and o != "path":
+            vals[o] = default
+            continue
+        try:
+            vals[o] = conv(v, pre + o)
+        except _Bad as e:
+            errs.append(str(e))
+    return vals, errs
+
+
+def _unknown_keys(cfg, extra: dict, ours: list[str]) -> list[str]:
+    warns = []
+    for name in ours:
+        pre = f"storage_plugin.{name}."
+        for key in extra:
+            key = str(key)
+            if not key.startswith(pre) or key[len(pre):] in OPTIONS:
+                continue
+            near = _closest(key[len(pre):], OPTIONS)
+            warns.append(f"extra_config {key}: unknown option of {CLASS_NAME}, ignored; "
+                         + (f"did you mean {pre}{near}?" if near else f"known options: {', '.join(OPTIONS)}"))
+    listed = set(_get(cfg, "storage_plugins") or [])
+    for key in extra:  # storage_plugin.<typo>.<option> next to a real plugin name
+        parts = str(key).split(".")
+        if len(parts) == 3 and parts[0] == "storage_plugin" and parts[1] not in listed \
+                and not any(str(k) == f"storage_plugin.{parts[1]}.class_name" for k in extra):
+            near = _closest(parts[1], listed)
+            if near:
+                warns.append(f"extra_config {key}: no plugin {parts[1]!r} is configured, ignored; "
+                             f"did you mean storage_plugin.{near}.{parts[2]}?")
+    if isinstance(cfg, dict):
+        for key in cfg:
+            if str(key) not in _TOP_KEYS:
+                near = difflib.get_close_matches(str(key), _TOP_KEYS, n=1, cutoff=0.8)
+                if near:
+                    warns.append(f"config key {key!r} is not an LMCache option, ignored; did you mean {near[0]!r}?")
+    return warns
 
 
 def plugin_names(cfg) -> list[str]:
@@ -100,7 +222,9 @@ def check_config(cfg) -> list[str]:
 
     Detects: 0.3.x ``external_backend.*`` keys (ignored by 0.5.x), a plugin listed in
     ``storage_plugins`` without ``module_path``/``class_name``, our plugin configured
-    but not listed, and our plugin without a ``path``.
+    but not listed, our plugin without a ``path``, a malformed option value (one line
+    naming the key and the expected form: the backend refuses to start with it), and
+    unknown option keys (with the closest known one).
     """
     extra = _get(cfg, "extra_config") or {}
     listed = list(_get(cfg, "storage_plugins") or [])
@@ -122,9 +246,13 @@ def check_config(cfg) -> list[str]:
                 and parts[1] not in listed:
             warns.append(f"extra_config configures plugin {parts[1]!r} but storage_plugins {listed} does not "
                          f"list it; LMCache will not load it")
-    for name in plugin_names(cfg):
+    ours = plugin_names(cfg)
+    for name in ours:
         if not extra.get(f"storage_plugin.{name}.path"):
             warns.append(f"storage_plugin.{name}.path is not set: give the shared folder for KV chunks")
+        path_key = f"extra_config storage_plugin.{name}.path "  # said just above
+        warns.extend(e for e in _read_options(extra, name)[1] if not e.startswith(path_key))
+    warns.extend(_unknown_keys(cfg, extra, ours))
     return warns
 
 
@@ -144,31 +272,14 @@ def parse_options(cfg, name: str | None = None) -> tuple[str, BackendOptions]:
         if len(names) > 1:
             raise ValueError(f"storage_plugins {names} all use {CLASS_NAME}; configure it once per engine")
         name = names[0] if names else DEFAULT_NAME
-    pre = f"storage_plugin.{name}."
-
-    def opt(o, default, conv):
-        v = extra.get(pre + o)
-        return default if v is None else conv(v, pre + o)
-
-    path = extra.get(pre + "path")
-    if not path:
-        raise ValueError(f"extra_config {pre}path is required: the shared folder for KV chunk files")
-    store = StoreOptions(
-        path=str(path),
-        max_bytes=opt("max_bytes", 0, _as_int),
-        o_direct=opt("o_direct", True, _as_bool),
-        durable=opt("durable", True, _as_bool),
-        piece_bytes=opt("piece_bytes", 4 << 20, _as_int),
-        verify=opt("verify", True, _as_bool),
-        min_rescan_interval_s=opt("min_rescan_interval_s", 1.0, lambda v, n: float(v)),
-        stale_tmp_s=opt("stale_tmp_s", 600.0, lambda v, n: float(v)),
-    )
-    bo = BackendOptions(store, read_threads=opt("read_threads", 16, _as_int),
-                        write_threads=opt("write_threads", 4, _as_int),
-                        stats_log_interval_s=opt("stats_log_interval_s", 60.0, lambda v, n: float(v)))
-    if bo.read_threads < 1 or bo.write_threads < 1:
-        raise ValueError(f"{pre}read_threads and {pre}write_threads must be >= 1")
-    return name, bo
+    vals, errs = _read_options(extra, name)
+    if errs:
+        raise ValueError("; ".join(errs))
+    store = StoreOptions(path=vals["path"], max_bytes=vals["max_bytes"], o_direct=vals["o_direct"],
+                         durable=vals["durable"], piece_bytes=vals["piece_bytes"], verify=vals["verify"],
+                         min_rescan_interval_s=vals["min_rescan_interval_s"], stale_tmp_s=vals["stale_tmp_s"])
+    return name, BackendOptions(store, read_threads=vals["read_threads"], write_threads=vals["write_threads"],
+                                stats_log_interval_s=vals["stats_log_interval_s"])
 
 
 def _load(config: str | None) -> dict:
@@ -194,8 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m fastckpt.integrations.lmcache_config",
         description="Check an LMCache config for the fastckpt KV backend: LMCache 0.3.x keys that 0.5.x "
-                    "ignores, unlisted or incomplete plugins, a missing path. Exit status 0 if fine, "
-                    "1 with warnings, 2 on an unreadable config.")
+                    "ignores, unlisted or incomplete plugins, a missing path, malformed option values "
+                    "(one line each: the key and the expected form) and unknown option keys (with the "
+                    "closest known one). Exit status 0 if fine, 1 with warnings, 2 on an unreadable config.")
     p.add_argument("config", nargs="?", default=None,
                    help="LMCache YAML config file (default: read LMCACHE_STORAGE_PLUGINS / "
                         "LMCACHE_EXTERNAL_BACKENDS and LMCACHE_EXTRA_CONFIG (JSON) from the environment)")
@@ -212,13 +324,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if "external_backends" in cfg and "storage_plugins" not in cfg:
         cfg["storage_plugins"] = cfg["external_backends"]
+    where = args.config or "the environment"
+    if not isinstance(cfg.get("extra_config") or {}, dict):
+        print(f"error: {where}: extra_config must be a mapping of 'storage_plugin.<name>.<option>: value', "
+              f"got {type(cfg['extra_config']).__name__}", file=sys.stderr)
+        return 2
+    plugins = cfg.get("storage_plugins") or []
+    if not isinstance(plugins, list) or not all(isinstance(n, str) for n in plugins):
+        print(f"error: {where}: storage_plugins must be a list of plugin names, e.g. [\"fastckpt\"], "
+              f"got {plugins!r}", file=sys.stderr)
+        return 2
     warns = check_config(cfg)
+    names = plugin_names(cfg)
+    if not warns:
+        try:
+            paths = [f"{n} -> {parse_options(cfg, n)[1].store.path}" for n in names]
+        except ValueError as e:  # not expected after check_config; one line, never a traceback
+            warns = [str(e)]
     for w in warns:
         print(f"WARNING: {w}")
-    if not warns and not plugin_names(cfg):
+    if not warns and not names:
         print(f"ok, but {args.config or 'the LMCACHE_* environment'} configures no fastckpt storage plugin")
     elif not warns:
-        print("ok: " + ", ".join(f"{n} -> {parse_options(cfg, n)[1].store.path}" for n in plugin_names(cfg)))
+        print("ok: " + ", ".join(paths))
     return 1 if warns else 0
 
 

@@ -71,6 +71,94 @@ def test_cli_checks_the_environment_form(capsys, monkeypatch):
     assert main([]) == 1 and "0.3.x" in capsys.readouterr().out
 
 
+def _yaml(tmp_path, extra: dict, top: dict | None = None) -> str:
+    yaml = pytest.importorskip("yaml")
+    cfg = {"storage_plugins": GOOD["storage_plugins"], "extra_config": {**GOOD["extra_config"], **extra}, **(top or {})}
+    path = tmp_path / "lmcache.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+@pytest.fixture
+def _cli(capsys):
+    """``main([config.yaml])`` on a YAML file written from ``extra``/``top``: (rc, stdout, stderr)."""
+    def run(tmp_path, extra: dict, top: dict | None = None):
+        rc = main([_yaml(tmp_path, extra, top)])
+        r = capsys.readouterr()
+        return rc, r.out, r.err
+    return run
+
+
+def test_cli_module_prints_one_line_not_a_traceback(tmp_path):
+    """The real command line (python -m ...) on the issue's inputs."""
+    for extra in ({"storage_plugin.fastckpt.max_bytes": "5GB"}, {"storage_plugin.fastckpt.piece_bytes": 1000},
+                  {"storage_plugin.fastckpt.read_thread": 8}):
+        r = subprocess.run([sys.executable, "-m", "fastckpt.integrations.lmcache_config", _yaml(tmp_path, extra)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+        (line,) = r.stdout.strip().splitlines()
+        assert list(extra)[0] in line, line
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("max_bytes", "5GB", "an integer number of bytes"),
+    ("max_bytes", -1, "an integer number of bytes >= 0"),
+    ("piece_bytes", 1000, "a positive multiple of 4096"),
+    ("read_threads", 0, "an integer >= 1"),
+    ("o_direct", "maybe", "true or false"),
+    ("min_rescan_interval_s", "soon", "a number of seconds >= 0"),
+])
+def test_cli_names_a_bad_value_in_one_line(_cli, tmp_path, key, value, expected):
+    rc, out, err = _cli(tmp_path, {f"storage_plugin.fastckpt.{key}": value})
+    assert rc == 1 and "Traceback" not in out + err, out + err
+    (line,) = out.strip().splitlines()
+    assert f"storage_plugin.fastckpt.{key}" in line and expected in line and repr(value) in line, line
+
+
+def test_cli_suggests_the_bytes_of_a_size_string(_cli, tmp_path):
+    rc, out, _ = _cli(tmp_path, {"storage_plugin.fastckpt.max_bytes": "5GiB"})
+    assert rc == 1 and "write 5368709120" in out
+
+
+@pytest.mark.parametrize("typo, suggestion", [
+    ("storage_plugin.fastckpt.read_thread", "storage_plugin.fastckpt.read_threads"),
+    ("storage_plugin.fastckpt.maxbytes", "storage_plugin.fastckpt.max_bytes"),
+    ("storage_plugin.fastckpt.odirect", "storage_plugin.fastckpt.o_direct"),
+    ("storage_plugin.fastckp.durable", "storage_plugin.fastckpt.durable"),  # the plugin name misspelt
+])
+def test_cli_flags_an_unknown_key_with_the_closest_known_one(_cli, tmp_path, typo, suggestion):
+    rc, out, err = _cli(tmp_path, {typo: 4})
+    assert rc == 1 and "Traceback" not in out + err, out + err
+    (line,) = out.strip().splitlines()
+    assert typo in line and f"did you mean {suggestion}?" in line, line
+
+
+def test_cli_flags_a_misspelt_top_level_key(_cli, tmp_path):
+    rc, out, _ = _cli(tmp_path, {}, top={"storage_plugin": ["fastckpt"]})
+    assert rc == 1 and "did you mean 'storage_plugins'?" in out
+
+
+def test_cli_refuses_a_malformed_shape_without_a_traceback(_cli, tmp_path):
+    for top in ({"extra_config": ["a", "b"]}, {"storage_plugins": "fastckpt"}):
+        rc, out, err = _cli(tmp_path, {}, top=top)
+        assert rc == 2 and "Traceback" not in out + err and err.startswith("error: "), out + err
+
+
+def test_good_config_still_ok_from_the_cli(_cli, tmp_path):
+    rc, out, err = _cli(tmp_path, {})
+    assert rc == 0 and out.strip() == "ok: fastckpt -> /mnt/array/kv", out + err
+
+
+def test_bad_values_all_named_by_parse_options():
+    cfg = {"storage_plugins": ["fastckpt"], "extra_config": {**GOOD["extra_config"],
+           "storage_plugin.fastckpt.max_bytes": "5GB", "storage_plugin.fastckpt.stale_tmp_s": "never"}}
+    with pytest.raises(ValueError) as ei:
+        parse_options(cfg)
+    msg = str(ei.value)
+    assert "storage_plugin.fastckpt.max_bytes" in msg and "storage_plugin.fastckpt.stale_tmp_s" in msg
+    assert len([w for w in check_config(cfg) if "expected" in w]) == 2
+
+
 def test_lmcache_really_ignores_the_old_keys(tmp_path):
     """The trap is real in the installed LMCache: the 0.3.x config loads no plugin."""
     pytest.importorskip("lmcache")
