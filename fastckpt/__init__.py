@@ -104,6 +104,18 @@ def save(state: Any, path: str | os.PathLike, *, process_group: Any = None, **op
     while the state is still being copied, since the caller waits for both); the folder appears only
     complete (written to a hidden sibling, fsynced, renamed).
 
+    Args:
+        state, path, **options: as :func:`async_save` (options: :class:`SaveOptions`; multi-rank:
+            ``local_keys``, ``commit``, ``timeout_s`` in seconds, default the group's timeout).
+        process_group: ``None`` (default): this process saves alone, even when a process group is
+            initialized. A ``torch.distributed`` group: every rank of it must make the same call;
+            each writes part of the bytes and rank 0 commits once every rank succeeded.
+
+    Example::
+
+        fastckpt.save({"model": model.state_dict(), "step": 10}, "ckpt/step-10")
+        fastckpt.save(state, "ckpt/step-10", process_group=torch.distributed.group.WORLD)  # every rank
+
     Raises:
         The errors of :func:`async_save`, and any I/O failure (``OSError`` with its errno,
         e.g. ENOSPC, EIO) of the background writers, with nothing committed.

@@ -132,6 +132,8 @@ class Session:
         self._local: dict[str, str] = {}  # the "store" of a one-process group
         self._keys: set[str] = {"t0", "left"}  # keys this rank touched (the last rank to leave deletes them)
         self._gathers: set[str] = set()  # all_gather names: key/{r} for every rank
+        self._published: set[str] = set()  # keys this rank set
+        self.incomplete = False  # an all_gather ended with ranks missing (see abandon)
         self.deadline = time.monotonic() + self.timeout_s
         if coord.store is not None:
             t0 = float(coord.store.compare_set(prefix + "t0", "", repr(time.time())).decode())
@@ -148,6 +150,7 @@ class Session:
             return
         self.coord.store.set(self.prefix + key, json.dumps(value))
         self._keys.add(key)
+        self._published.add(key)
 
     def wait_for(self, keys: list[str], what: str) -> list[Any]:
         """Wait until all ``keys`` exist (at most until the session's deadline) and return their values.
@@ -220,15 +223,28 @@ class Session:
         try:
             return self.wait_for(keys, what)
         except TimeoutError as e:
+            self.incomplete = True
             store = self.coord.store
             missing = [r for r, k in enumerate(keys) if not store.check([self.prefix + k])]
             failures = {r: f"no report within {self.timeout_s:g} s while {what}: did rank {r} call the same "
                            "operation with the same process_group and path?" for r in missing}
             names = ", ".join(f"rank {r}" for r in missing)
             raise DistributedSaveError(
-                f"fastckpt: {names} of the group did not arrive within {self.timeout_s:g} s while {what} "
-                "(every rank of process_group must make the same call; timeout_s= sets the wait)",
+                f"fastckpt: {names} of the group did not arrive (or gave up) within {self.timeout_s:g} s while "
+                f"{what} (every rank of process_group must make the same call; timeout_s= sets the wait)",
                 failures) from e
+
+    def abandon(self) -> None:
+        """Leave a session that some rank never joined: delete what this rank set (its reports and
+        the clock), so that a later retry of the same operation by every rank starts clean."""
+        store = self.coord.store
+        if store is None:
+            return
+        try:
+            for k in self._published | {"t0"}:
+                store.delete_key(self.prefix + k)
+        except Exception:
+            pass
 
     def close(self) -> None:
         """Leave the session; the last rank to leave deletes every key of it (each rank leaves

@@ -62,11 +62,23 @@ _SESSIONS: dict[tuple[str, str], int] = {}
 _SESSIONS_LOCK = threading.Lock()
 
 
+def _session_key(coord: Coordinator, path: Path, opts: SaveOptions) -> tuple[str, str]:
+    return coord.group_key, path_tag(path) if opts.commit == "rename" else "marker"  # marker: a path per node
+
+
 def _session_name(coord: Coordinator, path: Path, opts: SaveOptions) -> str:
-    tag = path_tag(path) if opts.commit == "rename" else "marker"  # marker: each node has its own path
+    key = _session_key(coord, path, opts)
     with _SESSIONS_LOCK:
-        n = _SESSIONS[(coord.group_key, tag)] = _SESSIONS.get((coord.group_key, tag), 0) + 1
-    return f"save/{tag}/{n}"
+        n = _SESSIONS[key] = _SESSIONS.get(key, 0) + 1
+    return f"save/{key[1]}/{n}"
+
+
+def _forget_session(coord: Coordinator, path: Path, opts: SaveOptions) -> None:
+    """Undo :func:`_session_name` after a save some rank never joined: the ranks that did not call
+    it never counted it, so every rank's retry of the same path names the same session again."""
+    key = _session_key(coord, path, opts)
+    with _SESSIONS_LOCK:
+        _SESSIONS[key] = max(0, _SESSIONS.get(key, 0) - 1)
 
 
 def _check_all(infos: list[dict], what: str, exc: BaseException | None) -> None:
@@ -271,7 +283,11 @@ class Saver:
             remove_uncommitted(sv.folder, sv.opts)
         if sv.claim is not None:
             sv.claim.release()
-        sv.sess.close()
+        if sv.sess.incomplete:  # some rank never joined: a retry of the same path must start clean
+            sv.sess.abandon()
+            _forget_session(sv.coord, sv.path, sv.opts)
+        else:
+            sv.sess.close()
 
     def _prepare(self, sv: InFlight, state: Any) -> None:
         """Step 1: validate, collect and plan; multi-rank: agree on the global plan."""

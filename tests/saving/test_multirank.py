@@ -632,7 +632,9 @@ def test_a_rank_that_never_calls_fails_the_others_in_bounded_time(pool, tmp_path
         assert "rank 2" in e.message and 2 in (e.failures or {}), (r, e.message, e.failures)
         assert 2.5 <= o["elapsed"] < 20, (r, o["elapsed"])
     assert_nothing_committed(tmp_path / "ck")
-    # the group is still usable: a save of all ranks, then plain saves from each rank
+    # the group is still usable: every rank retries the same path, then a new path, then plain saves
+    pool.run(rank_save_world, folder=str(tmp_path), name="ck", version=1, timeout_s=45)
+    assert_loads(tmp_path / "ck", make_state(1))
     pool.run(rank_save_world, folder=str(tmp_path), name="after", version=1, timeout_s=45)
     assert_loads(tmp_path / "after", make_state(1))
     took = pool.run(rank_save_alone, folder=str(tmp_path), tag="then", timeout_s=30)
