@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 
@@ -244,10 +245,14 @@ def read_header_fd(fd: int, path: str) -> Header:
     so a hostile length (e.g. 2**63) never sizes an allocation.
 
     Raises:
-        HeaderError: see :func:`parse_header`; also a file shorter than 8 bytes or a
-            length field larger than the file or than ``MAX_HEADER_BYTES``.
+        HeaderError: see :func:`parse_header`; also not a regular file, a file shorter than
+            8 bytes, or a length field larger than the file or than ``MAX_HEADER_BYTES``.
     """
-    size = os.fstat(fd).st_size
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise HeaderError(f"{path}: not a regular file (a folder, FIFO or device{_link_note(path)}); a "
+                          "safetensors file must be a plain file or a symlink to one", path=path)
+    size = st.st_size
     if size < 8:
         raise HeaderError(f"{path}: file is {size} bytes, shorter than the 8-byte header length", path=path)
     (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
@@ -263,9 +268,18 @@ def read_header_fd(fd: int, path: str) -> Header:
 
 
 def read_header(path: str | os.PathLike) -> Header:
-    """Open ``path`` and return its validated :class:`Header` (see :func:`read_header_fd`)."""
+    """Open ``path`` (following a symlink) and return its validated :class:`Header`.
+
+    Opened non-blocking, so a FIFO planted under a weight's name is refused instead of
+    hanging the reader (see :func:`read_header_fd`).
+
+    Raises:
+        HeaderError: as :func:`read_header_fd`.
+        OSError: ``path`` cannot be opened (``FileNotFoundError`` for a missing file or a
+            dangling symlink).
+    """
     path = os.fspath(path)
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         return read_header_fd(fd, path)
     finally:
@@ -273,21 +287,38 @@ def read_header(path: str | os.PathLike) -> Header:
 
 
 def safe_join(folder: str | os.PathLike, name: str) -> str:
-    """Join a file ``name`` taken from an index or manifest onto ``folder``, safely.
+    """Join a file ``name`` taken from an index or manifest onto ``folder``, for READING.
+
+    The name itself must stay inside ``folder``: it is relative, has no ``..`` component and
+    no NUL, and every folder it passes through resolves inside ``folder`` (a sub-folder that is
+    a symlink out of it is refused). The file itself may be a symlink to anywhere: a model
+    downloaded by ``huggingface_hub`` keeps every file of ``snapshots/<rev>/`` as a relative
+    symlink into ``../../blobs/``, and shared model stores, git-annex and DVC do the same.
+    Following such a link only ever reads; code that writes or deletes must not use this
+    function to decide that a path is inside a folder.
+
+    Args:
+        folder: the checkpoint or model folder.
+        name: a relative file name from an index, manifest or listing (``/``-separated).
+
+    Returns:
+        ``os.path.join(folder, name)`` (not resolved: messages keep the name the user knows).
 
     Raises:
-        UnsafePathError: ``name`` is absolute, contains ``..`` or a NUL, or (through a
-            symlink) resolves outside ``folder``.
+        UnsafePathError: ``name`` is empty, absolute, contains ``..`` or a NUL, or one of its
+            folders resolves (through a symlink) outside ``folder``.
     """
     folder = os.fspath(folder)
     if not isinstance(name, str) or not name or "\x00" in name or os.path.isabs(name) \
-            or ".." in name.replace("\\", "/").split("/"):
+            or name.startswith("\\") or ".." in name.replace("\\", "/").split("/"):
         raise UnsafePathError(f"{folder}: file name {name!r} from an index or manifest leaves the folder")
     full = os.path.join(folder, name)
+    parent = os.path.dirname(full)
     real_folder = os.path.realpath(folder)
-    real = os.path.realpath(full)
-    if os.path.commonpath([real_folder, real]) != real_folder:
-        raise UnsafePathError(f"{folder}: {name!r} resolves to {real}, outside the folder (symlink?)")
+    real_parent = os.path.realpath(parent)
+    if os.path.commonpath([real_folder, real_parent]) != real_folder:
+        raise UnsafePathError(f"{folder}: {name!r} lies in {real_parent}, outside the folder (a sub-folder "
+                              "is a symlink out of it)")
     return full
 
 
@@ -297,10 +328,13 @@ INDEX_SUFFIX = ".safetensors.index.json"
 def read_index(index_path: str | os.PathLike) -> dict[str, str]:
     """Read an HF ``*.safetensors.index.json`` and return its ``weight_map`` (tensor -> shard).
 
+    Shard names are joined with :func:`safe_join`: a shard may be a symlink (the hub cache's
+    ``snapshots/<rev>/`` files all are), a name may not leave the index's folder.
+
     Raises:
-        HeaderError: not JSON, no ``weight_map`` object, or a non-string entry.
-        UnsafePathError: a shard name leaves the folder.
-        FileNotFoundError: a shard named by the index does not exist (names it).
+        HeaderError: not JSON, no ``weight_map`` object, a non-string entry, or a shard named
+            by the index is missing or a dangling symlink (names the index and the shard).
+        UnsafePathError: a shard name leaves the folder (absolute, ``..``).
     """
     index_path = os.fspath(index_path)
     try:
@@ -312,10 +346,23 @@ def read_index(index_path: str | os.PathLike) -> dict[str, str]:
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise HeaderError(f"{index_path}: no valid 'weight_map' object", path=index_path)
     folder = os.path.dirname(index_path)
-    for shard in set(wm.values()):
-        if not os.path.exists(safe_join(folder, shard)):
-            raise HeaderError(f"{index_path}: names shard {shard!r}, which does not exist", path=index_path)
+    for shard in sorted(set(wm.values())):
+        full = safe_join(folder, shard)
+        if not os.path.exists(full):
+            n = sum(1 for v in wm.values() if v == shard)
+            raise HeaderError(f"{index_path}: names shard {shard!r}, which does not exist{_link_note(full)} "
+                              f"({n} of its {len(wm)} tensors are mapped there); the download is incomplete: "
+                              "fetch the missing shard again, or load a folder whose index matches its files",
+                              path=full)
     return wm
+
+
+def _link_note(path: str) -> str:
+    """``" (a symlink to X)"`` when ``path`` is a symlink, else ``""`` (for error messages)."""
+    try:
+        return f" (a symlink to {os.readlink(path)})" if os.path.islink(path) else ""
+    except OSError:
+        return ""
 
 
 def write_index(entries: dict[str, str], total_bytes: int) -> bytes:

@@ -14,6 +14,7 @@ the loaded state plus a bounce buffer per thread for small tensors.
 
 from __future__ import annotations
 
+import difflib
 import errno
 import os
 import threading
@@ -25,7 +26,7 @@ import torch
 import xxhash
 
 from ..format.dtypes import str_to_dtype
-from ..errors import ChecksumMismatchError, CheckpointNotFoundError
+from ..errors import ChecksumMismatchError, CheckpointNotFoundError, FastCkptError
 from ..format.safetensors import TensorInfo
 from ..storage.io import ALIGN, O_DIRECT, PosixBackend, get_backend, read_exact, readv_exact
 from ..storage.memory import aligned_buffer, host_buffer
@@ -37,6 +38,31 @@ SMALL_BYTES = 1 << 20
 READ_CHUNK_BYTES = 4 << 20
 #: Adjacent small tensors separated by at most this many bytes are read with one request.
 GAP_BYTES = 64 << 10
+
+
+class KeysNotFoundError(FastCkptError, KeyError):
+    """``load(keys=...)`` names key paths or tensor names that match nothing stored.
+
+    (To move to :mod:`fastckpt.errors`.) Nothing was read.
+
+    Attributes:
+        keys: the keys that match nothing, in the order given.
+        path: the checkpoint folder or file.
+    """
+
+    def __init__(self, message: str, *, keys: Iterable[str] = (), path: str = ""):
+        super().__init__(message)
+        self.keys = list(keys)
+        self.path = path
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class DeviceUnavailableError(FastCkptError, ValueError):
+    """``device=`` names a device this process cannot load into: a string torch does not
+    parse, a type fastckpt has no engine for, CUDA/NPU not available, or an index past the
+    devices present. (To move to :mod:`fastckpt.errors`.) Raised before any byte is read."""
 
 
 def default_read_threads() -> int:
@@ -272,12 +298,15 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
 
     Args:
         path: a committed fastckpt checkpoint folder (returns the saved nested structure),
-            an HF folder with ``*.safetensors.index.json`` or ``*.safetensors`` files, or one
-            safetensors file (both return a flat ``{tensor name: tensor}`` dict).
+            an HF folder with ``*.safetensors.index.json`` or ``*.safetensors`` files (a
+            ``huggingface_hub`` cache snapshot of symlinks included), or one safetensors file
+            (both return a flat ``{tensor name: tensor}`` dict).
         device: where tensors end up (``"cpu"`` default; ``"cuda:N"``/``"npu:N"`` stream through
-            a bounded ring of pinned host buffers, see :mod:`fastckpt.loading.device`).
+            a bounded ring of pinned host buffers, see :mod:`fastckpt.loading.device`). Checked
+            first (:func:`check_device`).
         keys: a key path / tensor name or a list of them; prefixes select subtrees
-            (``"optimizer"`` selects ``optimizer/state/0/exp_avg``). ``None``: everything.
+            (``"optimizer"`` selects ``optimizer/state/0/exp_avg``). ``None``: everything. Every
+            key must match something.
         threads: reads in flight (default :func:`default_read_threads`).
         verify: also check each tensor's xxh3 against the manifest (fastckpt checkpoints).
         chunk_bytes: bytes per read request (default 4 MiB).
@@ -288,18 +317,25 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
         that did not share storage when saved).
 
     Raises:
+        DeviceUnavailableError: ``device`` is unknown or not available here (before any read).
         CheckpointNotFoundError: nothing committed or loadable at ``path``.
         HeaderError, CorruptCheckpointError, ChecksumMismatchError, UnsafePathError:
             invalid or damaged files (before any tensor memory is allocated, except checksums).
-        KeyError: ``keys`` matches nothing (no tensor name, no key path).
+        KeysNotFoundError: (a ``KeyError``) a key in ``keys`` matches nothing stored; names it
+            and a few keys that exist (before any read).
     """
+    check_device(device)
     r = resolve(path)
     keep = key_filter(keys)
     if r.manifest is None:
         names = [n for n in r.tensors if keep is None or keep(n)]
-        _check_keys_found(keys, names, r.root)
+        _check_keys_found(keys, r.tensors, r.root)
         out = _read(r, names, device, threads=threads, chunk_bytes=chunk_bytes, io_backend=io_backend)
         return {n: _to(out[n], device) for n in names}
+    if keep is not None:
+        seen: set[str] = set()
+        unflatten(r.skeleton, lambda k, kind: None, lambda p: seen.add(p) or keep(p))  # no data read
+        _check_keys_found(keys, seen, r.root)
     entries = r.manifest["tensors"]
     wanted = [k for k in entries if keep is None or keep(k)]
     stored = set()
@@ -326,15 +362,96 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
             t = raw[key]
         return t.numpy() if kind == "ndarray" else t
 
-    out = unflatten(r.skeleton, get, keep)
-    if keep is not None and not out:
-        raise KeyError(f"{r.root}: nothing matches keys={keys!r}")
-    return out
+    return unflatten(r.skeleton, get, keep)
 
 
-def _check_keys_found(keys: Any, found: list[str], root: str) -> None:
-    if keys is not None and not found:
-        raise KeyError(f"{root}: no tensor matches keys={keys!r}")
+def check_device(device: str | torch.device) -> torch.device:
+    """Check that tensors can be loaded into ``device`` in this process, before reading a byte.
+
+    Args:
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"npu:N"`` or a type registered in
+            :data:`fastckpt.loading.device.ENGINES`.
+
+    Returns:
+        The parsed ``torch.device``.
+
+    Raises:
+        DeviceUnavailableError: torch cannot parse ``device``; fastckpt has no engine for its
+            type; CUDA (or the Ascend NPU) is not available; or its index is past the devices
+            present. The message names the device and says what to pass instead.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        if isinstance(device, str) and device.split(":")[0] == "npu":
+            _check_accelerator(device, None, "the Ascend NPU", None)
+        raise DeviceUnavailableError(f"device={device!r} is not a device torch understands ({e}); pass "
+                                     "device='cpu', 'cuda', 'cuda:N' or 'npu:N'") from None
+    if dev.type == "cpu":
+        return dev
+    from .device import ENGINES
+    if dev.type not in ENGINES:
+        raise DeviceUnavailableError(f"device={device!r}: fastckpt cannot load into {dev.type!r} devices (it "
+                                     f"knows {sorted(ENGINES)}); load with device='cpu' and move the tensors")
+    if dev.type == "cuda":
+        _check_accelerator(device, dev, "CUDA", torch.cuda if torch.version.cuda or torch.version.hip else None)
+    elif dev.type == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers torch.npu)
+            mod = torch.npu
+        except ImportError:
+            mod = None
+        _check_accelerator(device, dev, "the Ascend NPU", mod)
+    return dev
+
+
+def _check_accelerator(device: Any, dev: torch.device | None, what: str, mod: Any) -> None:
+    """Raise :class:`DeviceUnavailableError` unless ``mod`` (``torch.cuda``/``torch.npu``) has ``dev``."""
+    if mod is None or not mod.is_available():
+        npu = what.endswith("NPU")
+        why = ("torch_npu is not installed" if npu and mod is None
+               else f"this torch build ({torch.__version__}) does not include it" if mod is None
+               else "no device is visible to this process (driver, "
+                    f"{'ASCEND_RT_VISIBLE_DEVICES' if npu else 'CUDA_VISIBLE_DEVICES'}?)")
+        raise DeviceUnavailableError(f"device={device!r}: {what} is not available ({why}); pass device='cpu' "
+                                     "to load into host memory")
+    n = mod.device_count()
+    if dev.index is not None and dev.index >= n:
+        raise DeviceUnavailableError(f"device={device!r}: only {n} {dev.type} device(s) visible "
+                                     f"({dev.type}:0 .. {dev.type}:{n - 1})")
+
+
+def _check_keys_found(keys: Any, paths: Iterable[str], root: str) -> None:
+    """Raise :class:`KeysNotFoundError` for the ``keys`` that no path in ``paths`` equals or lies under."""
+    if keys is None:
+        return
+    present: set[str] = set()
+    for p in paths:
+        present.add(p)
+        i = p.find("/")
+        while i != -1:
+            present.add(p[:i])
+            i = p.find("/", i + 1)
+    given = [keys] if isinstance(keys, str) else list(keys)
+    missing = [k for k in given if not isinstance(k, str) or k.rstrip("/") not in present]
+    if missing:
+        raise KeysNotFoundError(f"{root}: keys={missing!r} match nothing stored; "
+                                f"{_key_hint(str(missing[0]), present)}", keys=missing, path=root)
+
+
+def _key_hint(key: str, present: set[str]) -> str:
+    """What exists near ``key``: close matches, then a few keys under its deepest existing ancestor."""
+    k = key.rstrip("/")
+    parent = k.rpartition("/")[0]
+    while parent and parent not in present:
+        parent = parent.rpartition("/")[0]
+    pre = parent + "/" if parent else ""
+    kids = sorted(p for p in present if p.startswith(pre) and p != parent and "/" not in p[len(pre):])
+    where = f"under {parent!r} there are" if parent else "the top-level keys are"
+    hint = f"{where} {', '.join(map(repr, kids[:5]))}{' ...' if len(kids) > 5 else ''} ({len(kids)} in all)"
+    pool = [p for p in (kids if len(present) > 100_000 else present) if not k.startswith(p + "/")]
+    close = difflib.get_close_matches(k, pool, n=3)
+    return (f"did you mean {', '.join(map(repr, close))}? " if close else "") + hint
 
 
 def _read(r: Resolved, keys: list[str], device: str | torch.device, **opts: Any) -> dict[str, torch.Tensor]:

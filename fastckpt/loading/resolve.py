@@ -4,6 +4,14 @@ A path is one of: a committed fastckpt checkpoint folder (``manifest.json``), a 
 HF model folder (``*.safetensors.index.json`` or ``*.safetensors`` files), or a single
 safetensors file. Every header is parsed and validated, every manifest/index entry is
 checked against the headers and file sizes, and no tensor may appear in two files.
+
+Files are read through symlinks wherever they point (a ``huggingface_hub`` cache snapshot,
+``models--org--name/snapshots/<rev>/``, holds only relative symlinks into ``../../blobs/``);
+names taken from an index or manifest must still stay inside the folder
+(:func:`fastckpt.format.safetensors.safe_join`). A model folder's
+``model.safetensors.index.json`` names exactly the files loaded: other layouts beside it
+(``consolidated.safetensors``, an ``original/`` sub-folder, leftovers) are never mixed in, and a
+shard it names that is missing is refused, naming the index and the shard.
 """
 
 from __future__ import annotations
@@ -45,10 +53,16 @@ class Resolved:
 def resolve(path: str | os.PathLike) -> Resolved:
     """Validate ``path`` and describe every tensor in it (see module docstring).
 
+    Args:
+        path: a checkpoint or model folder (a hub cache snapshot included), or one
+            safetensors file; symlinks are followed for reading.
+
     Raises:
         CheckpointNotFoundError: nothing loadable there, or an uncommitted fastckpt folder.
-        HeaderError / CorruptCheckpointError: any header, index or manifest problem.
-        UnsafePathError: a file name leaves the folder.
+        HeaderError / CorruptCheckpointError: any header, index or manifest problem, a shard
+            named by an index that is missing (names both), a dangling symlink.
+        UnsafePathError: a file name from an index or manifest leaves the folder (absolute,
+            ``..``, or through a sub-folder that is a symlink out of it).
     """
     path = os.path.abspath(os.fspath(path))
     if os.path.isfile(path):
@@ -107,26 +121,56 @@ def _resolve_fastckpt(path: str) -> Resolved:
     return r
 
 
+#: The index transformers and vLLM read in a model folder; when present it alone says what to load.
+MAIN_INDEX = "model" + INDEX_SUFFIX
+#: The single-file weights transformers reads when a folder has no index.
+MAIN_FILE = "model.safetensors"
+
+
+def _foreign_files(path: str) -> tuple[list[str], dict[str, str]]:
+    """The weight files of a foreign folder and the index's ``tensor -> file`` map.
+
+    ``model.safetensors.index.json`` names exactly what is loaded (other ``*.safetensors`` in the
+    folder, e.g. ``consolidated.safetensors`` or leftovers, are ignored); other indexes are used
+    only without it. With no index: ``model.safetensors`` alone when present, else every
+    top-level ``*.safetensors`` file.
+    """
+    indexes = sorted(glob.glob(os.path.join(glob.escape(path), "*" + INDEX_SUFFIX)))
+    if os.path.join(path, MAIN_INDEX) in indexes:
+        indexes = [os.path.join(path, MAIN_INDEX)]
+    wanted: dict[str, str] = {}
+    for ix in indexes:
+        for name, shard in read_index(ix).items():
+            if name in wanted and wanted[name] != shard:
+                raise HeaderError(f"{ix}: tensor {name!r} is mapped to {shard!r} and {wanted[name]!r}",
+                                  path=ix, tensor=name)
+            wanted[name] = shard
+    if indexes:
+        return sorted(set(wanted.values())), wanted
+    if os.path.lexists(os.path.join(path, MAIN_FILE)):
+        return [MAIN_FILE], wanted
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(path), "*.safetensors"))), wanted
+
+
+def _foreign_header(path: str, name: str) -> Header:
+    """Validated header of file ``name`` of ``path`` (symlinks followed, names kept inside)."""
+    full = safe_join(path, name)
+    try:
+        return read_header(full)
+    except FileNotFoundError:
+        target = f" (a dangling symlink to {os.readlink(full)}: an interrupted download?)" \
+            if os.path.islink(full) else ""
+        raise HeaderError(f"{full}: missing{target}", path=full) from None
+
+
 def _resolve_foreign(path: str) -> Resolved:
     r = Resolved(path)
-    indexes = sorted(glob.glob(os.path.join(glob.escape(path), "*" + INDEX_SUFFIX)))
-    if indexes:
-        wanted: dict[str, str] = {}
-        for ix in indexes:
-            for name, shard in read_index(ix).items():
-                if name in wanted and wanted[name] != shard:
-                    raise HeaderError(f"{ix}: tensor {name!r} is mapped to {shard!r} and {wanted[name]!r}",
-                                      path=ix, tensor=name)
-                wanted[name] = shard
-        files = sorted(set(wanted.values()))
-    else:
-        wanted = {}
-        files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
+    files, wanted = _foreign_files(path)
     if not files:
         raise CheckpointNotFoundError(f"{path}: no manifest.json, no *.safetensors.index.json and no "
                                       "*.safetensors files: nothing to load")
     for name in files:
-        h = read_header(safe_join(path, name))
+        h = _foreign_header(path, name)
         r.headers[name] = h
         for tname, t in h.tensors.items():
             if tname in r.tensors:
