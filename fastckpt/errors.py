@@ -7,6 +7,8 @@ file, the tensor and the numbers involved, and say how to fix the problem.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 
 class FastCkptError(Exception):
     """Base class of every error raised by fastckpt."""
@@ -102,3 +104,28 @@ class DistributedSaveError(FastCkptError, RuntimeError):
     def __init__(self, message: str, failures: dict[int, str]):
         super().__init__(message)
         self.failures = dict(failures)
+
+
+class KeysNotFoundError(FastCkptError, KeyError):
+    """``load(keys=...)`` names key paths or tensor names that match nothing stored.
+
+    Nothing was read.
+
+    Attributes:
+        keys: the keys that match nothing, in the order given.
+        path: the checkpoint folder or file.
+    """
+
+    def __init__(self, message: str, *, keys: Iterable[str] = (), path: str = ""):
+        super().__init__(message)
+        self.keys = list(keys)
+        self.path = path
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class DeviceUnavailableError(FastCkptError, ValueError):
+    """``device=`` names a device this process cannot load into: a string torch does not
+    parse, a type fastckpt has no engine for, CUDA/NPU not available, or an index past the
+    devices present. Raised before any byte is read."""

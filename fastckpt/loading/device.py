@@ -27,20 +27,21 @@ GPU/NPU modules are imported lazily.
 from __future__ import annotations
 
 import collections
+import difflib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 import xxhash
 
 from ..format.dtypes import str_to_dtype
-from ..errors import ChecksumMismatchError
+from ..errors import ChecksumMismatchError, KeysNotFoundError
 from ..storage.io import PosixBackend, get_backend, readv_exact
-from ..storage.memory import host_buffer
 from .resolve import Resolved, resolve
 from ..storage.io import default_threads
+from .engines import ENGINES, AcceleratorEngine, Engine, check_device, get_engine, kvikio_usable  # noqa: F401  (re-exported)
 from .pieces import SEGMENT_MIN_BYTES, Copy, Piece, Target, flat_ranges, plan_pieces  # noqa: F401  (re-exported)
 from .tp import Shard, slice_spec
 
@@ -49,167 +50,6 @@ DEFAULT_RING_BYTES = 256 << 20
 DEFAULT_SLOT_BYTES = 16 << 20
 
 
-
-class Engine:
-    """Synchronous CPU engine; base of the accelerator engines.
-
-    Call order for one load: ``empty`` (every destination) -> ``reserve`` (only when converting)
-    -> ``begin`` -> for each piece: ``wait(slot)`` -> read into ``slot(i)`` -> ``copy`` or
-    ``convert`` ... -> ``record(slot)`` -> ``finish``.
-    All calls come from the loading thread; only the file reads run in worker threads.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def empty(self, nbytes: int) -> torch.Tensor:
-        """A new 1-D uint8 tensor of ``nbytes`` on the device (the destination's own memory)."""
-        if self.device.type == "cpu":
-            return host_buffer(nbytes)[0]  # huge-page backed: faults in 2 MiB pages
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def host_slot(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
-        """A host bounce buffer of ``nbytes`` (pinned for accelerators)."""
-        return host_buffer(nbytes)
-
-    def begin(self) -> None:
-        """Called after every destination is allocated, before the first copy."""
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy host ``src`` into device ``dst`` (same shape, uint8)."""
-        dst.copy_(src)
-
-    def reserve(self, nbytes: int) -> None:
-        """Called before :meth:`begin` when a load converts dtypes: no piece is larger than ``nbytes``."""
-
-    def convert(self, dst: torch.Tensor, src: torch.Tensor, stored: torch.dtype) -> None:
-        """Copy host bytes ``src`` (uint8, last dim in bytes), read as ``stored``, into ``dst`` of another dtype.
-
-        ``dst`` has ``src``'s shape with the last dim in elements. The conversion runs on these
-        bytes only: its scratch is at most ``src.numel()`` bytes (an aligned copy of a slot range
-        whose address is not a multiple of the element size).
-        """
-        if src.data_ptr() % stored.itemsize:
-            src = torch.empty_like(src, memory_format=torch.contiguous_format).copy_(src)
-        dst.copy_(src.view(stored))
-
-    def record(self, slot: int) -> None:
-        """Mark that every copy from ``slot`` issued so far must finish before it is reused."""
-
-    def wait(self, slot: int) -> None:
-        """Block until the copies recorded for ``slot`` are done."""
-
-    def finish(self) -> None:
-        """Block until every copy is done."""
-
-
-class AcceleratorEngine(Engine):
-    """CUDA or NPU engine: pinned slots, copies on a side stream, one event per slot.
-
-    ``mod`` is ``torch.cuda`` or ``torch.npu`` (both expose ``Stream``, ``Event``, ``stream``).
-    """
-
-    def __init__(self, device: torch.device, mod):
-        super().__init__(device)
-        self.mod = mod
-        self.stream = mod.Stream(device=device)
-        self.events: dict[int, object] = {}
-        self.scratch: torch.Tensor | None = None
-
-    def host_slot(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
-        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # pinned directly: no pageable twin
-        return t, memoryview(t.numpy())
-
-    def reserve(self, nbytes: int) -> None:
-        # one device scratch for the whole load, owned by the side stream: every H2D copy into it
-        # and the conversion kernel reading it are ordered on that stream
-        with self.mod.stream(self.stream):
-            self.scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def convert(self, dst: torch.Tensor, src: torch.Tensor, stored: torch.dtype) -> None:
-        n = src.numel()
-        if self.scratch is None or self.scratch.numel() < n:
-            raise RuntimeError(f"convert of {n} bytes without reserve() of at least that much")
-        with self.mod.stream(self.stream):
-            raw = self.scratch[:n]
-            raw.copy_(src.reshape(-1), non_blocking=True)
-            dst.copy_(raw.view(stored).view(dst.shape))
-
-    def begin(self) -> None:
-        # destinations were allocated on the current stream: order the side stream after it
-        self.stream.wait_stream(self.mod.current_stream(self.device))
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with self.mod.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-
-    def record(self, slot: int) -> None:
-        ev = self.mod.Event()
-        ev.record(self.stream)
-        self.events[slot] = ev
-
-    def wait(self, slot: int) -> None:
-        ev = self.events.pop(slot, None)
-        if ev is not None:
-            ev.synchronize()
-
-    def finish(self) -> None:
-        self.stream.synchronize()
-        self.events.clear()
-        self.scratch = None
-
-
-def _cuda_engine(device: torch.device) -> Engine:
-    return AcceleratorEngine(device, torch.cuda)
-
-
-def _npu_engine(device: torch.device) -> Engine:
-    import torch_npu  # noqa: F401  (registers torch.npu)
-    return AcceleratorEngine(device, torch.npu)
-
-
-#: Engine registry: device type -> factory(device). Tests register fake devices here.
-ENGINES: dict[str, Callable[[torch.device], Engine]] = {"cpu": Engine, "cuda": _cuda_engine, "npu": _npu_engine}
-
-
-def get_engine(device: str | torch.device) -> Engine:
-    """The engine for ``device`` (``"cpu"``, ``"cuda:N"``, ``"npu:N"`` or a registered type).
-
-    Raises:
-        ValueError: no engine for that device type.
-    """
-    dev = torch.device(device)
-    if dev.type in ("cuda", "npu") and dev.index is None:
-        dev = torch.device(dev.type, 0)
-    try:
-        factory = ENGINES[dev.type]
-    except KeyError:
-        raise ValueError(f"no device engine for {dev.type!r}; known: {sorted(ENGINES)}") from None
-    return factory(dev)
-
-
-def kvikio_usable(device: torch.device) -> bool:
-    """True when kvikio imports, ``device`` is CUDA and GPUDirect Storage is not in compat mode."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    try:
-        import kvikio
-        import kvikio.defaults as kd
-    except Exception:  # ImportError, or a broken CUDA runtime raising at import
-        return False
-    for name in ("is_compat_mode_preferred", "compat_mode"):
-        fn = getattr(kd, name, None)
-        if callable(fn):
-            try:
-                return not bool(fn())
-            except Exception:
-                return False
-    return hasattr(kvikio, "CuFile")
-
-
-# ---------------------------------------------------------------------------------------------
-# Execution
-# ---------------------------------------------------------------------------------------------
 
 def _targets(r: Resolved, keys: Iterable[str], shard: Shard | None) -> list[Target]:
     out = []
@@ -429,11 +269,17 @@ def load_weights(path: str | os.PathLike, device: str | torch.device = "cpu", *,
                          shard=Shard(rank, 2, {"*q_proj.weight": 0, "*o_proj.weight": 1}))
 
     Raises:
-        KeyError: a name in ``keys`` is not stored. Others as :func:`load_tensors`.
+        KeysNotFoundError: a name in ``keys`` is not stored (a ``KeyError``), before any read.
+        DeviceUnavailableError: ``device`` cannot be loaded into here (see :func:`check_device`).
+        Others as :func:`load_tensors`.
     """
+    check_device(device)
     r = resolve(path)
     names = list(r.tensors) if keys is None else list(keys)
     missing = [k for k in names if k not in r.tensors]
     if missing:
-        raise KeyError(f"{r.root}: not stored: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        close = difflib.get_close_matches(missing[0], list(r.tensors), n=3)
+        raise KeysNotFoundError(f"{r.root}: not stored: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+                                + (f"; did you mean {close}?" if close else "") + "; nothing was read",
+                                keys=missing, path=str(r.root))
     return load_tensors(r, names, device, dtype=dtype, shard=shard, **options)

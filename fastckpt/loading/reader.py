@@ -26,7 +26,7 @@ import torch
 import xxhash
 
 from ..format.dtypes import str_to_dtype
-from ..errors import ChecksumMismatchError, CheckpointNotFoundError, FastCkptError
+from ..errors import ChecksumMismatchError, CheckpointNotFoundError, DeviceUnavailableError, KeysNotFoundError  # noqa: F401  (re-exported)
 from ..format.safetensors import TensorInfo
 from ..storage.io import ALIGN, O_DIRECT, PosixBackend, get_backend, read_exact, readv_exact
 from ..storage.memory import aligned_buffer, host_buffer
@@ -38,31 +38,6 @@ SMALL_BYTES = 1 << 20
 READ_CHUNK_BYTES = 4 << 20
 #: Adjacent small tensors separated by at most this many bytes are read with one request.
 GAP_BYTES = 64 << 10
-
-
-class KeysNotFoundError(FastCkptError, KeyError):
-    """``load(keys=...)`` names key paths or tensor names that match nothing stored.
-
-    (To move to :mod:`fastckpt.errors`.) Nothing was read.
-
-    Attributes:
-        keys: the keys that match nothing, in the order given.
-        path: the checkpoint folder or file.
-    """
-
-    def __init__(self, message: str, *, keys: Iterable[str] = (), path: str = ""):
-        super().__init__(message)
-        self.keys = list(keys)
-        self.path = path
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0])
-
-
-class DeviceUnavailableError(FastCkptError, ValueError):
-    """``device=`` names a device this process cannot load into: a string torch does not
-    parse, a type fastckpt has no engine for, CUDA/NPU not available, or an index past the
-    devices present. (To move to :mod:`fastckpt.errors`.) Raised before any byte is read."""
 
 
 def default_read_threads() -> int:
@@ -324,6 +299,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
         KeysNotFoundError: (a ``KeyError``) a key in ``keys`` matches nothing stored; names it
             and a few keys that exist (before any read).
     """
+    from .engines import check_device
     check_device(device)
     r = resolve(path)
     keep = key_filter(keys)
@@ -363,62 +339,6 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
         return t.numpy() if kind == "ndarray" else t
 
     return unflatten(r.skeleton, get, keep)
-
-
-def check_device(device: str | torch.device) -> torch.device:
-    """Check that tensors can be loaded into ``device`` in this process, before reading a byte.
-
-    Args:
-        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"npu:N"`` or a type registered in
-            :data:`fastckpt.loading.device.ENGINES`.
-
-    Returns:
-        The parsed ``torch.device``.
-
-    Raises:
-        DeviceUnavailableError: torch cannot parse ``device``; fastckpt has no engine for its
-            type; CUDA (or the Ascend NPU) is not available; or its index is past the devices
-            present. The message names the device and says what to pass instead.
-    """
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        if isinstance(device, str) and device.split(":")[0] == "npu":
-            _check_accelerator(device, None, "the Ascend NPU", None)
-        raise DeviceUnavailableError(f"device={device!r} is not a device torch understands ({e}); pass "
-                                     "device='cpu', 'cuda', 'cuda:N' or 'npu:N'") from None
-    if dev.type == "cpu":
-        return dev
-    from .device import ENGINES
-    if dev.type not in ENGINES:
-        raise DeviceUnavailableError(f"device={device!r}: fastckpt cannot load into {dev.type!r} devices (it "
-                                     f"knows {sorted(ENGINES)}); load with device='cpu' and move the tensors")
-    if dev.type == "cuda":
-        _check_accelerator(device, dev, "CUDA", torch.cuda if torch.version.cuda or torch.version.hip else None)
-    elif dev.type == "npu":
-        try:
-            import torch_npu  # noqa: F401  (registers torch.npu)
-            mod = torch.npu
-        except ImportError:
-            mod = None
-        _check_accelerator(device, dev, "the Ascend NPU", mod)
-    return dev
-
-
-def _check_accelerator(device: Any, dev: torch.device | None, what: str, mod: Any) -> None:
-    """Raise :class:`DeviceUnavailableError` unless ``mod`` (``torch.cuda``/``torch.npu``) has ``dev``."""
-    if mod is None or not mod.is_available():
-        npu = what.endswith("NPU")
-        why = ("torch_npu is not installed" if npu and mod is None
-               else f"this torch build ({torch.__version__}) does not include it" if mod is None
-               else "no device is visible to this process (driver, "
-                    f"{'ASCEND_RT_VISIBLE_DEVICES' if npu else 'CUDA_VISIBLE_DEVICES'}?)")
-        raise DeviceUnavailableError(f"device={device!r}: {what} is not available ({why}); pass device='cpu' "
-                                     "to load into host memory")
-    n = mod.device_count()
-    if dev.index is not None and dev.index >= n:
-        raise DeviceUnavailableError(f"device={device!r}: only {n} {dev.type} device(s) visible "
-                                     f"({dev.type}:0 .. {dev.type}:{n - 1})")
 
 
 def _check_keys_found(keys: Any, paths: Iterable[str], root: str) -> None:

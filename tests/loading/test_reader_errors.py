@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 import fastckpt
 from fastckpt.errors import FastCkptError
-from fastckpt.loading.reader import DeviceUnavailableError, KeysNotFoundError, check_device
+from fastckpt.errors import DeviceUnavailableError, KeysNotFoundError
+from fastckpt.loading.device import check_device
 from fastckpt.storage.io import PosixBackend
 
 
