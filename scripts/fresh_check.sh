@@ -4,7 +4,8 @@
 # exactly as written (the lines of README's first ```bash block), timing each, and print a summary.
 #
 #   bash scripts/fresh_check.sh                # fresh venv (python3 -m venv), fresh model cache
-#   bash scripts/fresh_check.sh --system       # the machine's python3, no venv (installs into it)
+#   bash scripts/fresh_check.sh --system       # the machine's python3, no venv: installs into it, and its
+#                                              # fastckpt then points at the kept clone (throwaway machines)
 #   bash scripts/fresh_check.sh --reuse-cache  # keep ~/.cache/fastckpt (skips the ~30 s GGUF conversion)
 #   bash scripts/fresh_check.sh --keep         # keep the temporary folder (logs, clone, venv)
 #
@@ -18,7 +19,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 repo=$here mode=venv reuse_cache=0 keep=0 py=python3
 while [ $# -gt 0 ]; do
   case $1 in
-    --system) mode=system ;;
+    --system) mode=system keep=1 ;;  # its editable install points into the clone: never delete it
     --reuse-cache) reuse_cache=1 ;;
     --keep) keep=1 ;;
     --repo) repo=$2; shift ;;
@@ -79,4 +80,6 @@ for j in "${!names[@]}"; do
   [ "${codes[$j]}" = 0 ] || fail=1
 done
 [ "$keep" = 1 ] || echo "(logs are removed with $work; pass --keep to keep them)"
+[ "$mode" = system ] && echo "note: python3's fastckpt is now the editable install of $work/fastckpt;" \
+  "\`python3 -m pip install -e YOUR_CHECKOUT\` points it back"
 exit $fail
