@@ -72,7 +72,11 @@ def test_codec_rebuilds_the_allowed_deepspeed_types():
 def test_real_deepspeed_cpu_save_load(tmp_path, monkeypatch):
     ds = pytest.importorskip("deepspeed")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+    import socket
+    with socket.socket() as sk:  # a free port: a fixed one clashes with other test runs on the machine
+        sk.bind(("127.0.0.1", 0))
+        port = str(sk.getsockname()[1])
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
         monkeypatch.setenv(k, v)
     # DeepSpeed's CPU comm JIT-compiles a shared-memory all-reduce op (minutes on 2 cores);
     # gloo is enough for one rank, so that build is skipped.

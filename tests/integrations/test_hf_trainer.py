@@ -411,7 +411,7 @@ class AtStepBegin(transformers.TrainerCallback):
 def test_defer_params_optimizer_waits_for_the_background_copy(tmp_path, monkeypatch):
     """The save call does not copy parameters and optimizer state; the next optimizer step waits
     until the writer thread has, and the checkpoint holds exactly the state at the save."""
-    _slow_background_copy(monkeypatch)
+    _slow_background_copy(monkeypatch, seconds=1.5)  # > 0.2 s of wait even when the next step starts late (load)
 
     def grab(model, optimizer):
         opt = optimizer.state_dict()["state"]
