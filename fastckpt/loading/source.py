@@ -32,7 +32,7 @@ from .resolve import Resolved, resolve
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_STEP_RE = re.compile(r"^(checkpoint|step)-(\d+)$")
+_STEP_RE = re.compile(r"^(checkpoint-|step-|checkpoint_)(\d+)$")  # manager, Trainer callback, accelerate plugin
 
 
 @dataclass
@@ -167,8 +167,9 @@ def file_checks(folder: str | os.PathLike, name: str) -> tuple[int, list[RangeCh
 def find_checkpoint(source: str | os.PathLike) -> str:
     """The folder to serve: ``source`` itself, or the newest committed step of a run root.
 
-    A folder holding ``checkpoint-N`` or ``step-N`` folders (and no ``manifest.json`` or
-    ``*.safetensors`` of its own) is a run root; anything else is returned as is (absolute).
+    A folder holding ``step-N``, ``checkpoint-N`` or ``checkpoint_N`` folders, itself or in its
+    ``checkpoints/`` sub-folder (accelerate's ``project_dir``), and no ``manifest.json`` or
+    ``*.safetensors`` of its own, is a run root; anything else is returned as is (absolute).
 
     Raises:
         CheckpointNotFoundError: a run root without any committed step (lists what was skipped).
@@ -176,10 +177,16 @@ def find_checkpoint(source: str | os.PathLike) -> str:
     source = os.path.abspath(os.fspath(source))
     if not os.path.isdir(source) or os.path.exists(os.path.join(source, MANIFEST)):
         return source
-    names = os.listdir(source)
-    prefixes = sorted({m.group(1) + "-" for n in names if (m := _STEP_RE.match(n))})
-    if not prefixes or glob.glob(os.path.join(glob.escape(source), "*.safetensors")):
+    if glob.glob(os.path.join(glob.escape(source), "*.safetensors")):
         return source
+    names = os.listdir(source)
+    prefixes = sorted({m.group(1) for n in names if (m := _STEP_RE.match(n))})
+    sub = os.path.join(source, "checkpoints")
+    if not prefixes and os.path.isdir(sub):  # accelerate: project_dir/checkpoints/checkpoint_N
+        source, names = sub, os.listdir(sub)
+        prefixes = sorted({m.group(1) for n in names if (m := _STEP_RE.match(n))})
+    if not prefixes:
+        return os.path.dirname(sub) if source == sub else source
     best: tuple[int, str] | None = None
     skipped: dict[str, str] = {}
     for pre in prefixes:
