@@ -117,3 +117,22 @@ class FaultyBackend(PosixBackend):
         if self.fail_fsync:
             self._raise("fsync")
         super().fsync(fd)
+
+
+def spawn_bounded(fn, args: tuple, nprocs: int, timeout_s: float = 240.0) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)`` with a bound: ranks still running after
+    ``timeout_s`` seconds are killed and the test fails naming them (a hung multi-rank save must
+    not stall the whole run)."""
+    import time
+
+    import pytest
+    import torch.multiprocessing as mp
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"ranks {alive} still running after {timeout_s:g} s (hung multi-rank operation?)")

@@ -103,7 +103,8 @@ def _scn_reshard(rank: int, tmp: str) -> dict:
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dist")
-    mp.spawn(_run, args=(str(tmp),), nprocs=2, join=True)
+    from fastckpt_testkit import spawn_bounded  # not at module level: the ranks import this module
+    spawn_bounded(_run, (str(tmp),), 2)
     return tmp
 
 

@@ -127,7 +127,8 @@ def _run(rank: int, tmp: str, phase: str) -> None:
 def spawned(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("marker")
     snaps = {}
-    mp.spawn(_run, args=(str(tmp), "phase1"), nprocs=2, join=True)
+    from fastckpt_testkit import spawn_bounded  # not at module level: the ranks import this module
+    spawn_bounded(_run, (str(tmp), "phase1"), 2)
     snaps["after_crash"] = {r: dist_load.committed_steps(_root(str(tmp), r)) for r in range(2)}
     left = os.path.join(_root(str(tmp), 0), "step-4")
     snaps["rank0_step4"] = sorted(os.listdir(left))
@@ -139,7 +140,8 @@ def spawned(tmp_path_factory):
         except CheckpointNotFoundError as e:
             snaps["rank0_step4_load"].append(f"not found: {e}")
     snaps["rank0_step4_committed"] = fastckpt.is_committed(left)
-    mp.spawn(_run, args=(str(tmp), "phase2"), nprocs=2, join=True)
+    from fastckpt_testkit import spawn_bounded  # not at module level: the ranks import this module
+    spawn_bounded(_run, (str(tmp), "phase2"), 2)
     return tmp, snaps
 
 
