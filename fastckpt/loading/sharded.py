@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-import itertools
+import threading
 import json
 import os
 import re
@@ -185,7 +185,10 @@ def _to(v: Any, device: str | torch.device) -> Any:
     return v
 
 
-_COMMON_COUNT = itertools.count(1)  # per process: newest_common_step calls, same order on every rank
+#: group -> newest_common_step calls of this process on it: names the call's store keys alike on every
+#: rank of the group, whatever other groups did meanwhile (a process-wide counter would not)
+_COMMON_CALLS: dict[str, int] = {}
+_COMMON_LOCK = threading.Lock()
 
 
 def committed_steps(root: str | os.PathLike, prefix: str = "step-") -> list[int]:
@@ -210,7 +213,12 @@ def newest_common_step(root: str | os.PathLike, *, prefix: str = "step-", proces
     """
     coord = Coordinator.for_group(process_group)
     mine = committed_steps(root, prefix)
-    sess = coord.session(f"common{next(_COMMON_COUNT)}", timeout_s)
-    every = sess.all_gather("steps", mine, "listing committed steps")
+    with _COMMON_LOCK:
+        n = _COMMON_CALLS[coord.group_key] = _COMMON_CALLS.get(coord.group_key, 0) + 1
+    sess = coord.session(f"common/{n}", timeout_s)
+    try:
+        every = sess.all_gather("steps", mine, "listing committed steps")
+    finally:
+        sess.close()
     common = set(every[0]).intersection(*map(set, every[1:]))
     return max(common) if common else None
