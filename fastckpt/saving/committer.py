@@ -283,8 +283,20 @@ def _wait_outcome(sv: InFlight) -> dict:
     except TimeoutError:
         if sess.settle("verdict", f"abort by rank {sv.coord.rank}") != "commit":
             raise
-    sess.restart_clock()
-    return sess.wait_for(["commit"], "waiting for rank 0 to finish its commit")[0]
+    # rank 0 is committing (manifest, rename, on_commit: retention may delete large folders): wait
+    # in windows of timeout_s, at least _COMMIT_GRACE_S in all, before calling it dead
+    end = time.monotonic() + max(10 * sess.timeout_s, _COMMIT_GRACE_S)
+    while True:
+        sess.restart_clock()
+        try:
+            return sess.wait_for(["commit"], "waiting for rank 0 to finish its commit")[0]
+        except TimeoutError:
+            if time.monotonic() >= end:
+                raise
+
+
+#: Seconds a rank keeps waiting for rank 0 once rank 0 has started to commit (see :func:`_wait_outcome`).
+_COMMIT_GRACE_S = 600.0
 
 
 def decide(sv: InFlight) -> None:

@@ -357,11 +357,11 @@ def rank_slow_rank0(folder: str, where: str) -> dict:
     rank, t0 = dist.get_rank(), time.monotonic()
     if rank == 0 and where == "commit":
         real = committer.write_metadata
-        committer.write_metadata = lambda *a, **k: (time.sleep(3.0), real(*a, **k))[1]
+        committer.write_metadata = lambda *a, **k: (time.sleep(4.0), real(*a, **k))[1]  # > 2 windows
     try:
         fut = fastckpt.async_save(make_state(0), os.path.join(folder, "ck"), process_group=dist.group.WORLD,
                                   timeout_s=1.5, chunk_bytes=CHUNK, threads=1,
-                                  io_backend=SlowPwrite(0.4) if rank == 0 and where == "writes" else None)
+                                  io_backend=SlowPwrite(1.0) if rank == 0 and where == "writes" else None)
         fut.result(timeout_s=60)
         err = None
     except Exception as e:
