@@ -284,8 +284,8 @@ def _wait_outcome(sv: InFlight) -> dict:
         if sess.settle("verdict", f"abort by rank {sv.coord.rank}") != "commit":
             raise
     # rank 0 is committing (manifest, rename, on_commit: retention may delete large folders): wait
-    # in windows of timeout_s, at least _COMMIT_GRACE_S in all, before calling it dead
-    end = time.monotonic() + max(10 * sess.timeout_s, _COMMIT_GRACE_S)
+    # _COMMIT_GRACE more windows of timeout_s before calling it dead
+    end = time.monotonic() + _COMMIT_GRACE * sess.timeout_s
     while True:
         sess.restart_clock()
         try:
@@ -295,8 +295,8 @@ def _wait_outcome(sv: InFlight) -> dict:
                 raise
 
 
-#: Seconds a rank keeps waiting for rank 0 once rank 0 has started to commit (see :func:`_wait_outcome`).
-_COMMIT_GRACE_S = 600.0
+#: Windows of ``timeout_s`` a rank keeps waiting once rank 0 has started to commit (:func:`_wait_outcome`).
+_COMMIT_GRACE = 3
 
 
 def decide(sv: InFlight) -> None:

@@ -357,7 +357,7 @@ def rank_slow_rank0(folder: str, where: str) -> dict:
     rank, t0 = dist.get_rank(), time.monotonic()
     if rank == 0 and where == "commit":
         real = committer.write_metadata
-        committer.write_metadata = lambda *a, **k: (time.sleep(4.0), real(*a, **k))[1]  # > 2 windows
+        committer.write_metadata = lambda *a, **k: (time.sleep(2.5), real(*a, **k))[1]  # > 1 window, < 4
     try:
         fut = fastckpt.async_save(make_state(0), os.path.join(folder, "ck"), process_group=dist.group.WORLD,
                                   timeout_s=1.5, chunk_bytes=CHUNK, threads=1,
