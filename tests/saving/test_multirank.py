@@ -624,6 +624,14 @@ def test_plain_calls_from_every_rank_for_one_path_fail_at_once(pool, tmp_path):
     assert_nothing_committed(tmp_path / "ck")
 
 
+def _saves_still_work(pool, tmp_path) -> None:
+    """After a failed save: a save of all ranks on a new path, then a plain save from each rank."""
+    pool.run(rank_save_world, folder=str(tmp_path), name="after", version=1, timeout_s=45)
+    assert_loads(tmp_path / "after", make_state(1))
+    took = pool.run(rank_save_alone, folder=str(tmp_path), tag="then", timeout_s=30)
+    assert_saved_alone(tmp_path, "then", range(3), took)
+
+
 def test_a_rank_that_never_calls_fails_the_others_in_bounded_time(pool, tmp_path):
     out = pool.run(rank_world_save_outcome, ranks=[0, 1], folder=str(tmp_path), name="ck", save_timeout_s=5)
     for r, o in out.items():
@@ -635,10 +643,7 @@ def test_a_rank_that_never_calls_fails_the_others_in_bounded_time(pool, tmp_path
     # the group is still usable: every rank retries the same path, then a new path, then plain saves
     pool.run(rank_save_world, folder=str(tmp_path), name="ck", version=1, timeout_s=45)
     assert_loads(tmp_path / "ck", make_state(1))
-    pool.run(rank_save_world, folder=str(tmp_path), name="after", version=1, timeout_s=45)
-    assert_loads(tmp_path / "after", make_state(1))
-    took = pool.run(rank_save_alone, folder=str(tmp_path), tag="then", timeout_s=30)
-    assert_saved_alone(tmp_path, "then", range(3), took)
+    _saves_still_work(pool, tmp_path)
 
 
 # -- failures leave the process usable ---------------------------------------------------------
@@ -654,10 +659,7 @@ def test_bad_input_on_one_rank_fails_every_rank_then_saves_work(pool, tmp_path):
         assert "extra/bad" in e.message, (r, e.message)
         assert o["elapsed"] < 10, (r, o["elapsed"])  # at once, not after timeout_s
     assert_nothing_committed(tmp_path / "ck")
-    pool.run(rank_save_world, folder=str(tmp_path), name="after", version=1, timeout_s=45)
-    assert_loads(tmp_path / "after", make_state(1))
-    took = pool.run(rank_save_alone, folder=str(tmp_path), tag="then", timeout_s=30)
-    assert_saved_alone(tmp_path, "then", range(3), took)
+    _saves_still_work(pool, tmp_path)
 
 
 def test_eio_on_one_rank_fails_every_rank_then_saves_work(pool, tmp_path):
@@ -668,10 +670,7 @@ def test_eio_on_one_rank_fails_every_rank_then_saves_work(pool, tmp_path):
         assert e.isa("DistributedSaveError") and 1 in (e.failures or {}), (r, e, e.failures)
         assert "EIO" in e.failures[1] or "Input/output" in e.failures[1], e.failures
     assert_nothing_committed(tmp_path / "ck")
-    pool.run(rank_save_world, folder=str(tmp_path), name="after", version=1, timeout_s=45)
-    assert_loads(tmp_path / "after", make_state(1))
-    took = pool.run(rank_save_alone, folder=str(tmp_path), tag="then", timeout_s=30)
-    assert_saved_alone(tmp_path, "then", range(3), took)
+    _saves_still_work(pool, tmp_path)
 
 
 @pytest.mark.parametrize("kind", ["eio", "bad_input", "all_empty"])
