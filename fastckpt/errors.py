@@ -129,3 +129,12 @@ class DeviceUnavailableError(FastCkptError, ValueError):
     """``device=`` names a device this process cannot load into: a string torch does not
     parse, a type fastckpt has no engine for, CUDA/NPU not available, or an index past the
     devices present. Raised before any byte is read."""
+
+
+# --- DTensor / DCP saves (issue 13, save side) ---
+
+class UnsupportedPlannerError(FastCkptError, ValueError):
+    """:class:`fastckpt.dcp.FastCkptWriter` got a DCP plan it does not write: BYTE_IO items (DCP's
+    default planners ``torch.save``, i.e. pickle, non-tensor values) or a plan not made by
+    :class:`fastckpt.dcp.FastCkptSavePlanner`. The message names the key paths and the planner to
+    pass (``planner=fastckpt.dcp.FastCkptSavePlanner()``). Raised before any file exists."""
