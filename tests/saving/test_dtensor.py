@@ -114,6 +114,17 @@ def rank_refuse(folder: str) -> dict:
     return out
 
 
+def rank_manager(folder: str) -> dict:
+    import torch.distributed as dist
+    state = _distribute(_full_state())
+    mgr = fastckpt.CheckpointManager(os.path.join(folder, "run"), keep_last=1, process_group=dist.group.WORLD)
+    mgr.save(1, state, timeout_s=60)
+    state["step"] = 2
+    mgr.save(2, state, timeout_s=60)
+    dist.barrier()
+    return {"steps": mgr.steps(), "latest": mgr.latest()}
+
+
 # -- tests --------------------------------------------------------------------------------------
 
 def _read_all(path: Path) -> dict:
@@ -186,3 +197,14 @@ def test_unsupported_values_refused_before_any_file(pool, tmp_path):
 def test_shard_is_deprecated_naming_dtensor():
     with pytest.warns(DeprecationWarning, match="DTensor"):
         fastckpt.Shard(torch.ones(2), (4,), (0,))
+
+
+def test_checkpoint_manager_saves_dtensor_state(pool, tmp_path):
+    res = pool.run(rank_manager, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    assert res[0] == res[1] == {"steps": [2], "latest": 2}
+    back = fastckpt.load(tmp_path / "run" / "step-2")
+    full = _full_state()
+    assert back["step"] == 2
+    for k, v in full["model"].items():
+        assert torch.equal(back["model"][k], v), k
+    assert json.loads((tmp_path / "run" / "step-2" / "manifest.json").read_text())["step"] == 2
