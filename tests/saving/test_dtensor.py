@@ -58,11 +58,24 @@ def _distribute(full: dict) -> dict:
     return out
 
 
+class _Recording(PosixBackend):
+    """Records (file name, offset, bytes) of every pwrite this rank makes."""
+
+    def __init__(self):
+        self.writes = []
+
+    def pwrite(self, fd, data, offset):
+        n = super().pwrite(fd, data, offset)
+        self.writes.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, n))
+        return n
+
+
 def rank_save_uneven(folder: str, o_direct: bool) -> dict:
     state = _distribute(_full_state())
-    fut = fastckpt.async_save(state, os.path.join(folder, "ck"), o_direct=o_direct, timeout_s=60)
+    be = _Recording()
+    fut = fastckpt.async_save(state, os.path.join(folder, "ck"), o_direct=o_direct, timeout_s=60, io_backend=be)
     fut.result(timeout_s=90)
-    return {"bytes_by_rank": fut.bytes_by_rank}
+    return {"bytes_by_rank": fut.bytes_by_rank, "writes": be.writes}
 
 
 class _FailingBackend(PosixBackend):
@@ -167,6 +180,11 @@ def test_uneven_shards_bytes_exact(pool, tmp_path, o_direct):
     by_rank = m["distributed"]["bytes_by_rank"]
     assert set(by_rank) == {"0", "1"} and all(b > 0 for b in by_rank.values())
     assert res[0]["bytes_by_rank"] == {0: by_rank["0"], 1: by_rank["1"]}
+    # one writer per 4 KiB page: no page of any file is written by both ranks
+    pages = {r: {(f, p) for f, off, n in res[r]["writes"] for p in range(off // 4096, (off + n - 1) // 4096 + 1)}
+             for r in (0, 1)}
+    assert pages[0] and pages[1] and not pages[0] & pages[1], sorted(pages[0] & pages[1])[:5]
+    assert sum(n for _, _, n in res[1]["writes"]) == by_rank["1"]
     back = fastckpt.load(ck)
     assert back["step"] == 3 and back["note"] == "uneven" and torch.equal(back["scalar"], full["scalar"])
     for k, v in full["model"].items():
