@@ -87,7 +87,7 @@ class FastCkptSavePlanner(DefaultSavePlanner):
         sub, dts = with_stand_ins(state_dict)
         col = collect(sub, self.weights)
         self.collected = col
-        self.arrays = {s.key: dts[s.key] for s in col.specs}
+        self.arrays = {s.key: dts[s.key] if s.key in dts else col.sources[s.key] for s in col.specs}  # NumPy: its tensor
         super().set_up_planner(self.arrays, storage_meta, is_coordinator)
 
     def create_local_plan(self) -> SavePlan:
