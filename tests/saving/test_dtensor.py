@@ -169,6 +169,8 @@ def test_uneven_shards_bytes_exact(pool, tmp_path, o_direct):
     for k in ("a.weight", "b.weight", "c.weight", "d.weight", "f.weight"):
         key = "model/" + k
         assert "xxh3" not in t[key] and len(t[key]["chunks"]) == 2, (k, t[key])
+    assert t["model/b.weight"]["placement"] == {"mesh_shape": [2], "placements": ["Shard(1)"]}
+    assert t["model/f.weight"]["placement"] == {"mesh_shape": [1, 2], "placements": ["Replicate()", "Shard(0)"]}
     assert t["model/b.weight"]["chunks"][1]["offsets"] == [0, 19]
     assert t["model/b.weight"]["chunks"][1]["shape"] == [5, 18]
     import xxhash
