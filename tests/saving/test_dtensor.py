@@ -104,6 +104,34 @@ def rank_save_failing(folder: str) -> dict:
     return out
 
 
+def rank_stage_failing(folder: str) -> dict:
+    """Rank 1 fails before handing over its edge bytes: rank 0, waiting for them, fails at once."""
+    import time
+
+    import torch.distributed as dist
+    from fastckpt.saving import chunk_job
+    state = _distribute(_full_state())
+    path = os.path.join(folder, "bad-stage")
+    orig = chunk_job.ChunkJob.stage
+    if dist.get_rank() == 1:
+        def bad(self, sources):
+            raise RuntimeError("injected staging failure")
+        chunk_job.ChunkJob.stage = bad
+    t = time.monotonic()
+    try:
+        fastckpt.save(state, path, timeout_s=60)
+        out = {"error": None}
+    except Exception as e:
+        out = {"error": type(e).__name__, "failures": sorted(getattr(e, "failures", {}) or {}), "message": str(e)}
+    finally:
+        chunk_job.ChunkJob.stage = orig
+    out["seconds"] = time.monotonic() - t
+    dist.barrier()
+    out["exists"] = os.path.exists(path)
+    out["leftovers"] = sorted(n for n in os.listdir(folder) if TMP_MARK in n)
+    return out
+
+
 def rank_refuse(folder: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial
@@ -228,3 +256,12 @@ def test_checkpoint_manager_saves_dtensor_state(pool, tmp_path):
     for k, v in full["model"].items():
         assert torch.equal(back["model"][k], v), k
     assert json.loads((tmp_path / "run" / "step-2" / "manifest.json").read_text())["step"] == 2
+
+
+def test_rank_failing_before_its_edge_bytes_fails_every_rank_at_once(pool, tmp_path):
+    res = pool.run(rank_stage_failing, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    for r in (0, 1):
+        assert res[r]["error"] == "DistributedSaveError" and 1 in res[r]["failures"], res[r]
+        assert "injected staging failure" in res[r]["message"]
+        assert res[r]["seconds"] < 30, res[r]  # not the 60 s timeout_s: the failure marker reached rank 0
+        assert not res[r]["exists"] and res[r]["leftovers"] == []
