@@ -29,7 +29,7 @@ from ..storage.io import PosixBackend, get_backend, readv_exact
 from .chunks import box_bytes, chunk_problem
 from .reader import READ_CHUNK_BYTES, default_read_threads
 from .regions import Box, Run, Stored, box_runs, contains, dim0_blocks, intersect, split_runs
-from .stored import CheckpointIndex, TensorDesc, open_index
+from .stored import Check, CheckpointIndex, TensorDesc, open_index
 
 #: Host bounce memory (bytes) for destinations that are not contiguous CPU tensors.
 BUFFER_BYTES = 64 << 20
@@ -202,19 +202,21 @@ def _raise_mismatch(plan: _Plan, unexpected: list[str], root: str) -> None:
         path=root, missing=plan.missing, unexpected=unexpected, mismatched=plan.mismatched)
 
 
-class _Files:
-    """Open read fds by path (thread-safe), closed together."""
+class Files:
+    """Open read fds by path (thread-safe), closed together by :meth:`close`."""
 
     def __init__(self, be: PosixBackend):
         self.be, self.fds, self.lock = be, {}, threading.Lock()
 
     def fd(self, path: str) -> int:
+        """The read fd of ``path``, opened on first use."""
         with self.lock:
             if path not in self.fds:
                 self.fds[path] = self.be.open_read(path)
             return self.fds[path]
 
     def close(self) -> None:
+        """Close every fd opened."""
         for fd in self.fds.values():
             self.be.close(fd)
 
@@ -226,7 +228,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def read_box(files: _Files, ex: ThreadPoolExecutor, parts: list[tuple[Stored, Box]], dst: Box,
+def read_box(files: Files, ex: ThreadPoolExecutor, parts: list[tuple[Stored, Box]], dst: Box,
              out: memoryview, chunk: int, key: str) -> None:
     """Read the bytes of global box ``dst`` from ``parts`` (stored piece, box of it inside ``dst``) into
     ``out``, a C-order buffer of ``dst``; requests of at most ``chunk`` bytes run on ``ex``."""
@@ -238,12 +240,12 @@ def read_box(files: _Files, ex: ThreadPoolExecutor, parts: list[tuple[Stored, Bo
         f.result()
 
 
-def _read_run(files: _Files, run: Run, out: memoryview, key: str) -> None:
+def _read_run(files: Files, run: Run, out: memoryview, key: str) -> None:
     readv_exact(files.be, files.fd(run.file), [out[run.dst_offset:run.dst_offset + run.nbytes]], run.file_offset,
                 path=run.file, what=key)
 
 
-def _fill(t: Target, files: _Files, ex: ThreadPoolExecutor, chunk: int, buffer_bytes: int) -> list:
+def _fill(t: Target, files: Files, ex: ThreadPoolExecutor, chunk: int, buffer_bytes: int) -> list:
     """Fill one target; returns the futures of a direct read (the caller waits), [] when done here."""
     loc = t.local
     if loc.device.type == "cpu" and loc.is_contiguous():
@@ -260,21 +262,26 @@ def _fill(t: Target, files: _Files, ex: ThreadPoolExecutor, chunk: int, buffer_b
     return []
 
 
-def _verify(t: Target, files: _Files, ex: ThreadPoolExecutor, chunk: int) -> None:
-    """Check every checksummed box overlapping the target's region: from the filled tensor when the
-    region covers it, else by reading the whole box from the file."""
-    for c in t.desc.checks:
-        if math.prod(t.region[1]) == 0 or intersect(c.box, t.region) is None:
+def verify_region(key: str, checks: list[Check], local: torch.Tensor, region: Box, files: Files,
+                  ex: ThreadPoolExecutor, chunk: int) -> None:
+    """Check every checksummed box of ``checks`` that overlaps ``region`` (held by ``local``): from
+    ``local`` when the region covers the box, else by reading the whole box from its file.
+
+    Raises:
+        ChecksumMismatchError: names the key, the chunk (offsets, shape) and the file.
+    """
+    for c in checks:
+        if math.prod(region[1]) == 0 or intersect(c.box, region) is None:
             continue
-        if contains(t.region, c.box):
-            data = box_bytes(t.local, c.box, t.region[0])
+        if contains(region, c.box):
+            data = box_bytes(local, c.box, region[0])
         else:
-            tmp = torch.empty(c.box[1], dtype=t.local.dtype)
-            read_box(files, ex, [(c.stored, c.box)], c.box, byte_view(tmp), chunk, t.key)
+            tmp = torch.empty(c.box[1], dtype=local.dtype)
+            read_box(files, ex, [(c.stored, c.box)], c.box, byte_view(tmp), chunk, key)
             data = byte_view(tmp)
-        problem = chunk_problem(t.key, c.stored.file, c.box, c.xxh3, data)
+        problem = chunk_problem(key, c.stored.file, c.box, c.xxh3, data)
         if problem:
-            raise ChecksumMismatchError(f"{c.what}: {problem}", path=c.stored.file, tensor=t.key)
+            raise ChecksumMismatchError(f"{c.what}: {problem}", path=c.stored.file, tensor=key)
 
 
 def load_into(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bool = False,
@@ -353,7 +360,7 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool = True, verif
     if strict and (plan.missing or unexpected or plan.mismatched):
         _raise_mismatch(plan, unexpected, idx.resolved.root)
     chunk = max(4096, int(chunk_bytes))
-    files = _Files(get_backend(io_backend))
+    files = Files(get_backend(io_backend))
     try:
         with ThreadPoolExecutor(threads or default_read_threads(), thread_name_prefix="fastckpt-into") as ex:
             futs = []
@@ -365,7 +372,7 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool = True, verif
                 torch.autograd.graph.increment_version(t.local)  # written behind autograd's back
             if verify:
                 for t in plan.targets:
-                    _verify(t, files, ex, chunk)
+                    verify_region(t.key, t.desc.checks, t.local, t.region, files, ex, chunk)
     finally:
         files.close()
     return _rebuild(state, "", plan.values)

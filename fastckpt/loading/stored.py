@@ -66,13 +66,15 @@ class CheckpointIndex:
         tensors: key path (or HF tensor name) -> :class:`TensorDesc`.
         values: key path -> non-tensor leaf value from ``state.json`` (fastckpt only).
         rank_local: key paths of rank-local subtrees (``local_keys`` saves), which carry no placement.
-        containers: key paths of empty dicts/lists/tuples (kept so a tree can be rebuilt).
+        tree: the saved state with each tensor (and shard placeholder) as a :class:`Leaf` (fastckpt),
+            or ``{name: Leaf}`` (HF files).
     """
 
     resolved: Resolved
     tensors: dict[str, TensorDesc] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     rank_local: set[str] = field(default_factory=set)
+    tree: Any = None
 
     @property
     def is_fastckpt(self) -> bool:
@@ -80,7 +82,9 @@ class CheckpointIndex:
         return self.resolved.manifest is not None
 
 
-class _Leaf:
+class Leaf:
+    """A stored tensor's place in :attr:`CheckpointIndex.tree` (``key``: its manifest key)."""
+
     __slots__ = ("key",)
 
     def __init__(self, key: str):
@@ -146,16 +150,17 @@ def open_index(path: str | os.PathLike) -> CheckpointIndex:
             st = Stored(name, r.file_path(fname), r.headers[fname].data_offset + info.start,
                         tuple(info.shape), info.dtype, isz, (0,) * len(info.shape))
             idx.tensors[name] = TensorDesc(name, st.shape, info.dtype, [st])
+        idx.tree = {name: Leaf(name) for name in r.tensors}
         return idx
-    tree = unflatten(r.skeleton, lambda k, kind: _Leaf(k))
+    idx.tree = unflatten(r.skeleton, lambda k, kind: Leaf(k))
     shards = (r.manifest.get("distributed") or {}).get("shards") or {}
-    _walk(idx, tree, "", shards)
+    _walk(idx, idx.tree, "", shards)
     return idx
 
 
 def _walk(idx: CheckpointIndex, v: Any, path: str, shards: dict) -> None:
     r = idx.resolved
-    if isinstance(v, _Leaf):
+    if isinstance(v, Leaf):
         st = _stored(r, v.key)
         idx.tensors[path] = TensorDesc(path, st.shape, st.dtype, [st], _checks(r, v.key, st))
         return
