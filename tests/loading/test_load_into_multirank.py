@@ -140,8 +140,9 @@ def dtensor_placements(folder: str) -> dict:
              "b": distribute_tensor(torch.zeros(3, 4, 6, dtype=torch.int64), mesh, [Shard(2)]),
              "c": distribute_tensor(torch.zeros(9, 4), mesh, [Replicate()])}
     counter = CountingBackend()
-    fastckpt.load_into(state, ck, io_backend=counter, verify=True)
+    fastckpt.load_into(state, ck, io_backend=counter)
     bad = [k for k in full if not torch.equal(state[k].full_tensor(), full[k])]
+    fastckpt.load_into(state, ck, verify=True)  # partial regions: the whole-tensor xxh3 is read and checked
     return {"bad": bad, "read": counter.bytes, "expected": local_bytes(state)}
 
 
