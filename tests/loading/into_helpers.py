@@ -116,3 +116,33 @@ def mismatches(got, want, path: str = "") -> list[str]:
                             want.view(torch.uint8) if want.dim() else want)
         return [] if ok else [path]
     return [] if got == want else [f"{path}: {got!r} != {want!r}"]
+
+
+def rewrite_as_v2(ck: str, parts: int = 2) -> None:
+    """Turn a plain full-tensor fastckpt checkpoint into format 2 as a DTensor save would write it:
+    every tensor with a dim 0 of at least ``parts`` gets ``chunks`` of a ``torch.chunk(parts)`` split
+    along dim 0 (FSDP2's layout) with their xxh3, instead of its whole-tensor ``xxh3``."""
+    import json
+    import os
+
+    import xxhash
+    from safetensors import safe_open
+    mpath = os.path.join(ck, "manifest.json")
+    with open(mpath) as f:
+        m = json.load(f)
+    for key, e in m["tensors"].items():
+        if "file" not in e or len(e["shape"]) == 0 or e["shape"][0] < parts:
+            continue
+        with safe_open(os.path.join(ck, e["file"]), "pt") as f:
+            full = f.get_tensor(e["name"])
+        chunks, start = [], 0
+        for piece in torch.chunk(full, parts):
+            off = [start] + [0] * (full.dim() - 1)
+            chunks.append({"offsets": off, "shape": list(piece.shape),
+                           "xxh3": xxhash.xxh3_64(piece.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()})
+            start += piece.shape[0]
+        del e["xxh3"]
+        e["chunks"] = chunks
+    m["format_version"] = 2
+    with open(mpath, "w") as f:
+        json.dump(m, f)
