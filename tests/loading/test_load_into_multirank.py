@@ -146,6 +146,17 @@ def dtensor_placements(folder: str) -> dict:
     return {"bad": bad, "read": counter.bytes, "expected": local_bytes(state)}
 
 
+def rank_local_case(folder: str) -> dict:
+    """A multi-rank save with a rank-local subtree (local_keys): each rank fills its own back."""
+    r = dist.get_rank()
+    ck = os.path.join(folder, "local")
+    fastckpt.save({"w": torch.arange(4.0), "opt": {"m": torch.full((2,), float(r)), "n": r}}, ck,
+                  process_group=dist.group.WORLD, local_keys=("opt",), timeout_s=60)
+    dst = {"w": torch.zeros(4), "opt": {"m": torch.zeros(2), "n": -1}}
+    out = fastckpt.load_into(dst, ck)
+    return {"w": dst["w"].tolist(), "m": dst["opt"]["m"].tolist(), "n": out["opt"]["n"]}
+
+
 # -- tests ------------------------------------------------------------------------------------
 
 def _check(out: dict, ref_loss: float, exact: bool) -> None:
@@ -211,6 +222,18 @@ def test_dtensor_shard1_uneven_and_replicate(pool, tmp_path):
     out = pool.run(dtensor_placements, folder=str(tmp_path), timeout_s=TIMEOUT_S)
     for r, o in out.items():
         assert o["bad"] == [] and 0 < o["read"] == o["expected"], (r, o)
+
+
+def test_rank_local_subtrees(pool, tmp_path):
+    out = pool.run(rank_local_case, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    for r, o in out.items():
+        assert o == {"w": [0.0, 1.0, 2.0, 3.0], "m": [float(r)] * 2, "n": r}, (r, o)
+    ck = tmp_path / "local"
+    dst = {"w": torch.zeros(4), "opt": {"m": torch.zeros(2), "n": -1}}
+    assert fastckpt.load_into(dst, ck, local_rank=1)["opt"]["n"] == 1 and dst["opt"]["m"].tolist() == [1.0, 1.0]
+    with pytest.raises(fastckpt.errors.ShardedCheckpointError, match="load_into"):
+        fastckpt.load(ck)  # never a {'__rank_local__': ...} placeholder
+    assert torch.equal(fastckpt.load(ck, keys="w")["w"], torch.arange(4.0))
 
 
 def test_sharded_load_is_deprecated(ckpts):
