@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,7 +176,8 @@ def _walk(state: Any, path: str, segs: tuple, plan: _Plan) -> None:
 
 def _rebuild(state: Any, path: str, values: dict[str, Any]) -> Any:
     if isinstance(state, dict) and state:
-        return {k: _rebuild(x, join(path, k), values) for k, x in state.items()}
+        d = {k: _rebuild(x, join(path, k), values) for k, x in state.items()}
+        return type(state)(d) if isinstance(state, OrderedDict) else d  # model.state_dict() stays an OrderedDict
     if isinstance(state, (list, tuple)) and state:
         out = [_rebuild(x, join(path, i), values) for i, x in enumerate(state)]
         if isinstance(state, list):
@@ -315,7 +317,9 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool = True, verif
     HF folders (no manifest; ``model.safetensors``, sharded with an index, hub snapshot folders):
     a tensor leaf matches the stored tensor named by the longest suffix of its key segments joined
     with ``.``; so ``load_into(model.state_dict(), hf_dir)`` matches names directly and
-    ``load_into({"model": model.state_dict()}, hf_dir)`` drops the ``"model"`` prefix.
+    ``load_into({"model": model.state_dict()}, hf_dir)`` drops the ``"model"`` prefix. Weights that HF
+    leaves out of the files (tied ``lm_head.weight`` when ``tie_word_embeddings``) are missing keys:
+    pass ``strict=False`` (the tied tensor shares memory with the embedding that is filled).
 
     Non-tensor leaves (ints, floats, strings, ``None``, optimizer ``param_groups`` values, empty
     containers) are replaced in the *returned* tree by the checkpoint's values (the input containers

@@ -18,7 +18,7 @@ from ranks import RankPool  # noqa: E402
 
 import fastckpt  # noqa: E402
 from into_helpers import (LR, CountingBackend, batches, fsdp, llama, local_bytes, mismatches,  # noqa: E402
-                          next_loss, step, tensor_leaves)
+                          next_loss, step, tensor_leaves, to_pieces)
 
 TIMEOUT_S = 180
 
@@ -42,20 +42,6 @@ def ckpts(pool, tmp_path_factory):
 
 # -- rank-side functions ----------------------------------------------------------------------
 
-def _to_pieces(v):
-    """A sharded state with every DTensor replaced by this rank's ``fastckpt.Shard`` piece."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    if isinstance(v, dict):
-        return {k: _to_pieces(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_to_pieces(x) for x in v]
-    if isinstance(v, DTensor):
-        _, off = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
-        return fastckpt.Shard(v.to_local().detach().clone(), tuple(v.shape), tuple(off))
-    return v
-
-
 def train_and_save(folder: str) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     model = fsdp(llama(0))
@@ -69,7 +55,7 @@ def train_and_save(folder: str) -> dict:
         plain.save_pretrained(os.path.join(folder, "hf"), safe_serialization=True)
         plain.save_pretrained(os.path.join(folder, "hf_sharded"), safe_serialization=True, max_shard_size="40KB")
     sm, so = get_state_dict(model, opt)
-    fastckpt.save(_to_pieces({"model": sm, "optim": so}), os.path.join(folder, "pieces2"),
+    fastckpt.save(to_pieces({"model": sm, "optim": so}), os.path.join(folder, "pieces2"),
                   process_group=dist.group.WORLD, timeout_s=60)
     dist.barrier()
     return {"loss": next_loss(model, opt)}
