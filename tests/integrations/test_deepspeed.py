@@ -51,7 +51,9 @@ def test_decode_never_calls_what_the_checkpoint_names(tmp_path, tag, monkeypatch
     called = []
     monkeypatch.setattr(torch.hub, "set_dir", lambda *a: called.append(a))
     ckpt = tmp_path / "mp_rank_00_model_states.pt"
-    fastckpt.save({"ds": {"x": tag}}, ckpt, weights={})
+    ce = FastCkptCheckpointEngine()  # the engine writes the tagged dict as plain JSON, and the tag's marker
+    ce.save({"x": tag}, str(ckpt))
+    ce.commit(None)
     with pytest.raises(UntrustedTypeError) as e:
         FastCkptCheckpointEngine().load(str(ckpt))
     assert called == [] and str(ckpt) in str(e.value)
@@ -94,8 +96,8 @@ def test_real_deepspeed_cpu_save_load(tmp_path, monkeypatch):
         eng.save_checkpoint(str(tmp_path), tag="t1")
         assert (tmp_path / "latest").read_text().strip() == "t1"  # DeepSpeed's own pointer, unchanged meaning
         files = sorted(os.listdir(tmp_path / "t1"))
-        assert files == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
-        assert all(fastckpt.is_committed(tmp_path / "t1" / f) for f in files)
+        assert files == ["fastckpt_tag.json", "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+        assert all(fastckpt.is_committed(tmp_path / "t1" / f) for f in files[1:])
         w = eng.module.weight.detach().clone()
         with torch.no_grad():
             eng.module.weight.zero_()
