@@ -264,7 +264,9 @@ class FastCkptCheckpointEngine(_Base):
             CheckpointNotFoundError: ``path`` is not a committed fastckpt folder (e.g. a plain
                 ``torch.save`` file: load it with DeepSpeed's own engine).
         """
-        if os.path.isfile(path) or not os.path.exists(path):
+        if not os.path.exists(path):
+            raise CheckpointNotFoundError(f"{path}: does not exist")
+        if os.path.isfile(path):
             raise CheckpointNotFoundError(f"{path}: not a committed fastckpt checkpoint; files written by "
                                           "DeepSpeed's torch engine are read with that engine")
         tag.check_listed(path)
