@@ -105,14 +105,15 @@ def _native_ds(p: str) -> NativeCheckpointError:
 
 
 def _latest_tag(save_dir: str) -> str | None:
-    """``save_dir/<tag named by save_dir/latest>``, or None (no ``latest``, or a name that leaves the folder)."""
+    """``save_dir/<tag named by save_dir/latest>``, or None: no ``latest`` file, or one that does not
+    name a folder directly inside ``save_dir`` (never followed: it is not DeepSpeed's pointer)."""
     latest = os.path.join(save_dir, "latest")
     if not os.path.isfile(latest):
         return None
     with open(latest, "rb") as f:
         name = f.read(4096).decode("utf-8", "replace").strip()
     if not name or name in (".", "..") or "/" in name or os.sep in name or name.startswith("."):
-        raise CorruptCheckpointError(f"{latest}: names {name!r}, not a tag folder inside {save_dir}", path=latest)
+        return None
     return os.path.join(save_dir, name)
 
 

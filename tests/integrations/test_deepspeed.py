@@ -180,9 +180,13 @@ def test_consolidate_refuses_partitions_that_do_not_add_up(tmp_path):
         consolidate(find_zero_tag(str(run)))
 
 
-def test_latest_naming_outside_the_folder_is_refused(tmp_path):
-    from fastckpt.errors import CorruptCheckpointError
+def test_latest_naming_outside_the_folder_is_not_followed(tmp_path):
+    """A ``latest`` naming a path (not a tag folder inside save_dir) is never followed, even to a
+    complete tag."""
     from fastckpt.loading.zero import find_zero_tag
-    (tmp_path / "latest").write_text("../elsewhere")
-    with pytest.raises(CorruptCheckpointError, match="not a tag folder"):
-        find_zero_tag(str(tmp_path))
+    run = _zero_tag(tmp_path, 2, {"a": torch.ones(4)})
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "latest").write_text("../run/step1")
+    assert find_zero_tag(str(other)) is None
+    assert find_zero_tag(str(run)) == str(run / "step1")
