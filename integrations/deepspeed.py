@@ -229,7 +229,9 @@ class FastCkptCheckpointEngine(_Base):
         Raises:
             DistributedSaveError: some rank failed (``failures`` maps each failed rank to its error
                 text; on the failing rank chained from its own error). Every rank has removed the
-                files it wrote for the tag; DeepSpeed does not write ``latest``.
+                files it wrote for the tag; DeepSpeed does not write ``latest``. In a single
+                process (no group, or a group of one) the failure itself is raised (e.g.
+                ``OSError``, :class:`~fastckpt.UnsupportedValueError`).
         """
         paths = list(self._paths)
         tag_dir = self._tag_dir(info) or (os.path.dirname(os.path.abspath(paths[0])) if paths else None)
@@ -252,6 +254,8 @@ class FastCkptCheckpointEngine(_Base):
         if failures:
             for p in paths:
                 shutil.rmtree(p, ignore_errors=True)
+            if world == 1 and own is not None:
+                raise own  # one process: its own error, with its own type
             tag.raise_failures(failures, tag_dir or "<no files>", own)
         return True
 

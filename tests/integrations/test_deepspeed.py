@@ -31,6 +31,25 @@ def test_engine_interface_roundtrip(tmp_path):
         ce.load(str(tag / "missing.pt"))
 
 
+def test_failed_save_raises_at_commit_and_leaves_no_tag(tmp_path):
+    """A value fastckpt cannot store is kept until commit (every rank must reach the vote), then
+    raised with its own type in one process; the files of the tag are gone and no marker exists."""
+    class Foreign:
+        pass
+    ce = FastCkptCheckpointEngine()
+    tag = tmp_path / "t1"
+    ce.create(None)
+    ce.save({"w": torch.ones(2)}, str(tag / "mp_rank_00_model_states.pt"))
+    ce.save({"x": Foreign()}, str(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))  # no raise yet
+    with pytest.raises(fastckpt.UnsupportedValueError, match="/x"):
+        ce.commit(None)
+    assert not os.path.exists(tag / "fastckpt_tag.json")
+    assert not fastckpt.is_committed(tag / "mp_rank_00_model_states.pt")
+    ce.create(None)  # the engine stays usable
+    ce.save({"w": torch.ones(2)}, str(tag / "mp_rank_00_model_states.pt"))
+    assert ce.commit(None) is True and (tag / "fastckpt_tag.json").is_file()
+
+
 def test_codec_refuses_foreign_classes():
     class Foreign:
         pass
