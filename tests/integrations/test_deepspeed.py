@@ -1,4 +1,5 @@
-"""DeepSpeed engine: real DeepSpeed 0.19 on CPU (gloo, one rank) when installed, plus the interface."""
+"""DeepSpeed engine: real DeepSpeed 0.19 on CPU (gloo, one rank) when installed, the interface, the
+one-process failure path, and consolidation of hand-made ZeRO-1/2/3 partitions (2 ranks: test_deepspeed_multirank.py)."""
 
 from __future__ import annotations
 
