@@ -185,3 +185,33 @@ class DCPLoadError(FastCkptError, RuntimeError):
     def __init__(self, message: str, failures: dict[int, str]):
         super().__init__(message)
         self.failures = dict(failures)
+
+
+# --- DeepSpeed many ranks and consolidation (deepspeed engineer) ---------------------------------
+
+class IncompleteTagError(CheckpointNotFoundError):
+    """A DeepSpeed tag folder written by fastckpt's engine that was never committed as a whole:
+    it has no ``fastckpt_tag.json`` (some rank failed the save, or the save was interrupted), or
+    the file asked for is not one of the files that marker lists.
+
+    Attributes:
+        path: the tag folder.
+    """
+
+    def __init__(self, message: str, *, path: str = ""):
+        super().__init__(message)
+        self.path = path
+
+
+class NativeCheckpointError(FastCkptError, ValueError):
+    """A native DeepSpeed (``*_model_states.pt`` / ``*_optim_states.pt``, pickled) or DCP
+    (``.metadata`` + ``*.distcp``, pickled metadata) folder was given where fastckpt reads only
+    what it wrote: nothing of it was opened.
+
+    Attributes:
+        pickle_file: the pickled file that made fastckpt refuse the folder.
+    """
+
+    def __init__(self, message: str, *, pickle_file: str = ""):
+        super().__init__(message)
+        self.pickle_file = pickle_file

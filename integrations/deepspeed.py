@@ -8,12 +8,17 @@ one line::
 
 Call order (DeepSpeed ``save_checkpoint``, every rank): ``create(info)`` -> ``makedirs`` ->
 ``save(state_dict, path)`` for each file this rank owns (``mp_rank_00_model_states.pt`` on the
-model writer, ``zero_pp_rank_{r}_..._optim_states.pt`` on every ZeRO rank) -> ``commit(info)``
--> rank 0 writes ``save_dir/latest``. Each ``path`` becomes a fastckpt checkpoint *folder* of
-that name (safetensors + JSON, committed by rename); ``save`` only stages (async) and
-``commit`` waits until every file of this rank is durable, so DeepSpeed's ``latest`` keeps its
-meaning: it is written after the commit and names a tag whose files are all committed.
-``load(path)`` reads such a folder back (no unpickling).
+model writer for ZeRO-1/2, ``zero_pp_rank_{r}_mp_rank_00_model_states.pt`` on every rank for
+ZeRO-3, ``zero_pp_rank_{r}_..._optim_states.pt`` on every ZeRO rank) -> ``commit(info)`` ->
+rank 0 writes ``save_dir/latest``. Each ``path`` becomes a fastckpt checkpoint *folder* of that
+name (safetensors + JSON, committed by rename); ``save`` only stages (async). ``commit`` is a
+vote of every rank (:mod:`fastckpt.integrations.deepspeed_tag`): it returns only once every
+rank's files are durable and rank 0 has written the tag's ``fastckpt_tag.json``; if any rank
+failed, it raises :class:`~fastckpt.errors.DistributedSaveError` on every rank, each rank removes
+its files of the tag, and DeepSpeed never writes ``latest`` (which keeps naming the previous,
+complete tag). ``load(path)`` reads such a folder back (no unpickling), only from a tag whose
+marker lists it. ``fastckpt load SAVE_DIR --to DIR`` turns such a tag into an HF folder
+(:mod:`fastckpt.loading.zero`).
 
 Values DeepSpeed puts in its states that are not tensors or JSON (``torch.Size``, ``set``,
 ``ZeroStageEnum``, ``LossScaler``, ``fragment_address``) are stored as tagged JSON. Loading
@@ -28,11 +33,13 @@ import dataclasses
 import enum
 import importlib
 import os
+import shutil
 from typing import Any
 
 import torch
 
 import fastckpt
+from . import deepspeed_tag as tag
 from fastckpt.errors import CheckpointNotFoundError, UnsupportedValueError, UntrustedTypeError
 
 #: The only classes :func:`decode` rebuilds (``module:qualname``): those DeepSpeed 0.19 puts in
@@ -139,22 +146,42 @@ def decode(v: Any, source: str = "<state>") -> Any:
 class FastCkptCheckpointEngine(_Base):
     """``deepspeed.runtime.checkpoint_engine.CheckpointEngine`` writing fastckpt folders.
 
+    With several ranks, ``commit`` is a collective vote (:mod:`fastckpt.integrations.deepspeed_tag`):
+    a tag counts only once every rank's files are durable and rank 0 wrote ``fastckpt_tag.json``;
+    a failure on any rank makes ``save_checkpoint`` raise on every rank before DeepSpeed writes
+    ``latest``. A failing ``save`` is therefore not raised at once but kept for ``commit`` (which
+    every rank reaches, so no rank is left waiting in a collective).
+
     Args:
         config_params: DeepSpeed passes its config here (unused).
         threads: I/O threads per file save (default: fastckpt's default).
+        **save_options: further :class:`fastckpt.SaveOptions` / :class:`fastckpt.IOTuning` keywords
+            for every file (e.g. ``io_backend=``, ``o_direct=``).
     """
 
-    def __init__(self, config_params: Any = None, threads: int | None = None):
+    def __init__(self, config_params: Any = None, threads: int | None = None, **save_options: Any):
         if _Base is not object:
             super().__init__(config_params)
         self.name = "FastCkptCheckpointEngine"
         self.threads = threads
+        self.save_options = dict(save_options)
         self._pending: list = []
+        self._paths: list[str] = []
+        self._error: BaseException | None = None
         self._saver = fastckpt.Saver()  # this engine's own (one rank's files, written by this process alone)
 
     def create(self, info: Any) -> None:
-        """Start of a tag (``info.tag``, ``info.save_dir``): nothing to prepare."""
-        self._pending = []
+        """Start of a tag (``info.tag``, ``info.save_dir``): rank 0 removes the tag's marker, so a
+        tag saved again counts as committed only after this save's vote."""
+        self._pending, self._paths, self._error = [], [], None
+        tag_dir = self._tag_dir(info)
+        if tag_dir and tag.world()[0] == 0 and os.path.isdir(tag_dir):
+            tag.remove_marker(tag_dir)
+
+    @staticmethod
+    def _tag_dir(info: Any) -> str | None:
+        save_dir, name = getattr(info, "save_dir", None), getattr(info, "tag", None)
+        return os.path.join(str(save_dir), str(name)) if save_dir and name is not None else None
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         """Create ``path`` (the tag folder that will hold one fastckpt folder per file)."""
@@ -163,35 +190,92 @@ class FastCkptCheckpointEngine(_Base):
     def save(self, state_dict: Any, path: str) -> None:
         """Stage ``state_dict`` and write it in the background as the fastckpt folder ``path``.
 
-        Raises:
-            UnsupportedValueError: a value fastckpt cannot store without pickle (names its path).
+        A failure (e.g. :class:`~fastckpt.UnsupportedValueError` for a value fastckpt cannot store
+        without pickle, or an ``OSError`` of the disk) is kept and raised by :meth:`commit`, on
+        every rank; later ``save`` calls of the same tag then write nothing.
         """
-        self.wait_all()  # one staging buffer at a time, as fastckpt.async_save
-        fut = self._saver.async_save({"ds": encode(state_dict)}, path, overwrite=True, weights={},
-                                     **({"threads": self.threads} if self.threads else {}))
-        self._pending.append(fut)
+        self._paths.append(path)
+        if self._error is not None:
+            return
+        try:
+            self._wait_pending()  # one staging buffer at a time, as fastckpt.async_save
+            opts = dict(self.save_options, **({"threads": self.threads} if self.threads else {}))
+            self._pending.append(self._saver.async_save({"ds": encode(state_dict)}, path, overwrite=True,
+                                                        weights={}, **opts))
+        except Exception as e:  # raised by commit, after every rank voted
+            self._error = e
 
-    def wait_all(self) -> None:
-        """Wait for every staged file; re-raise the first failure with its own type."""
+    def _wait_pending(self) -> None:
         pending, self._pending = self._pending, []
         for fut in pending:
             fut.result()
 
+    def wait_all(self) -> None:
+        """Wait for every staged file; re-raise the first failure (of ``save`` or of a background
+        write) with its own type."""
+        try:
+            self._wait_pending()
+        except Exception as e:
+            self._error = self._error or e
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
     def commit(self, info: Any) -> bool:
-        """Return once every file this rank saved for ``info.tag`` is durable and committed."""
-        self.wait_all()
+        """Return once every rank's files of ``info.tag`` are durable and the tag's marker is written.
+
+        Collective: every rank calls it (DeepSpeed does, from ``save_checkpoint``).
+
+        Raises:
+            DistributedSaveError: some rank failed (``failures`` maps each failed rank to its error
+                text; on the failing rank chained from its own error). Every rank has removed the
+                files it wrote for the tag; DeepSpeed does not write ``latest``. In a single
+                process (no group, or a group of one) the failure itself is raised (e.g.
+                ``OSError``, :class:`~fastckpt.UnsupportedValueError`).
+        """
+        paths = list(self._paths)
+        tag_dir = self._tag_dir(info) or (os.path.dirname(os.path.abspath(paths[0])) if paths else None)
+        own: BaseException | None = None
+        try:
+            self.wait_all()
+        except Exception as e:
+            own = e
+        failures = tag.vote(None if own is None else f"{type(own).__name__}: {own}")
+        rank, world = tag.world()
+        if not failures and tag_dir is not None and rank == 0:
+            try:
+                tag.write_marker(tag_dir, world)
+            except Exception as e:
+                own = e
+            failures = tag.vote(None if own is None else f"{type(own).__name__}: {own} (writing {tag.MARKER})")
+        elif not failures:
+            failures = tag.vote(None)
+        self._paths = []
+        if failures:
+            for p in paths:
+                shutil.rmtree(p, ignore_errors=True)
+            if world == 1 and own is not None:
+                raise own  # one process: its own error, with its own type
+            tag.raise_failures(failures, tag_dir or "<no files>", own)
         return True
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """Read the fastckpt folder ``path`` (as written by :meth:`save`).
 
         Raises:
+            IncompleteTagError: the tag folder of ``path`` was never committed by every rank (no
+                ``fastckpt_tag.json``), or that marker does not list ``path``.
             CheckpointNotFoundError: ``path`` is not a committed fastckpt folder (e.g. a plain
                 ``torch.save`` file: load it with DeepSpeed's own engine).
         """
-        if not fastckpt.is_committed(path):
+        if not os.path.exists(path):
+            raise CheckpointNotFoundError(f"{path}: does not exist")
+        if os.path.isfile(path):
             raise CheckpointNotFoundError(f"{path}: not a committed fastckpt checkpoint; files written by "
                                           "DeepSpeed's torch engine are read with that engine")
+        tag.check_listed(path)
+        if not fastckpt.is_committed(path):
+            raise CheckpointNotFoundError(f"{path}: not a committed fastckpt checkpoint")
         device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
         return decode(fastckpt.load(path, device=device)["ds"], path)
 
@@ -204,7 +288,7 @@ class FastCkptCheckpointEngine(_Base):
         return True
 
     def cleanup(self) -> None:
-        """Wait for anything still pending."""
+        """Wait for anything still pending (a failure is raised as by :meth:`wait_all`)."""
         self.wait_all()
 
 

@@ -1,6 +1,14 @@
 """``fastckpt load``: the step before ``vllm serve``.
 
-``fastckpt load SOURCE [--to DIR] [--merge-lora] [--verify] [--warm] [--threads N]``
+``fastckpt load SOURCE [--to DIR] [--config HF_DIR] [--merge-lora] [--verify] [--warm] [--threads N]``
+
+SOURCE may also be a DeepSpeed ``save_dir`` (or tag folder) written by fastckpt's DeepSpeed
+engine: ``--to DIR`` then consolidates its ZeRO-1/2/3 partitions (any number of ranks) into a
+servable HF folder of fp32 weights (:mod:`fastckpt.cli.consolidate`). An FSDP2 checkpoint
+written by fastckpt (full tensors under ``model/``) exports like any fastckpt checkpoint.
+``--config HF_DIR`` supplies ``config.json`` / tokenizer files the checkpoint lacks. Native
+DeepSpeed (pickled ``*_model_states.pt``) and DCP (pickled ``.metadata``) folders are refused,
+naming the pickle file.
 
 1. Find the checkpoint: SOURCE is a run root (newest committed ``checkpoint-N``/``step-N``),
    a committed fastckpt checkpoint folder, or any HF model folder (or a peft adapter folder
@@ -38,7 +46,9 @@ from ..loading.source import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Source, adapter_b
 from ..saving.export import Entry, copy_checked, plan_shards, read_checked, warm_files, write_shards
 from ..storage import commit as cm
 from ..storage.io import copy_file, fsync_dir
+from ..loading.zero import find_zero_tag
 from .common import parse_bytes
+from .consolidate import export_zero
 #: Small files copied next to the weights when present (config, generation and tokenizer files).
 META_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -127,7 +137,8 @@ def _meta_fallbacks(src: Source, args: argparse.Namespace) -> list[str]:
     """Folders to take missing tokenizer/generation-config files from, after ``src.meta_dir``:
     ``--base``, then the adapter's local ``base_model_name_or_path``."""
     out = []
-    for d in (getattr(args, "base", None), src.adapter_dir and adapter_base_dir(src.adapter_dir)):
+    for d in (getattr(args, "config", None), getattr(args, "base", None),
+              src.adapter_dir and adapter_base_dir(src.adapter_dir)):
         if d and os.path.isdir(d) and os.path.abspath(d) != os.path.abspath(src.meta_dir) \
                 and os.path.abspath(d) not in out:
             out.append(os.path.abspath(d))
@@ -364,6 +375,19 @@ def vllm_command(model_dir: str, adapter_dir: str | None) -> str:
 
 def cmd_load(args: argparse.Namespace) -> int:
     """Resolve, verify, export or warm, then print the ``vllm serve`` command."""
+    zero_tag = find_zero_tag(args.source)  # refuses native DeepSpeed / DCP folders (pickles)
+    if zero_tag is not None:
+        if not args.to:
+            raise ValueError(f"{args.source} is a DeepSpeed ZeRO checkpoint: pass --to DIR to consolidate it into "
+                             "a servable HF folder")
+        out = export_zero(zero_tag, os.path.abspath(args.to), args, META_PATTERNS)
+        print(f"wrote {out}", file=sys.stderr)
+        missing = _unservable(out)
+        if missing:
+            print(f"fastckpt load: WARNING: vllm serve cannot serve {out}: {missing}", file=sys.stderr)
+            return 0
+        print(vllm_command(out, None))
+        return 0
     src = resolve_source(args.source, base=args.base)
     print(f"source: {src.path} ({len(src.weights)} weight tensors"
           f"{', LoRA adapter ' + src.adapter_dir if src.adapter_dir else ''})", file=sys.stderr)
@@ -466,6 +490,7 @@ def add_load_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="parallel I/O requests (default 8-16)")
     p.add_argument("--max-shard-size", type=parse_bytes, default=5_000_000_000, help="bytes per shard (default 5GB)")
     p.add_argument("--base", default=None, help="base model folder when SOURCE is an adapter-only folder")
+    p.add_argument("--config", default=None, help="HF folder with config.json / tokenizer files the checkpoint lacks")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --to folder atomically")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_load)

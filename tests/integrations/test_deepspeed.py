@@ -1,4 +1,5 @@
-"""DeepSpeed engine: real DeepSpeed 0.19 on CPU (gloo, one rank) when installed, plus the interface."""
+"""DeepSpeed engine: real DeepSpeed 0.19 on CPU (gloo, one rank) when installed, the interface, the
+one-process failure path, and consolidation of hand-made ZeRO-1/2/3 partitions (2 ranks: test_deepspeed_multirank.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,25 @@ def test_engine_interface_roundtrip(tmp_path):
         ce.load(str(tag / "missing.pt"))
 
 
+def test_failed_save_raises_at_commit_and_leaves_no_tag(tmp_path):
+    """A value fastckpt cannot store is kept until commit (every rank must reach the vote), then
+    raised with its own type in one process; the files of the tag are gone and no marker exists."""
+    class Foreign:
+        pass
+    ce = FastCkptCheckpointEngine()
+    tag = tmp_path / "t1"
+    ce.create(None)
+    ce.save({"w": torch.ones(2)}, str(tag / "mp_rank_00_model_states.pt"))
+    ce.save({"x": Foreign()}, str(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))  # no raise yet
+    with pytest.raises(fastckpt.UnsupportedValueError, match="/x"):
+        ce.commit(None)
+    assert not os.path.exists(tag / "fastckpt_tag.json")
+    assert not fastckpt.is_committed(tag / "mp_rank_00_model_states.pt")
+    ce.create(None)  # the engine stays usable
+    ce.save({"w": torch.ones(2)}, str(tag / "mp_rank_00_model_states.pt"))
+    assert ce.commit(None) is True and (tag / "fastckpt_tag.json").is_file()
+
+
 def test_codec_refuses_foreign_classes():
     class Foreign:
         pass
@@ -51,7 +71,9 @@ def test_decode_never_calls_what_the_checkpoint_names(tmp_path, tag, monkeypatch
     called = []
     monkeypatch.setattr(torch.hub, "set_dir", lambda *a: called.append(a))
     ckpt = tmp_path / "mp_rank_00_model_states.pt"
-    fastckpt.save({"ds": {"x": tag}}, ckpt, weights={})
+    ce = FastCkptCheckpointEngine()  # the engine writes the tagged dict as plain JSON, and the tag's marker
+    ce.save({"x": tag}, str(ckpt))
+    ce.commit(None)
     with pytest.raises(UntrustedTypeError) as e:
         FastCkptCheckpointEngine().load(str(ckpt))
     assert called == [] and str(ckpt) in str(e.value)
@@ -94,8 +116,8 @@ def test_real_deepspeed_cpu_save_load(tmp_path, monkeypatch):
         eng.save_checkpoint(str(tmp_path), tag="t1")
         assert (tmp_path / "latest").read_text().strip() == "t1"  # DeepSpeed's own pointer, unchanged meaning
         files = sorted(os.listdir(tmp_path / "t1"))
-        assert files == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
-        assert all(fastckpt.is_committed(tmp_path / "t1" / f) for f in files)
+        assert files == ["fastckpt_tag.json", "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+        assert all(fastckpt.is_committed(tmp_path / "t1" / f) for f in files[1:])
         w = eng.module.weight.detach().clone()
         with torch.no_grad():
             eng.module.weight.zero_()
@@ -105,3 +127,86 @@ def test_real_deepspeed_cpu_save_load(tmp_path, monkeypatch):
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# -- consolidation on hand-made partitions (odd sizes, padding, frozen, tied, buffers) -------------
+
+def _zero_tag(tmp_path, stage: int, full: dict, world: int = 2, frozen: dict | None = None):
+    """A tag as fastckpt's engine writes it for ``world`` ranks, partitioned as DeepSpeed does
+    (ZeRO-1/2: one flat group padded to 2*world and cut in equal slices; ZeRO-3: each param cut in
+    ceil(n/world) pieces, the last zero-padded)."""
+    import math
+    ce = FastCkptCheckpointEngine()
+    tag = tmp_path / "run" / "step1"
+    shapes = [{k: v.shape for k, v in full.items()}]
+    frozen = frozen or {}
+    if stage == 3:
+        flats = [[] for _ in range(world)]
+        for v in full.values():
+            n, piece = v.numel(), math.ceil(v.numel() / world)
+            padded = torch.cat([v.reshape(-1), torch.zeros(piece * world - n)])
+            for r in range(world):
+                flats[r].append(padded[r * piece:(r + 1) * piece])
+        flats = [torch.cat(f) for f in flats]
+    else:
+        flat = torch.cat([v.reshape(-1) for v in full.values()])
+        size = 2 * world * math.ceil(flat.numel() / (2 * world))
+        flat = torch.cat([flat, torch.zeros(size - flat.numel())])
+        flats = list(flat.chunk(world))
+    for r in range(world):
+        model = {"module": {**{k: torch.empty(0) for k in full}, "buf": torch.arange(3)}, "buffer_names": ["buf"],
+                 "param_shapes": shapes, "shared_params": {"alias": "a"},
+                 "frozen_param_shapes": {k: v.shape for k, v in frozen.items()},
+                 "frozen_param_fragments": {k: (v.reshape(-1).chunk(world)[r] if stage == 3 else v)
+                                            for k, v in frozen.items()}}
+        name = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+        if stage == 3 or r == 0:
+            ce.save(model, str(tag / name))
+        key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
+        ce.save({"optimizer_state_dict": {"zero_stage": stage, "partition_count": world if stage == 3 else [world],
+                                          key: [flats[r].clone()]}},
+                str(tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+    ce.commit(None)
+    (tmp_path / "run" / "latest").write_text("step1")
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_consolidate_rebuilds_odd_sized_partitions(tmp_path, stage):
+    from fastckpt.loading.zero import consolidate, find_zero_tag
+    g = torch.Generator().manual_seed(stage)
+    full = {"a": torch.randn(3, generator=g), "b": torch.randn(2, 3, generator=g), "c": torch.randn(5, generator=g)}
+    frozen = {"f": torch.randn(4, generator=g)}
+    run = _zero_tag(tmp_path, stage, full, frozen=frozen)
+    sd, info = consolidate(find_zero_tag(str(run)))
+    assert (info.stage, info.world_size) == (stage, 2)
+    assert set(sd) == {"a", "b", "c", "f", "buf"}  # the tied alias is left out, as save_pretrained does
+    for k, v in {**full, **frozen}.items():
+        assert torch.equal(sd[k], v), k
+    assert torch.equal(sd["buf"], torch.arange(3))
+
+
+def test_consolidate_refuses_partitions_that_do_not_add_up(tmp_path):
+    from fastckpt.errors import CorruptCheckpointError
+    from fastckpt.loading.zero import consolidate, find_zero_tag
+    run = _zero_tag(tmp_path, 3, {"a": torch.ones(6)})
+    tag = run / "step1"
+    ce = FastCkptCheckpointEngine()  # rank 0's model states now claim a bigger parameter
+    for r in range(2):
+        ce.save({"module": {"a": torch.empty(0)}, "buffer_names": [], "param_shapes": [{"a": torch.Size([9])}],
+                 "shared_params": {}}, str(tag / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
+    ce.commit(None)
+    with pytest.raises(CorruptCheckpointError, match="'a'|a \\[9\\]"):
+        consolidate(find_zero_tag(str(run)))
+
+
+def test_latest_naming_outside_the_folder_is_not_followed(tmp_path):
+    """A ``latest`` naming a path (not a tag folder inside save_dir) is never followed, even to a
+    complete tag."""
+    from fastckpt.loading.zero import find_zero_tag
+    run = _zero_tag(tmp_path, 2, {"a": torch.ones(4)})
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "latest").write_text("../run/step1")
+    assert find_zero_tag(str(other)) is None
+    assert find_zero_tag(str(run)) == str(run / "step1")

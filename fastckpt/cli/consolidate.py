@@ -1,0 +1,106 @@
+"""``fastckpt load DEEPSPEED_SAVE_DIR --to DIR [--config HF_DIR]``: a ZeRO checkpoint to an HF folder.
+
+Called by :func:`fastckpt.cli.serve.cmd_load` when the source is a DeepSpeed ``save_dir`` (or tag
+folder) written by fastckpt's DeepSpeed engine (:func:`fastckpt.loading.zero.find_zero_tag`):
+the full fp32 weights are rebuilt from every rank's ZeRO-1/2/3 partitions
+(:func:`fastckpt.loading.zero.consolidate`, every tensor checked against its manifest xxh3),
+written as HF sharded safetensors (:func:`fastckpt.saving.export.write_shards`) into a hidden
+sibling of ``DIR`` together with ``config.json``, generation config and tokenizer files (taken
+from ``--config HF_DIR`` first, then the tag folder, then ``save_dir``: HF Trainer puts them next
+to ``global_stepN``), and the folder is renamed into place. Nothing appears at ``DIR`` unless
+all of it succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import sys
+
+from ..errors import CheckpointExistsError
+from ..format.dtypes import dtype_to_str
+from ..loading.zero import consolidate
+from ..saving.export import plan_shards, write_shards
+from ..storage import commit as cm
+from ..storage.io import copy_file
+
+
+def meta_folders(tag_dir: str, config: str | None) -> list[str]:
+    """Folders config/tokenizer files are taken from, first match wins: ``--config``, the tag
+    folder, its parent (the DeepSpeed ``save_dir``)."""
+    out = []
+    for d in (config, tag_dir, os.path.dirname(tag_dir)):
+        if d and os.path.isdir(d) and os.path.abspath(d) not in out:
+            out.append(os.path.abspath(d))
+    return out
+
+
+def check_to_zero(to: str, tag_dir: str, config: str | None) -> None:
+    """Refuse a ``--to`` that is, lies inside or contains the save_dir, the tag or ``--config``.
+
+    Raises:
+        ValueError: naming both paths (before anything is written).
+    """
+    real_to = os.path.realpath(to)
+    for p in (os.path.dirname(tag_dir), tag_dir, config):
+        if not p:
+            continue
+        rp = os.path.realpath(p)
+        if real_to == rp or os.path.commonpath([real_to, rp]) in (rp, real_to):
+            raise ValueError(f"refusing --to {to}: it is, is inside or contains {os.path.abspath(p)}, which the "
+                             "consolidation reads; choose a --to elsewhere")
+
+
+def export_zero(tag_dir: str, to: str, args: argparse.Namespace, meta_patterns: tuple[str, ...]) -> str:
+    """Write the servable HF folder ``to`` from the ZeRO tag ``tag_dir``; returns ``to``.
+
+    Args:
+        tag_dir: from :func:`fastckpt.loading.zero.find_zero_tag`.
+        to: output folder (absolute); must not exist unless ``args.overwrite``.
+        args: ``fastckpt load``'s arguments (``config``, ``overwrite``, ``threads``,
+            ``max_shard_size``, ``quiet``).
+        meta_patterns: glob patterns of the config/tokenizer files to copy.
+
+    Raises:
+        CheckpointExistsError: ``to`` exists and ``--overwrite`` was not given.
+        IncompleteTagError, CorruptCheckpointError, ChecksumMismatchError: from the checkpoint
+            (nothing at ``to``).
+    """
+    config = getattr(args, "config", None)
+    check_to_zero(to, tag_dir, config)
+    if os.path.lexists(to) and not args.overwrite:
+        raise CheckpointExistsError(f"{to} exists; choose another --to or pass --overwrite")
+    sd, info = consolidate(tag_dir)
+    print(f"source: DeepSpeed ZeRO-{info.stage} tag {tag_dir} ({info.world_size} ranks, {len(sd)} tensors, "
+          f"{'fp32 master weights' if info.stage else 'module weights'})", file=sys.stderr)
+    os.makedirs(os.path.dirname(to) or ".", exist_ok=True)
+    tmp = cm.make_temp_dir(to)
+    try:
+        copied = _copy_meta(meta_folders(tag_dir, config), tmp, meta_patterns)
+        entries = [(n, dtype_to_str(t.dtype, tensor=n), tuple(t.shape), t.numel() * t.element_size())
+                   for n, t in sd.items()]
+        plan = plan_shards(entries, args.max_shard_size)
+        write_shards(plan, lambda names: {n: sd[n].contiguous() for n in names}, tmp, threads=args.threads)
+        os.unlink(os.path.join(tmp, cm.OWNER))
+        cm.commit_dir(tmp, to, overwrite=args.overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if "config.json" not in copied:
+        print(f"fastckpt load: WARNING: no config.json in {', '.join(meta_folders(tag_dir, config))}; pass "
+              "--config HF_DIR (the model's config and tokenizer folder)", file=sys.stderr)
+    return to
+
+
+def _copy_meta(folders: list[str], dst: str, patterns: tuple[str, ...]) -> list[str]:
+    copied: list[str] = []
+    for d in folders:
+        for pat in patterns:
+            for p in sorted(glob.glob(os.path.join(glob.escape(d), pat))):
+                name = os.path.basename(p)
+                if os.path.isfile(p) and name not in copied:
+                    copy_file(p, os.path.join(dst, name))
+                    copied.append(name)
+    return copied
