@@ -285,3 +285,76 @@ def test_trainable_tokens_base_names(base_dir):
         assert_same(got[k], want[k], k)
     state, _, _ = model_snapshot(model)
     assert any("trainable_tokens_delta" in k for k in state["adapter"])
+
+
+# ---------------------------------------------------------------- fastckpt.save of model_snapshot, refusals
+
+
+@pytest.fixture(scope="module")
+def snap_ckpt(base_dir, tmp_path_factory):
+    """modules_to_save + resized embeddings saved by ``fastckpt.save(*model_snapshot(model))`` (README)."""
+    model = peft.get_peft_model(_base(base_dir, "modules_to_save"),
+                                peft.LoraConfig(r=4, **CASES["modules_to_save"]))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    d = tmp_path_factory.mktemp("snap")
+    state, weights, extra = model_snapshot(model)
+    fastckpt.save(state, d / "ck", weights=weights, extra_files=extra)
+    ids = torch.tensor([[(9 * j + 1) % NEW_VOCAB for j in range(SEQ)]])
+    return dict(ckpt=d / "ck", ids=ids, ref=_logits(model, ids),
+                merged=_logits(copy.deepcopy(model).merge_and_unload(), ids), state=state, weights=weights,
+                extra=extra)
+
+
+def test_fastckpt_save_of_model_snapshot_opens_everywhere(snap_ckpt, base_dir, tmp_path):
+    ck = snap_ckpt["ckpt"]
+    _close(_logits(peft.PeftModel.from_pretrained(_base(base_dir, "modules_to_save"), ck), snap_ckpt["ids"]),
+           snap_ckpt["ref"], "PeftModel.from_pretrained")
+    _close(_logits(transformers.AutoModelForCausalLM.from_pretrained(ck, dtype=torch.float32), snap_ckpt["ids"]),
+           snap_ckpt["ref"], "AutoModelForCausalLM.from_pretrained")
+    _load(ck, "--to", tmp_path / "m", "--merge-lora")
+    _close(_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32),
+                   snap_ckpt["ids"]), snap_ckpt["merged"], "fastckpt load --merge-lora")
+
+
+def test_merge_refuses_base_under_peft_wrapper_names(snap_ckpt, tmp_path, capsys):
+    """What an older fastckpt wrote (``model.embed_tokens.original_module.weight``): transformers would
+    initialise ``model.embed_tokens.weight`` at random; the merge refuses, nothing appears at --to."""
+    model = dict(snap_ckpt["state"]["model"])
+    model["model.embed_tokens.original_module.weight"] = model.pop("model.embed_tokens.weight")
+    ck = fastckpt.save({**snap_ckpt["state"], "model": model}, tmp_path / "old", weights=snap_ckpt["weights"],
+                       extra_files=snap_ckpt["extra"])
+    to = tmp_path / "out"
+    assert main(["load", str(ck), "--to", str(to), "--merge-lora", "-q"]) != 0
+    err = capsys.readouterr().err
+    assert "model.embed_tokens.weight" in err and "original_module" in err, err
+    assert not to.exists()
+    from fastckpt.cli.lora import load_base
+    from fastckpt.errors import LoraMergeError
+    cfg = transformers.AutoConfig.from_pretrained(ck)
+    with pytest.raises(LoraMergeError) as ei:
+        load_base(transformers.LlamaForCausalLM, cfg, model, str(ck))
+    assert ei.value.missing == ["model.embed_tokens.weight"]
+    assert ei.value.unexpected == ["model.embed_tokens.original_module.weight"]
+
+
+def test_merge_refuses_adapter_tensor_only_in_manifest(snap_ckpt, tmp_path, capsys):
+    """An adapter tensor the manifest lists as an alias (older fastckpt) is refused by name."""
+    ck = tmp_path / "ck"
+    shutil.copytree(snap_ckpt["ckpt"], ck)
+    man = json.loads((ck / "manifest.json").read_text())
+    key = "adapter/base_model.model.lm_head.modules_to_save.weight"
+    assert man["tensors"][key]["file"] == "adapter_model.safetensors"
+    man["tensors"][key] = {"alias": "model/lm_head.weight"}
+    (ck / "manifest.json").write_text(json.dumps(man))
+    from fastckpt.cli.lora import missing_adapter_tensors
+    assert missing_adapter_tensors(str(ck)) == [key]
+    assert missing_adapter_tensors(str(snap_ckpt["ckpt"])) == []
+    to = tmp_path / "out"
+    assert main(["load", str(ck), "--to", str(to), "--merge-lora", "-q"]) != 0
+    err = capsys.readouterr().err
+    assert key in err and "older fastckpt" in err, err
+    assert not to.exists()
