@@ -250,7 +250,8 @@ def test_weights_groups_hold_every_tensor_their_readers_expect(tmp_path):
     model group keeps a tied duplicate as an alias (transformers re-ties it); state keys alias."""
     emb = torch.randn(10, 4)
     fused = torch.randn(12, 4)
-    state = {"model": {"embed.weight": emb, "lm_head.weight": emb, "q.weight": fused[:4], "k.weight": fused[4:8]},
+    state = {"model": {"embed.weight": emb, "lm_head.weight": emb, "q.weight": fused[:4], "k.weight": fused[4:8],
+                       "t.weight": fused.t()[:, :3]},  # a strided view of the same storage
              "adapter": {"a.original_module.weight": emb, "a.weight": emb, "a.modules_to_save.weight": emb},
              "opt": {"copy": emb, "v": fused[8:]}}
     path = fastckpt.save(state, tmp_path / "ck", weights={"model": "model", "adapter": "adapter_model.safetensors"})
@@ -259,9 +260,10 @@ def test_weights_groups_hold_every_tensor_their_readers_expect(tmp_path):
     for k, v in state["adapter"].items():
         assert_same(adapter[k], v, k)
     model = load_file(str(path / "model-00001-of-00001.safetensors"))
-    assert sorted(model) == ["embed.weight", "k.weight", "q.weight"]  # lm_head tied to embed: alias
+    assert sorted(model) == ["embed.weight", "k.weight", "q.weight", "t.weight"]  # lm_head tied to embed: alias
     assert_same(model["q.weight"], fused[:4], "q")
     assert_same(model["k.weight"], fused[4:8], "k")
+    assert_same(model["t.weight"], fused.t()[:, :3].contiguous(), "t")
     m = json.loads((path / "manifest.json").read_text())["tensors"]
     assert m["model/lm_head.weight"] == {"alias": "model/embed.weight"}
     assert m["opt/copy"] == {"alias": "model/embed.weight"}
