@@ -133,10 +133,10 @@ class DeviceUnavailableError(FastCkptError, ValueError):
 
 # --- peft / LoRA merge (issue 14) -------------------------------------------------------------
 class LoraMergeError(FastCkptError, ValueError):
-    """``fastckpt load --merge-lora`` refused to merge: the base weights or the adapter do not
+    """``fastckpt load`` refused a LoRA checkpoint: the base weights or the adapter do not
     fit the model, so transformers/peft would silently re-initialise or skip tensors.
 
-    Raised before anything is written at ``--to``: base tensors the model lacks or needs under
+    Nothing appears at ``--to``. Raised for base tensors the model lacks or needs under
     other names (e.g. peft wrapper names such as ``x.original_module.weight``), or adapter
     tensors a fastckpt manifest lists but ``adapter_model.safetensors`` does not hold (checkpoints
     written by fastckpt before every adapter tensor was stored in that file).

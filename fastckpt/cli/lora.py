@@ -39,11 +39,17 @@ def check_adapter(adapter_dir: str) -> None:
     gaps = missing_adapter_tensors(adapter_dir)
     if gaps:
         raise LoraMergeError(
-            f"--merge-lora: {os.path.join(adapter_dir, ADAPTER_WEIGHTS)} lacks {len(gaps)} adapter tensors its "
-            f"manifest lists only as aliases of other tensors ({', '.join(gaps[:4])}{', ...' if len(gaps) > 4 else ''}): "
-            "peft would load the adapter without them. The checkpoint was written by an older fastckpt; "
-            "save the model again (FastCkptCallback or fastckpt.save of model_snapshot(model)) or merge "
-            "from peft's own save_pretrained folder", path=adapter_dir, missing=gaps)
+            f"fastckpt load: {os.path.join(adapter_dir, ADAPTER_WEIGHTS)} lacks {len(gaps)} adapter tensors "
+            f"its manifest lists only as aliases of other tensors ({_show(gaps)}): peft and vLLM would load "
+            "the adapter without them. The checkpoint was written by an older fastckpt; save the model again "
+            "(FastCkptCallback, or fastckpt.save of model_snapshot(model)) or use peft's own save_pretrained "
+            "folder", path=adapter_dir, missing=gaps)
+
+
+def _show(names) -> str:
+    """The first 4 of ``names``, sorted, then ``...`` when there are more."""
+    names = sorted(names)
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
 def load_base(cls, cfg, state: dict[str, torch.Tensor], where: str):
@@ -56,13 +62,13 @@ def load_base(cls, cfg, state: dict[str, torch.Tensor], where: str):
     model, info = cls.from_pretrained(None, config=cfg, state_dict=state, dtype="auto", output_loading_info=True)
     missing, unexpected = set(info.get("missing_keys") or ()), set(info.get("unexpected_keys") or ())
     if missing or unexpected:
-        show = lambda names: ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")  # noqa: E731
         raise LoraMergeError(
             f"--merge-lora: the base weights of {where} do not fit {cls.__name__}: missing {len(missing)} "
-            f"({show(missing)}), unexpected {len(unexpected)} ({show(unexpected)}); transformers would "
+            f"({_show(missing)}), unexpected {len(unexpected)} ({_show(unexpected)}); transformers would "
             "initialise the missing ones at random. Names like 'x.original_module.weight' or "
             "'x.base_layer.weight' are peft wrapper names an older fastckpt saved: save the model again "
-            "with this fastckpt (FastCkptCallback, or fastckpt.save of model_snapshot(model))", path=where, missing=missing, unexpected=unexpected)
+            "with this fastckpt (FastCkptCallback, or fastckpt.save of model_snapshot(model))",
+            path=where, missing=missing, unexpected=unexpected)
     return model
 
 

@@ -337,7 +337,9 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
 
 def _layout_adapter(adapter_dir: str, dst: str, base: str, checked: _Checked) -> None:
     """``dst/adapter_config.json`` (base pointed at the export) + the adapter weights, fsynced; both
-    checked against the adapter folder's manifest when it has one."""
+    checked against the adapter folder's manifest when it has one. Raises ``LoraMergeError`` when
+    the manifest lists adapter tensors the file lacks (:func:`fastckpt.cli.lora.check_adapter`)."""
+    lora.check_adapter(adapter_dir)  # peft/vLLM would load the adapter without them
     os.makedirs(dst)
     cfg = json.loads(_read_side_file(adapter_dir, ADAPTER_CONFIG, checked))
     cfg["base_model_name_or_path"] = base

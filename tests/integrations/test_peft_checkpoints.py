@@ -355,8 +355,9 @@ def test_merge_refuses_adapter_tensor_only_in_manifest(snap_ckpt, tmp_path, caps
     from fastckpt.cli.lora import missing_adapter_tensors
     assert missing_adapter_tensors(str(ck)) == [key]
     assert missing_adapter_tensors(str(snap_ckpt["ckpt"])) == []
-    to = tmp_path / "out"
-    assert main(["load", str(ck), "--to", str(to), "--merge-lora", "-q"]) != 0
-    err = capsys.readouterr().err
-    assert key in err and "older fastckpt" in err, err
-    assert not to.exists()
+    for merge in (["--merge-lora"], []):  # merged, or laid out as DIR/adapter for vllm serve --enable-lora
+        to = tmp_path / f"out{len(merge)}"
+        assert main(["load", str(ck), "--to", str(to), *merge, "-q"]) != 0
+        err = capsys.readouterr().err
+        assert key in err and "older fastckpt" in err, err
+        assert not to.exists()
