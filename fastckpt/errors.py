@@ -215,3 +215,26 @@ class NativeCheckpointError(FastCkptError, ValueError):
     def __init__(self, message: str, *, pickle_file: str = ""):
         super().__init__(message)
         self.pickle_file = pickle_file
+
+
+# --- peft / LoRA merge (issue 14) -------------------------------------------------------------
+class LoraMergeError(FastCkptError, ValueError):
+    """``fastckpt load`` refused a LoRA checkpoint: the base weights or the adapter do not
+    fit the model, so transformers/peft would silently re-initialise or skip tensors.
+
+    Nothing appears at ``--to``. Raised for base tensors the model lacks or needs under
+    other names (e.g. peft wrapper names such as ``x.original_module.weight``), or adapter
+    tensors a fastckpt manifest lists but ``adapter_model.safetensors`` does not hold (checkpoints
+    written by fastckpt before every adapter tensor was stored in that file).
+
+    Attributes:
+        path: the checkpoint or adapter folder.
+        missing: tensor names expected but absent.
+        unexpected: tensor names present but unknown to the model.
+    """
+
+    def __init__(self, message: str, *, path: str = "", missing: Iterable[str] = (), unexpected: Iterable[str] = ()):
+        super().__init__(message)
+        self.path = path
+        self.missing = sorted(missing)
+        self.unexpected = sorted(unexpected)

@@ -7,7 +7,6 @@ weights in HF layout (for a peft model: base weights under plain HF names plus t
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from pathlib import Path
@@ -92,30 +91,75 @@ def is_peft_model(model) -> bool:
 
 
 def peft_base_weights(model) -> dict[str, torch.Tensor]:
-    """Base-model weights of a PeftModel under the plain HF names (``x.base_layer.w`` -> ``x.w``).
+    """Base-model weights of a PeftModel under the names transformers expects for the base model.
+
+    peft wraps the modules it adapts; the wrapper names leave the key: ``x.base_layer.w`` -> ``x.w``
+    (LoRA, DoRA and every other ``BaseTunerLayer``), ``x.original_module.w`` -> ``x.w``
+    (``modules_to_save`` copies, ``ModulesToSaveWrapper``) and ``x.token_adapter.base_layer.w`` ->
+    ``x.w`` (``trainable_token_indices``). Everything the adapter owns (``lora_A``/``lora_B``,
+    ``lora_magnitude_vector``, the ``modules_to_save`` copies, token deltas) is left out: it is
+    in the adapter (:func:`model_snapshot`). So ``model.embed_tokens.weight`` is the frozen
+    (possibly resized) base embedding, not peft's trained copy, exactly as ``PeftModel.from_pretrained``
+    expects the base model it is given.
 
     Args:
         model: a ``peft.PeftModel`` (tensors on any device).
 
     Returns:
-        Name -> tensor (views of the live weights, no copy), tied weights once
-        (:func:`dedup_tied`); the adapter's own weights are left out.
+        Name -> tensor (views of the live weights, no copy), in state-dict order, tied weights once
+        (:func:`dedup_tied`).
     """
     from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import AuxiliaryTrainingWrapper
 
     base = model.get_base_model()
-    tuner_prefixes = [n for n, m in base.named_modules() if isinstance(m, BaseTunerLayer) and n]
-    sd = base.state_dict()
+    modules = dict(base.named_modules(remove_duplicate=False))
+    wrappers = (BaseTunerLayer, AuxiliaryTrainingWrapper)
     out = {}
-    for key, t in sd.items():
-        owner = next((p for p in tuner_prefixes if key.startswith(p + ".")), None)
-        if owner is None:
-            out[key] = t
-            continue
-        rest = key[len(owner) + 1:]
-        if rest.startswith("base_layer."):
-            out[f"{owner}.{rest[len('base_layer.'):]}"] = t
+    for key, t in base.state_dict().items():
+        *path, leaf = key.split(".")
+        cur, plain = "", []
+        for seg in path:
+            parent, child = modules.get(cur), f"{cur}.{seg}" if cur else seg
+            if isinstance(parent, wrappers):
+                wrapped_tuner = isinstance(parent, AuxiliaryTrainingWrapper) and \
+                    isinstance(modules.get(child), BaseTunerLayer)  # TrainableTokensWrapper.token_adapter
+                if seg not in ("base_layer", "original_module") and not wrapped_tuner:
+                    break  # owned by the adapter (lora_A, modules_to_save, ...)
+            else:
+                plain.append(seg)
+            cur = child
+        else:
+            if not isinstance(modules.get(cur), wrappers):  # a tensor held by a wrapper itself is the adapter's
+                out[".".join(plain + [leaf])] = t
     return dedup_tied(out)
+
+
+def adapter_config_bytes(model) -> bytes:
+    """``adapter_config.json`` of ``model``'s active adapter, as ``PeftModel.save_pretrained`` writes it.
+
+    peft's own ``PeftConfig.save_pretrained`` writes the file (into a temporary folder) from a copy
+    of the config with what ``PeftModel.save_pretrained`` sets first: ``inference_mode=True``,
+    ``base_model_name_or_path`` from the base model when unset, and ``auto_mapping`` (base model
+    class and module) when ``task_type`` is unset. ``model`` itself is not changed.
+
+    Args:
+        model: a ``peft.PeftModel``.
+    """
+    import copy
+    import tempfile
+
+    cfg = copy.deepcopy(model.peft_config[_adapter_name(model)])
+    holder = model.base_model if cfg.is_prompt_learning else model.get_base_model()
+    if cfg.base_model_name_or_path is None:
+        cfg.base_model_name_or_path = getattr(holder, "name_or_path", None) or None
+    cfg.inference_mode = True
+    auto = None
+    if cfg.task_type is None:
+        auto = {"base_model_class": type(holder).__name__, "parent_library": type(holder).__module__}
+    with tempfile.TemporaryDirectory(prefix="fastckpt-peft-cfg-") as d:
+        cfg.save_pretrained(d, auto_mapping_dict=auto)
+        return (Path(d) / "adapter_config.json").read_bytes()
 
 
 def model_snapshot(model) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, str], dict[str, bytes]]:
@@ -126,9 +170,13 @@ def model_snapshot(model) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str,
 
     Returns:
         ``(state, weights, extra_files)``: ``state["model"]`` holds the full weights under HF
-        names (written as ``model-*.safetensors`` + index); for a PeftModel ``state["adapter"]``
-        holds the adapter (written as ``adapter_model.safetensors``) and ``extra_files`` has
-        ``adapter_config.json``; ``config.json`` is always included when the model has a config,
+        names (written as ``model-*.safetensors`` + index; for a PeftModel the base model's,
+        :func:`peft_base_weights`); for a PeftModel ``state["adapter"]`` holds exactly what
+        ``PeftModel.save_pretrained`` writes into ``adapter_model.safetensors`` (peft's own
+        ``get_peft_model_state_dict``: LoRA/DoRA tensors, ``modules_to_save`` copies, resized
+        embeddings; every key stored in that file, see :mod:`fastckpt.saving.collect`) and
+        ``extra_files`` has ``adapter_config.json`` (:func:`adapter_config_bytes`);
+        ``config.json`` is always included when the model has a config,
         ``generation_config.json`` when it has a generation config (the base model's for a PeftModel).
         Tensors are detached views of the live parameters/buffers (no copy).
     """
@@ -156,10 +204,7 @@ def _model_files(model) -> dict[str, bytes]:
     """``config.json``, ``generation_config.json`` and (peft) ``adapter_config.json`` as bytes."""
     extra: dict[str, bytes] = {}
     if is_peft_model(model):
-        cfg = model.peft_config[_adapter_name(model)].to_dict()
-        extra["adapter_config.json"] = json.dumps(
-            cfg, indent=2, sort_keys=True, default=lambda o: sorted(o) if isinstance(o, set) else str(o)
-        ).encode()
+        extra["adapter_config.json"] = adapter_config_bytes(model)
         model = model.get_base_model()
     config = getattr(model, "config", None)
     gen = getattr(model, "generation_config", None)

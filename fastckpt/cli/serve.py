@@ -47,6 +47,7 @@ from ..saving.export import Entry, copy_checked, plan_shards, read_checked, warm
 from ..storage import commit as cm
 from ..storage.io import copy_file, fsync_dir
 from ..loading.zero import find_zero_tag
+from . import lora
 from .common import parse_bytes
 from .consolidate import export_zero
 #: Small files copied next to the weights when present (config, generation and tokenizer files).
@@ -181,17 +182,18 @@ def merged_state(src: Source, config_dir: str, scratch: str, checked: _Checked, 
     and ``adapter_config.json``; the model is built from ``config_dir/config.json`` (the export's
     own checked copy). peft reads the adapter back from ``scratch`` (an empty folder that the
     caller removes), where the checked tensors are written. Tied weights (one storage under
-    several names) are written once, under their first name.
+    several names) are written once, under their first name (:mod:`fastckpt.cli.lora`).
 
     Raises:
         ChecksumMismatchError: a source byte differs from the manifest (names file and tensor).
+        LoraMergeError: base weights missing or unexpected for the model, or adapter tensors the
+            manifest lists but ``adapter_model.safetensors`` lacks (nothing merged).
         ValueError: no ``config.json``, or not a causal-LM config.
     """
     import peft
     import transformers
     from safetensors.torch import save_file
 
-    from ..format.dtypes import dtype_to_str
     if not os.path.isfile(os.path.join(config_dir, "config.json")):
         raise ValueError(f"--merge-lora: {src.meta_dir} has no config.json (nor has the base model folder): "
                          "transformers cannot build the model to merge into; pass --base BASE_MODEL_DIR")
@@ -201,8 +203,9 @@ def merged_state(src: Source, config_dir: str, scratch: str, checked: _Checked, 
     except KeyError:
         raise ValueError(f"--merge-lora: {type(cfg).__name__} ({src.meta_dir}/config.json) is not a causal LM "
                          "that transformers knows") from None
+    lora.check_adapter(src.adapter_dir)
     base = src.read(list(src.weights), threads=threads)  # each tensor's xxh3 checked (manifest)
-    model = cls.from_pretrained(None, config=cfg, state_dict=base, dtype="auto")
+    model = lora.load_base(cls, cfg, base, src.path)
     del base
     if src.checksummed:
         checked.tensors += len(src.weights)
@@ -215,16 +218,7 @@ def merged_state(src: Source, config_dir: str, scratch: str, checked: _Checked, 
         checked.unchecked.append(ADAPTER_WEIGHTS)
     save_file(adapter, os.path.join(scratch, ADAPTER_WEIGHTS))
     del adapter
-    merged = peft.PeftModel.from_pretrained(model, scratch).merge_and_unload()
-    sd, seen, entries = {}, set(), []
-    for name, t in merged.state_dict().items():
-        ptr = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if t.numel() and ptr in seen:
-            continue
-        seen.add(ptr)
-        sd[name] = t.detach().contiguous()
-        entries.append((name, dtype_to_str(t.dtype, tensor=name), tuple(t.shape), t.numel() * t.element_size()))
-    return sd, entries
+    return lora.unique_tensors(peft.PeftModel.from_pretrained(model, scratch).merge_and_unload())
 
 
 def _header_checks(src: Source) -> None:
@@ -354,7 +348,9 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
 
 def _layout_adapter(adapter_dir: str, dst: str, base: str, checked: _Checked) -> None:
     """``dst/adapter_config.json`` (base pointed at the export) + the adapter weights, fsynced; both
-    checked against the adapter folder's manifest when it has one."""
+    checked against the adapter folder's manifest when it has one. Raises ``LoraMergeError`` when
+    the manifest lists adapter tensors the file lacks (:func:`fastckpt.cli.lora.check_adapter`)."""
+    lora.check_adapter(adapter_dir)  # peft/vLLM would load the adapter without them
     os.makedirs(dst)
     cfg = json.loads(_read_side_file(adapter_dir, ADAPTER_CONFIG, checked))
     cfg["base_model_name_or_path"] = base

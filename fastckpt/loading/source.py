@@ -281,7 +281,12 @@ def resolve_source(source: str | os.PathLike, *, base: str | os.PathLike | None 
 
 
 def adapter_base_dir(path: str) -> str | None:
-    """``base_model_name_or_path`` of the adapter folder ``path`` when it is a local folder, else None."""
+    """``base_model_name_or_path`` of the adapter folder ``path`` when it is a local folder, else None
+    (also when ``adapter_config.json`` is not a JSON object: a damaged file is named by the
+    manifest check of whoever reads its bytes, e.g. ``fastckpt load``, not by a JSON error here)."""
     with open(os.path.join(path, ADAPTER_CONFIG), "rb") as f:
-        b = json.loads(f.read()).get("base_model_name_or_path")
+        try:
+            b = json.loads(f.read()).get("base_model_name_or_path")
+        except (ValueError, AttributeError):  # invalid JSON / UTF-8, or not an object
+            return None
     return b if isinstance(b, str) and os.path.isdir(b) else None

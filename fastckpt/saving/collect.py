@@ -2,10 +2,25 @@
 
 Validation happens here, before any file exists: value types (named by key path),
 dtypes, sparse/quantized/meta tensors, NumPy dtypes. NumPy arrays in a non-native byte order
-(``">f4"``) are stored as a byte-swapped copy in native (little-endian) order: same values. Tensors that share storage are
-stored once: identical views become ``alias`` entries, different views of one storage
-become ``view`` entries over one byte blob, and are rebuilt sharing storage on load.
-Zero-element tensors never share.
+(``">f4"``) are stored as a byte-swapped copy in native (little-endian) order: same values.
+
+Tensors that share storage are stored once where only fastckpt reads them: in the ``state``
+files, identical views become ``alias`` entries and different views of one storage become
+``view`` entries over one byte blob, rebuilt sharing storage on load. Zero-element tensors
+never share.
+
+Every file that another reader opens holds every tensor that reader expects in it (a manifest
+entry is invisible to ``safetensors``, transformers, peft and vLLM): a tensor of a ``weights``
+group (an HF file stem) is written under its own name in that group's files, whatever else
+shares its storage, with one exception: in a sharded model group (a stem without
+``.safetensors``, written as ``{stem}-0000k-of-0000n.safetensors`` + index), a tensor that is
+exactly the same view as an earlier one of the same group (tied weights, e.g. ``lm_head.weight``
+= ``embed_tokens.weight``) is an ``alias`` of it, as ``save_pretrained`` and
+``safetensors.torch.save_model`` drop tied duplicates and transformers re-ties them on load.
+A single named file (a stem ending in ``.safetensors``, e.g. peft's ``adapter_model.safetensors``)
+never aliases: peft reads it key by key. Never across groups: a ``state`` tensor identical to a
+``weights`` tensor is an ``alias`` of it (fastckpt's loader resolves it), never the reverse.
+A ``weights`` tensor that shares storage with others loads as a tensor of its own.
 """
 
 from __future__ import annotations
@@ -132,10 +147,42 @@ def _add_group(out: Collected, members: list[tuple[str, torch.Tensor]], names: d
     if len(members) == 1:  # the common case: a tensor that shares its storage with no other
         _add(out, members[0][0], members[0][1], names)
         return
+    first: dict[tuple, str] = {}  # (stem, view) -> first key of that weights group holding that view
+    rest: list[tuple[str, torch.Tensor]] = []
+    for key, t in members:
+        if key not in names:
+            rest.append((key, t))
+            continue
+        stem = names[key][1]
+        tied = first.get((stem, _view_key(t)))
+        if tied is not None and not stem.endswith(".safetensors"):
+            out.entries[key] = {"alias": tied}  # tied weights within one sharded model group
+            continue
+        _add(out, key, t, names)  # the group's reader expects it in its file: its own bytes
+        first.setdefault((stem, _view_key(t)), key)
+    stored: dict[tuple, str] = {}  # view -> first weights key holding it
+    for (_, view), key in first.items():
+        stored.setdefault(view, key)
+    state = []
+    for key, t in rest:
+        target = stored.get(_view_key(t))
+        if target is not None:
+            out.entries[key] = {"alias": target}
+        else:
+            state.append((key, t))
+    if state:
+        _share(out, state)
+
+
+def _share(out: Collected, members: list[tuple[str, torch.Tensor]]) -> None:
+    """``state`` tensors of one storage: stored once, as aliases or views of one byte blob."""
+    if len(members) == 1:
+        _add(out, members[0][0], members[0][1], {})
+        return
     views = {_view_key(t) for _, t in members}
     first_key, first = members[0]
     if len(views) == 1:
-        _add(out, first_key, first, names)
+        _add(out, first_key, first, {})
         for key, _ in members[1:]:
             out.entries[key] = {"alias": first_key}
         return

@@ -1,0 +1,86 @@
+"""Checks and helpers of ``fastckpt load --merge-lora`` (the merge itself is peft's ``merge_and_unload``).
+
+A merge must never hide a mismatch: transformers initialises missing base weights at random and
+peft skips missing adapter tensors with a warning, and the merged folder would then load without
+an error and give wrong logits. :func:`missing_adapter_tensors` finds adapter tensors a fastckpt
+manifest lists but ``adapter_model.safetensors`` lacks; :func:`load_base` builds the base model
+and refuses missing or unexpected weights; :func:`unique_tensors` lists the merged weights, tied
+ones once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import LoraMergeError
+from ..format.dtypes import dtype_to_str
+from ..loading.source import ADAPTER_WEIGHTS
+from ..saving.export import Entry
+from ..storage.commit import MANIFEST, read_manifest_shared
+
+
+def missing_adapter_tensors(adapter_dir: str) -> list[str]:
+    """Key paths of adapter tensors that the manifest of ``adapter_dir`` lists but that are not
+    stored in its ``adapter_model.safetensors`` (``alias``/``view`` entries of the adapter group:
+    what fastckpt wrote before every adapter tensor was kept in that file). Empty for a folder
+    without a manifest (a plain peft folder: the file is all there is)."""
+    if not os.path.isfile(os.path.join(adapter_dir, MANIFEST)):
+        return []
+    man = read_manifest_shared(adapter_dir)
+    tops = [top for top, stem in (man.get("weights") or {}).items() if stem == ADAPTER_WEIGHTS]
+    return sorted(k for k, e in man["tensors"].items()
+                  if k.split("/", 1)[0] in tops and e.get("file") != ADAPTER_WEIGHTS)
+
+
+def check_adapter(adapter_dir: str) -> None:
+    """Raise :class:`LoraMergeError` when :func:`missing_adapter_tensors` finds any."""
+    gaps = missing_adapter_tensors(adapter_dir)
+    if gaps:
+        raise LoraMergeError(
+            f"fastckpt load: {os.path.join(adapter_dir, ADAPTER_WEIGHTS)} lacks {len(gaps)} adapter tensors "
+            f"its manifest lists only as aliases of other tensors ({_show(gaps)}): peft and vLLM would load "
+            "the adapter without them. The checkpoint was written by an older fastckpt; save the model again "
+            "(FastCkptCallback, or fastckpt.save of model_snapshot(model)) or use peft's own save_pretrained "
+            "folder", path=adapter_dir, missing=gaps)
+
+
+def _show(names) -> str:
+    """The first 4 of ``names``, sorted, then ``...`` when there are more."""
+    names = sorted(names)
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+
+
+def load_base(cls, cfg, state: dict[str, torch.Tensor], where: str):
+    """``cls.from_pretrained(None, config=cfg, state_dict=state)``, refusing any missing or
+    unexpected weight (tied weights transformers re-ties are not missing).
+
+    Raises:
+        LoraMergeError: naming the first names of each kind, ``where`` being the source folder.
+    """
+    model, info = cls.from_pretrained(None, config=cfg, state_dict=state, dtype="auto", output_loading_info=True)
+    missing, unexpected = set(info.get("missing_keys") or ()), set(info.get("unexpected_keys") or ())
+    if missing or unexpected:
+        raise LoraMergeError(
+            f"--merge-lora: the base weights of {where} do not fit {cls.__name__}: missing {len(missing)} "
+            f"({_show(missing)}), unexpected {len(unexpected)} ({_show(unexpected)}); transformers would "
+            "initialise the missing ones at random. Names like 'x.original_module.weight' or "
+            "'x.base_layer.weight' are peft wrapper names an older fastckpt saved: save the model again "
+            "with this fastckpt (FastCkptCallback, or fastckpt.save of model_snapshot(model))",
+            path=where, missing=missing, unexpected=unexpected)
+    return model
+
+
+def unique_tensors(model) -> tuple[dict[str, torch.Tensor], list[Entry]]:
+    """``model``'s state dict as contiguous CPU tensors and export entries, in state-dict order;
+    tensors sharing one storage view (tied weights) once, under their first name."""
+    sd, seen, entries = {}, set(), []
+    for name, t in model.state_dict().items():
+        ptr = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if t.numel() and ptr in seen:
+            continue
+        seen.add(ptr)
+        sd[name] = t.detach().contiguous()
+        entries.append((name, dtype_to_str(t.dtype, tensor=name), tuple(t.shape), t.numel() * t.element_size()))
+    return sd, entries
