@@ -152,6 +152,28 @@ class Session:
         self._keys.add(key)
         self._published.add(key)
 
+    def publish_bytes(self, key: str, data: bytes) -> None:
+        """Set ``key`` to raw ``data`` (e.g. the edge bytes one rank hands another)."""
+        if self.coord.store is None:
+            self._local[key] = data  # type: ignore[assignment]
+            return
+        self.coord.store.set(self.prefix + key, data)
+        self._keys.add(key)
+        self._published.add(key)
+
+    def wait_bytes(self, key: str, what: str) -> bytes:
+        """Wait (until the session's deadline) for ``key`` set by :meth:`publish_bytes`; return its bytes.
+
+        Raises:
+            TimeoutError: at the deadline; names the key and ``what``.
+        """
+        if self.coord.store is None:
+            if key not in self._local:
+                raise TimeoutError(f"fastckpt: {key!r} never published in this process while {what}")
+            return self._local[key]  # type: ignore[return-value]
+        self.wait_for_keys([key], what)
+        return bytes(self.coord.store.get(self.prefix + key))
+
     def wait_for(self, keys: list[str], what: str) -> list[Any]:
         """Wait until all ``keys`` exist (at most until the session's deadline) and return their values.
 
@@ -165,18 +187,28 @@ class Session:
             if missing:
                 raise TimeoutError(f"fastckpt: {missing} never published in this process while {what}")
             return [json.loads(self._local[k]) for k in keys]
+        self.wait_for_keys(keys, what)
+        return [json.loads(store.get(self.prefix + k).decode()) for k in keys]
+
+    def wait_for_keys(self, keys: list[str], what: str) -> None:
+        """Wait until all ``keys`` exist in the store (at most until the session's deadline).
+
+        Raises:
+            TimeoutError: at the deadline; names the keys that never appeared and ``what``.
+        """
+        store = self.coord.store
+        self._keys.update(keys)
         full = [self.prefix + k for k in keys]
         while True:
             left = self.deadline - time.monotonic()
             try:
                 store.wait(full, timedelta(seconds=min(5.0, max(0.01, left))))
-                break
+                return
             except Exception as e:  # the store raises a DistStoreError/RuntimeError on timeout
                 if time.monotonic() >= self.deadline:
                     missing = [k for k, f in zip(keys, full) if not store.check([f])]
                     raise TimeoutError(f"fastckpt: no report after {self.timeout_s:.0f} s while {what}: "
                                        f"missing {missing}") from e
-        return [json.loads(store.get(f).decode()) for f in full]
 
     def wait_until(self, keys: list[str], stop: Any) -> tuple[dict[str, Any], list[str]]:
         """Read ``keys`` as they appear until all are there, ``stop(values so far)`` is true, or

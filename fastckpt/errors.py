@@ -129,3 +129,59 @@ class DeviceUnavailableError(FastCkptError, ValueError):
     """``device=`` names a device this process cannot load into: a string torch does not
     parse, a type fastckpt has no engine for, CUDA/NPU not available, or an index past the
     devices present. Raised before any byte is read."""
+
+
+# --- DTensor / DCP saves (issue 13, save side) ---
+
+class UnsupportedPlannerError(FastCkptError, ValueError):
+    """:class:`fastckpt.dcp.FastCkptWriter` got a DCP plan it does not write: BYTE_IO items (DCP's
+    default planners ``torch.save``, i.e. pickle, non-tensor values) or a plan not made by
+    :class:`fastckpt.dcp.FastCkptSavePlanner`. The message names the key paths and the planner to
+    pass (``planner=fastckpt.dcp.FastCkptSavePlanner()``). Raised before any file exists."""
+
+
+# --- load_into / DCP reader (loading side of issue 13) -----------------------------------------
+
+class StateMismatchError(FastCkptError, ValueError):
+    """``load_into(..., strict=True)``: the state to fill and the checkpoint disagree. Raised before
+    any tensor of the state is written; the message names each key path, both shapes/dtypes and the
+    file, and says how to fix it.
+
+    Attributes:
+        path: the checkpoint folder or file.
+        missing: key paths of the state that the checkpoint lacks.
+        unexpected: key paths of the checkpoint that the state lacks.
+        mismatched: ``(key path, what the state has, what the checkpoint has, file)`` tuples.
+    """
+
+    def __init__(self, message: str, *, path: str = "", missing: Iterable[str] = (),
+                 unexpected: Iterable[str] = (), mismatched: Iterable[tuple] = ()):
+        super().__init__(message)
+        self.path = path
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.mismatched = list(mismatched)
+
+
+class ShardedCheckpointError(FastCkptError, ValueError):
+    """Plain ``fastckpt.load`` met a multi-rank value it cannot return whole (shard pieces that do not
+    cover the tensor, or a rank-local subtree); names the key path and what to call instead
+    (``fastckpt.load_into``)."""
+
+
+class DCPPlannerError(FastCkptError, TypeError):
+    """``FastCkptReader`` was asked for a non-tensor (BYTE_IO) item: DCP's default load planner would
+    unpickle it with ``torch.load(weights_only=False)``. Pass ``planner=FastCkptLoadPlanner()``."""
+
+
+class DCPLoadError(FastCkptError, RuntimeError):
+    """``fastckpt.dcp.load`` failed inside ``torch.distributed.checkpoint.load`` (whose own
+    ``CheckpointException`` derives from ``BaseException``).
+
+    Attributes:
+        failures: ``dict[int, str]`` rank -> error text, as DCP reported them.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str]):
+        super().__init__(message)
+        self.failures = dict(failures)

@@ -44,6 +44,7 @@ from ..storage.io import default_threads
 from .engines import ENGINES, AcceleratorEngine, Engine, check_device, get_engine, kvikio_usable  # noqa: F401  (re-exported)
 from .pieces import SEGMENT_MIN_BYTES, Copy, Piece, Target, flat_ranges, plan_pieces  # noqa: F401  (re-exported)
 from .tp import Shard, slice_spec
+from .chunks import check_chunks
 
 #: Default bounce ring size (bytes) and slot size (bytes).
 DEFAULT_RING_BYTES = 256 << 20
@@ -194,7 +195,8 @@ def load_tensors(r: Resolved, keys: Iterable[str], device: str | torch.device, *
         ring_bytes: host bounce memory in bytes (default 256 MiB); at least two slots.
         slot_bytes: bytes per slot and per read (default 16 MiB).
         threads: reads in flight (default :func:`fastckpt.storage.io.default_threads`, at most the slots).
-        verify: check each whole (unsliced) tensor's xxh3 against the manifest, if there is one.
+        verify: check each whole (unsliced) tensor's xxh3 against the manifest, if there is one
+            (format 2: each chunk's xxh3, for tensors loaded without dtype conversion).
         io_backend: I/O backend name or instance for the ring reads (default ``"posix"``).
         use_kvikio: ``None`` (default) uses kvikio/GDS when :func:`kvikio_usable`; ``False`` never.
 
@@ -239,7 +241,13 @@ def load_tensors(r: Resolved, keys: Iterable[str], device: str | torch.device, *
             t = targets[i]
             raise ChecksumMismatchError(f"{t.file}: tensor {t.key!r} has xxh3 {h.hexdigest()}, manifest says "
                                         f"{want[i]}", path=t.file, tensor=t.key)
-    return {t.key: _finish(t, d, cv) for t, d, cv in zip(targets, dests, convs)}
+    out = {t.key: _finish(t, d, cv) for t, d, cv in zip(targets, dests, convs)}
+    if verify and r.manifest is not None:  # format 2: per-chunk checksums of whole, unconverted tensors
+        for i, t in enumerate(targets):
+            e = r.manifest["tensors"][t.key]
+            if t.slice is None and convs[i] is None and "chunks" in e and "xxh3" not in e:
+                check_chunks(out[t.key], t.key, e, t.file)
+    return out
 
 
 def _finish(t: Target, raw: torch.Tensor, cv: _Conv | None) -> torch.Tensor:

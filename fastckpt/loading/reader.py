@@ -31,6 +31,8 @@ from ..format.safetensors import TensorInfo
 from ..storage.io import ALIGN, O_DIRECT, PosixBackend, get_backend, read_exact, readv_exact
 from ..storage.memory import aligned_buffer, host_buffer
 from .resolve import Resolved, resolve
+from .chunks import check_chunks
+from .assemble import fill_placeholders, piece_keys
 from ..format.tree import key_filter, unflatten
 
 SMALL_BYTES = 1 << 20
@@ -252,14 +254,19 @@ def read_tensors(r: Resolved, keys: Iterable[str], *, threads: int | None = None
             for fu in futs:
                 fu.result()
             if verify and r.manifest is not None:
-                list(ex.map(lambda d: _check(d, r.manifest["tensors"][d.key].get("xxh3")), dests))
+                list(ex.map(lambda d: _check(d, r.manifest["tensors"][d.key]), dests))
     finally:
         for fd in list(fds.values()) + list(dfds.values()):
             be.close(fd)
     return {d.key: d.tensor for d in dests}
 
 
-def _check(d: _Dest, want: str | None) -> None:
+def _check(d: _Dest, entry: dict) -> None:
+    """Check a tensor read whole against its manifest entry: ``xxh3``, or each format-2 chunk."""
+    want = entry.get("xxh3")
+    if want is None and "chunks" in entry:
+        check_chunks(d.tensor, d.key, entry, d.file)
+        return
     got = xxhash.xxh3_64(d.view).hexdigest()
     if want is not None and got != want:
         raise ChecksumMismatchError(f"{d.file}: tensor {d.key!r} has xxh3 {got}, manifest says {want}",
@@ -283,7 +290,8 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
             (``"optimizer"`` selects ``optimizer/state/0/exp_avg``). ``None``: everything. Every
             key must match something.
         threads: reads in flight (default :func:`default_read_threads`).
-        verify: also check each tensor's xxh3 against the manifest (fastckpt checkpoints).
+        verify: also check each tensor's xxh3 against the manifest (fastckpt checkpoints; format 2:
+            each chunk's xxh3, a mismatch naming the key and the chunk's offsets).
         chunk_bytes: bytes per read request (default 4 MiB).
         io_backend: I/O backend name or instance (default ``"posix"``).
 
@@ -298,6 +306,9 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
             invalid or damaged files (before any tensor memory is allocated, except checksums).
         KeysNotFoundError: (a ``KeyError``) a key in ``keys`` matches nothing stored; names it
             and a few keys that exist (before any read).
+        ShardedCheckpointError: a multi-rank checkpoint's :class:`~fastckpt.Shard` value whose saved
+            pieces do not cover the tensor (fill a state with :func:`fastckpt.load_into`), or a rank-local
+            subtree (``local_keys``). Shard values whose pieces cover the tensor come back whole.
     """
     from .engines import check_device
     check_device(device)
@@ -319,6 +330,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
         e = entries[k]
         target = e.get("alias") or e.get("view") or k
         stored.add(target)
+    stored.update(piece_keys(r.manifest, keep))  # multi-rank Shard pieces: assembled below
     raw = _read(r, sorted(stored), device, threads=threads, chunk_bytes=chunk_bytes, io_backend=io_backend,
                        verify=verify)
     raw = {k: _to(t, device) for k, t in raw.items()}
@@ -338,7 +350,10 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
             t = raw[key]
         return t.numpy() if kind == "ndarray" else t
 
-    return unflatten(r.skeleton, get, keep)
+    tree = unflatten(r.skeleton, get, keep)
+    if r.manifest.get("distributed"):  # never return {"__shard__": ...} placeholders
+        tree = fill_placeholders(tree, r.manifest, lambda k: get(k, "tensor"), r.root)
+    return tree
 
 
 def _check_keys_found(keys: Any, paths: Iterable[str], root: str) -> None:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 import json
 import os
 import re
@@ -69,6 +70,12 @@ def load(path: str | os.PathLike, *, process_group: Any = None, rank: int | None
          device: str | torch.device = "cpu", threads: int | None = None, verify: bool = False) -> Any:
     """Load the part of a (multi- or single-rank) checkpoint that this rank needs.
 
+    .. deprecated:: 0.2
+        Use :func:`fastckpt.load_into` (fills an existing plain or DTensor state in place, any world
+        size to any, reading only each rank's bytes). This function keeps working for one release
+        and emits a ``DeprecationWarning``; ``local_rank_from`` (rank-local subtrees) has no
+        ``load_into`` equivalent yet.
+
     Args:
         path: committed checkpoint folder.
         process_group: group whose rank/size select the pieces (``None``: world, or 0 of 1).
@@ -86,6 +93,9 @@ def load(path: str | os.PathLike, *, process_group: Any = None, rank: int | None
         CheckpointNotFoundError: not committed, or no rank-local state for this rank.
         CorruptCheckpointError, HeaderError, ChecksumMismatchError: as :func:`fastckpt.load`.
     """
+    warnings.warn("fastckpt.loading.sharded.load is deprecated and will be removed in the next release; "
+                  "use fastckpt.load_into(state, path), which fills an existing (DTensor or plain) state in "
+                  "place on any world size", DeprecationWarning, stacklevel=2)
     coord = Coordinator.for_group(process_group)
     rank = coord.rank if rank is None else rank
     world_size = coord.world_size if world_size is None else world_size

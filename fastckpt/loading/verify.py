@@ -11,7 +11,10 @@ import xxhash
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FastCkptError, UnsafePathError
 from ..format.safetensors import safe_join
 from ..storage.io import get_backend, read_exact
-from ..storage.commit import read_manifest
+from ..storage.commit import MANIFEST, read_manifest
+from ..format.dtypes import itemsize, str_to_dtype
+from .chunks import chunk_boxes
+from .regions import Stored, box_runs
 from .resolve import Resolved, resolve
 from ..storage.io import DEFAULT_CHUNK_BYTES, default_threads
 
@@ -38,36 +41,58 @@ class VerifyReport:
         return not self.problems
 
 
-def _hash_range(path: str, offset: int, nbytes: int, chunk: int) -> str:
+def _hash_range(path: str, runs: list[tuple[int, int]], chunk: int) -> str:
+    """xxh3-64 of the bytes of ``runs`` (``(offset, nbytes)``, in order) of file ``path``."""
     be = get_backend(None)
     h = xxhash.xxh3_64()
     fd = be.open_read(path)
     try:
-        buf = bytearray(min(chunk, max(nbytes, 1)))
+        buf = bytearray(min(chunk, max(max((n for _, n in runs), default=1), 1)))
         mv = memoryview(buf)
-        pos = 0
-        while pos < nbytes:
-            n = min(chunk, nbytes - pos)
-            read_exact(be, fd, mv[:n], offset + pos, path=path)
-            h.update(mv[:n])
-            pos += n
+        for offset, nbytes in runs:
+            pos = 0
+            while pos < nbytes:
+                n = min(chunk, nbytes - pos)
+                read_exact(be, fd, mv[:n], offset + pos, path=path)
+                h.update(mv[:n])
+                pos += n
     finally:
         be.close(fd)
     return h.hexdigest()
 
 
-def _jobs(path: str, manifest: dict) -> list[tuple[str, str, int, int, str]]:
-    """``(what, file path, offset, nbytes, xxh3)`` for every checksummed range of ``manifest``."""
+def _chunk_jobs(path: str, key: str, e: dict) -> list[tuple[str, str, list[tuple[int, int]], int, str]]:
+    """One job per format-v2 chunk of tensor entry ``e``: the chunk's byte runs in row-major order."""
+    fpath = safe_join(path, e["file"])
+    isz = itemsize(str_to_dtype(e["dtype"], tensor=key, path=fpath))
+    shape = tuple(e["shape"])
+    whole = Stored(key, fpath, e["offsets"][0], shape, e["dtype"], isz, (0,) * len(shape))
+    jobs = []
+    for box, want in chunk_boxes(key, e, os.path.join(path, MANIFEST)):
+        runs = [(r.file_offset, r.nbytes) for r in box_runs(whole, box, box)]
+        what = f"tensor {key!r} chunk at offsets {list(box[0])} of shape {list(box[1])} in {e['file']!r}"
+        jobs.append((what, fpath, runs, sum(n for _, n in runs), want))
+    return jobs
+
+
+def _jobs(path: str, manifest: dict) -> list[tuple[str, str, list[tuple[int, int]], int, str]]:
+    """``(what, file path, byte runs, nbytes, xxh3)`` for every checksummed range of ``manifest``
+    (format 2: one job per chunk of a tensor that has ``"chunks"``)."""
     jobs = []
     for name, info in manifest["files"].items():
         if "xxh3" in info:
-            jobs.append((f"file {name!r}", safe_join(path, name), 0, info["bytes"], info["xxh3"]))
+            jobs.append((f"file {name!r}", safe_join(path, name), [(0, info["bytes"])], info["bytes"], info["xxh3"]))
         if "header_xxh3" in info:  # header + padding: a flip there can leave valid JSON (e.g. metadata)
-            jobs.append((f"header of {name!r}", safe_join(path, name), 0, info["header_bytes"], info["header_xxh3"]))
+            jobs.append((f"header of {name!r}", safe_join(path, name), [(0, info["header_bytes"])],
+                         info["header_bytes"], info["header_xxh3"]))
     for key, e in manifest["tensors"].items():
-        if "file" in e:
-            s, end = e["offsets"]
-            jobs.append((f"tensor {key!r} in {e['file']!r}", safe_join(path, e["file"]), s, end - s, e["xxh3"]))
+        if "file" not in e:
+            continue
+        if "chunks" in e and "xxh3" not in e:
+            jobs.extend(_chunk_jobs(path, key, e))
+            continue
+        s, end = e["offsets"]
+        jobs.append((f"tensor {key!r} in {e['file']!r}", safe_join(path, e["file"]), [(s, end - s)], end - s, e["xxh3"]))
     return jobs
 
 
@@ -76,7 +101,9 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
     """Re-read every file of the committed checkpoint ``path`` and compare checksums.
 
     Headers and sizes are validated first (see :func:`fastckpt.loading.resolve.resolve`); then each
-    tensor's bytes (xxh3-64) and each small file's bytes are hashed in parallel.
+    tensor's bytes (xxh3-64) and each small file's bytes are hashed in parallel. A format-2 tensor
+    written in pieces by several ranks is checked chunk by chunk (``"chunks"``: each chunk's elements in
+    row-major order); a problem names the key and the chunk's offsets and shape.
 
     Args:
         path: checkpoint folder with a manifest.
@@ -115,9 +142,9 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
         return report
 
     def run(job):
-        what, fpath, off, n, want = job
+        what, fpath, runs, n, want = job
         try:
-            got = _hash_range(fpath, off, n, chunk_bytes)
+            got = _hash_range(fpath, runs, chunk_bytes)
         except (OSError, CorruptCheckpointError) as ex:
             return n, f"{what}: cannot read: {ex}"
         return n, (None if got == want else f"{what}: xxh3 {got} != manifest {want} ({fpath})")

@@ -11,6 +11,7 @@ replicated specs and every rank's local specs; see docs/FORMAT.md ("Multi-rank")
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,6 +24,12 @@ from ..format.tree import join
 @dataclass(frozen=True)
 class Shard:
     """This rank's piece of a global tensor (ZeRO/FSDP/TP shard), saved by this rank only.
+
+    .. deprecated::
+        Save DTensors instead (FSDP2 ``fully_shard``, tensor parallel, or
+        ``torch.distributed.tensor.distribute_tensor``): ``fastckpt.save`` writes them as full
+        tensors in HF layout, each rank writing its own chunks. ``Shard`` keeps working for one
+        more release and emits a ``DeprecationWarning``.
 
     Attributes:
         tensor: the local piece (any device, any dtype fastckpt stores).
@@ -38,6 +45,9 @@ class Shard:
     offsets: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        warnings.warn("fastckpt.Shard is deprecated and will be removed after the next release: save DTensors "
+                      "instead (FSDP2 fully_shard / tensor parallel / distribute_tensor); fastckpt.save writes them as "
+                      "full tensors in HF layout, each rank writing its own chunks", DeprecationWarning, stacklevel=3)
         g, o, s = tuple(self.global_shape), tuple(self.offsets), tuple(self.tensor.shape)
         if not (len(g) == len(o) == len(s)) or any(a < 0 or a + n > m for a, n, m in zip(o, s, g)):
             raise ValueError(f"Shard of shape {s} at offsets {o} does not fit global shape {g}")

@@ -45,6 +45,7 @@ from ..format.tree import join
 from ..storage.staging import StagingPool
 from . import dedupe
 from .collect import Collected, collect
+from .dtensor import has_dtensor
 from .committer import (InFlight, commit_single, create_folder, finish_ranks, fmt, rank_report,
                         remove_uncommitted)
 from .future import SaveFuture
@@ -92,22 +93,6 @@ def _check_all(infos: list[dict], what: str, exc: BaseException | None) -> None:
 def _digest(col: Collected) -> str:
     desc = json.dumps([col.skeleton, [(s.key, s.dtype, list(s.shape)) for s in col.specs]], sort_keys=True)
     return hashlib.sha256(desc.encode()).hexdigest()
-
-
-def _refuse_dtensor(state: Any, path: str = "") -> None:
-    """DTensor values are not saved by this engine yet: refuse them by key path before any file exists."""
-    from ..errors import UnsupportedValueError
-    if type(state).__name__ == "DTensor":
-        raise UnsupportedValueError(
-            f"value at key path {path or '<root>'!r} is a DTensor (FSDP2 / tensor parallel); fastckpt does not "
-            "save sharded DTensor state yet: save `{k: v.full_tensor() for k, v in sd.items()}` on one rank, or "
-            "wrap each local shard in fastckpt.saving.ranks.Shard with process_group=")
-    if isinstance(state, dict):
-        for k, v in state.items():
-            _refuse_dtensor(v, join(path, k) if isinstance(k, (str, int)) else path)
-    elif isinstance(state, (list, tuple)):
-        for i, v in enumerate(state):
-            _refuse_dtensor(v, join(path, i))
 
 
 @contextlib.contextmanager
@@ -236,8 +221,12 @@ class Saver:
         pg = self.process_group if process_group is _OWN else process_group
         with self._lock:
             self.wait()
+            target = Path(os.path.abspath(os.fspath(path)))
+            if has_dtensor(state):  # FSDP2 / TP state: the DCP route (saving/dtensor_save.py)
+                from .dtensor_save import start_dtensor_save
+                return start_dtensor_save(self, state, target, opts, pg)
             with no_gc():
-                return self._start(state, Path(os.path.abspath(os.fspath(path))), opts, pg)
+                return self._start(state, target, opts, pg)
 
     def _plan(self, specs: list, opts: SaveOptions) -> SavePlan:
         """:func:`plan_save`, memoised on its inputs (a training run saves the same layout each time)."""
@@ -301,7 +290,6 @@ class Saver:
             if sv.single:
                 sv.claim = PathClaim(sv.path)
                 sv.claim.acquire()
-            _refuse_dtensor(state)
             split = split_state(state, opts.local_keys) if has_split(state, opts.local_keys) else None
             sv.col = collect(split.replicated if split else state, opts.stems)
             sv.sources, sv.frozen, sv.trainable = sv.col.sources, sv.col.frozen, sv.col.trainable

@@ -31,6 +31,8 @@ STATE_JSON = "state.json"
 OWNER = ".owner.json"
 FORMAT_NAME = "fastckpt"
 FORMAT_VERSION = 1
+#: Newest ``format_version`` readers accept (2: per-chunk checksums of DTensor saves, docs/FORMAT.md).
+READ_FORMAT_VERSION = 2
 TMP_MARK = ".fastckpt-tmp-"
 
 
@@ -136,10 +138,10 @@ def read_manifest(path: str) -> dict:
         raise CorruptCheckpointError(f"{mpath}: manifest is not valid JSON: {e}", path=mpath) from None
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{mpath}: not a fastckpt manifest", path=mpath)
-    if not isinstance(m.get("format_version"), int) or m["format_version"] > FORMAT_VERSION:
+    if not isinstance(m.get("format_version"), int) or m["format_version"] > READ_FORMAT_VERSION:
         raise CorruptCheckpointError(
             f"{mpath}: format_version {m.get('format_version')!r} is newer than this fastckpt "
-            f"understands ({FORMAT_VERSION}); upgrade fastckpt", path=mpath)
+            f"understands ({READ_FORMAT_VERSION}); upgrade fastckpt", path=mpath)
     for key in ("files", "tensors"):
         if not isinstance(m.get(key), dict):
             raise CorruptCheckpointError(f"{mpath}: manifest lacks a {key!r} object", path=mpath)

@@ -1,0 +1,204 @@
+"""What a checkpoint holds, by key path, as stored pieces with checksums (no tensor data read).
+
+:func:`open_index` turns any readable source into a :class:`CheckpointIndex`:
+
+* fastckpt v1 (one process): one :class:`~fastckpt.loading.regions.Stored` per tensor, whole-tensor xxh3;
+* fastckpt v1 multi-rank: replicated tensors as above; a ``{"__shard__": key path}`` placeholder
+  becomes the saved :class:`~fastckpt.saving.ranks.Shard` pieces (``rank*`` files), each at its
+  global offsets with its own xxh3;
+* fastckpt v2: full tensors whose checksums are per chunk (``"chunks"``);
+* a plain HF folder or safetensors file: tensors by name, no checksums.
+
+Readers of regions (:mod:`fastckpt.loading.into`, :mod:`fastckpt.loading.dcp_reader`) use it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CorruptCheckpointError, UnsupportedValueError
+from ..format.dtypes import itemsize, str_to_dtype
+from ..format.tree import join, unflatten
+from ..storage.commit import MANIFEST
+from .chunks import chunk_boxes
+from .regions import Box, Stored
+from .resolve import Resolved, resolve
+
+
+@dataclass(frozen=True)
+class Check:
+    """Global box ``box`` of a tensor, stored in ``stored``, must hash (xxh3-64 of its row-major bytes)
+    to ``xxh3``; ``what`` names it in messages."""
+
+    what: str
+    stored: Stored
+    box: Box
+    xxh3: str
+
+
+@dataclass
+class TensorDesc:
+    """One tensor of the checkpoint (global view).
+
+    Attributes:
+        key: key path (fastckpt) or tensor name (HF).
+        shape: global shape. dtype: safetensors dtype string.
+        pieces: stored tensors that tile it (one for a full tensor; the Shard pieces otherwise).
+        checks: checksummed boxes (whole tensor, v2 chunks or v1 pieces); empty for HF files.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: list[Stored]
+    checks: list[Check] = field(default_factory=list)
+
+
+@dataclass
+class CheckpointIndex:
+    """Tensors and non-tensor values of a checkpoint by key path.
+
+    Attributes:
+        resolved: the validated checkpoint (:func:`fastckpt.loading.resolve.resolve`).
+        tensors: key path (or HF tensor name) -> :class:`TensorDesc`.
+        values: key path -> non-tensor leaf value from ``state.json`` (fastckpt only).
+        rank_local: key paths of rank-local subtrees (``local_keys`` saves), which carry no placement.
+        tree: the saved state with each tensor (and shard placeholder) as a :class:`Leaf` (fastckpt),
+            or ``{name: Leaf}`` (HF files).
+    """
+
+    resolved: Resolved
+    tensors: dict[str, TensorDesc] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    rank_local: set[str] = field(default_factory=set)
+    tree: Any = None
+
+    @property
+    def is_fastckpt(self) -> bool:
+        """True for a fastckpt checkpoint (manifest and skeleton), false for HF files."""
+        return self.resolved.manifest is not None
+
+
+class Leaf:
+    """A stored tensor's place in :attr:`CheckpointIndex.tree` (``key``: its manifest key)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _stored(r: Resolved, key: str, origin: tuple[int, ...] | None = None) -> Stored:
+    """The :class:`Stored` of manifest key ``key`` (aliases followed, contiguous views resolved)."""
+    entries = r.manifest["tensors"]
+    e = entries[key]
+    if "alias" in e:
+        return _stored(r, e["alias"], origin)
+    if "view" in e:
+        base = _stored(r, e["view"])
+        shape = tuple(e["shape"])
+        want, acc = [], 1
+        for n in reversed(shape):
+            want.insert(0, acc)
+            acc *= n
+        if math.prod(shape) > 1 and list(e["stride"]) != want:
+            raise UnsupportedValueError(
+                f"{r.root}: tensor {key!r} is stored as a strided view (stride {e['stride']}) of "
+                f"{e['view']!r}; read it with fastckpt.load(), load_into fills only dense regions")
+        isz = itemsize(str_to_dtype(e["dtype"], tensor=key, path=r.root))
+        return Stored(key, base.file, base.abs_offset + e["offset"], shape, e["dtype"], isz,
+                      origin or (0,) * len(shape))
+    fname, info = r.tensors[key]
+    isz = itemsize(str_to_dtype(info.dtype, tensor=key, path=r.file_path(fname)))
+    return Stored(key, r.file_path(fname), r.headers[fname].data_offset + info.start, tuple(info.shape),
+                  info.dtype, isz, origin or (0,) * len(info.shape))
+
+
+def _checks(r: Resolved, key: str, st: Stored) -> list[Check]:
+    entries = r.manifest["tensors"]
+    e = entries[key]
+    while "alias" in e:
+        key, e = e["alias"], entries[e["alias"]]
+    where = f"tensor {key!r} in {os.path.basename(st.file)!r}"
+    if "xxh3" in e and "view" not in e:
+        return [Check(where, st, st.box, e["xxh3"])]
+    mpath = os.path.join(r.root, MANIFEST)
+    return [Check(f"{where} chunk at offsets {list(b[0])} of shape {list(b[1])}", st, b, h)
+            for b, h in chunk_boxes(key, e, mpath)]
+
+
+def open_index(path: str | os.PathLike) -> CheckpointIndex:
+    """Validate ``path`` (every header, index and manifest entry) and index what it holds.
+
+    Args:
+        path: fastckpt checkpoint folder (format 1 or 2, one or many ranks), HF model folder (hub
+            snapshot folders included) or one safetensors file.
+
+    Raises:
+        CheckpointNotFoundError, HeaderError, CorruptCheckpointError, UnsafePathError: as
+            :func:`fastckpt.loading.resolve.resolve`; CorruptCheckpointError also for malformed
+            ``chunks`` or shard pieces that do not fit their tensor.
+    """
+    r = resolve(path)
+    idx = CheckpointIndex(r)
+    if r.manifest is None:
+        for name, (fname, info) in r.tensors.items():
+            isz = itemsize(str_to_dtype(info.dtype, tensor=name, path=r.file_path(fname)))
+            st = Stored(name, r.file_path(fname), r.headers[fname].data_offset + info.start,
+                        tuple(info.shape), info.dtype, isz, (0,) * len(info.shape))
+            idx.tensors[name] = TensorDesc(name, st.shape, info.dtype, [st])
+        idx.tree = {name: Leaf(name) for name in r.tensors}
+        return idx
+    idx.tree = unflatten(r.skeleton, lambda k, kind: Leaf(k))
+    shards = (r.manifest.get("distributed") or {}).get("shards") or {}
+    _walk(idx, idx.tree, "", shards)
+    return idx
+
+
+def _walk(idx: CheckpointIndex, v: Any, path: str, shards: dict) -> None:
+    r = idx.resolved
+    if isinstance(v, Leaf):
+        st = _stored(r, v.key)
+        idx.tensors[path] = TensorDesc(path, st.shape, st.dtype, [st], _checks(r, v.key, st))
+        return
+    if isinstance(v, dict) and len(v) == 1 and ("__shard__" in v or "__rank_local__" in v):
+        if "__rank_local__" in v:
+            idx.rank_local.add(path)
+            return
+        info = shards.get(v["__shard__"])
+        if not isinstance(info, dict):
+            raise CorruptCheckpointError(f"{r.root}: state.json has a shard placeholder at {path!r} that the "
+                                         "manifest's distributed.shards lacks", path=r.root, tensor=path)
+        desc = TensorDesc(path, tuple(info["global_shape"]), info["dtype"], [])
+        for p in info["pieces"]:
+            st = _stored(r, p["key"], tuple(p["offsets"]))
+            if list(st.shape) != list(p["shape"]) or len(st.shape) != len(desc.shape) \
+                    or any(o + n > m for o, n, m in zip(st.origin, st.shape, desc.shape)):
+                raise CorruptCheckpointError(f"{r.root}: shard piece {p['key']!r} of {path!r} (shape {list(st.shape)} "
+                                             f"at {list(st.origin)}) does not fit global shape {list(desc.shape)}",
+                                             path=st.file, tensor=path)
+            desc.pieces.append(st)
+            desc.checks.extend(_checks(r, p["key"], st))
+        idx.tensors[path] = desc
+        return
+    if isinstance(v, dict):
+        for k, x in v.items():
+            _walk(idx, x, join(path, k), shards)
+        if not v:
+            idx.values[path] = {}
+    elif isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            _walk(idx, x, join(path, i), shards)
+        if not v:
+            idx.values[path] = type(v)()
+    else:
+        idx.values[path] = v
+
+
+def covered(desc: TensorDesc) -> bool:
+    """True when the pieces of ``desc`` hold every element of the tensor (they never overlap:
+    each saving rank wrote its own piece)."""
+    return sum(math.prod(p.shape) for p in desc.pieces) == math.prod(desc.shape)

@@ -1,0 +1,151 @@
+"""One rank's writes of a DTensor save: stage its chunks into its pages, hand edge bytes over, write, hash.
+
+Runs inside :meth:`fastckpt.saving.dcp_writer.FastCkptWriter.write_data` on every rank, from
+the :class:`~fastckpt.saving.chunks.RankLayout` of the rank (pure). Call order:
+
+1. ``stage``: acquire the staging buffer (the engine's :class:`~fastckpt.storage.staging.StagingPool`),
+   copy the rank's own bytes into its pages (``Shard(0)``: one range; ``Shard(1)``: a range per row),
+   publish the head bytes that belong to other ranks' pages (``edge/{src}/{dst}`` in the save's store
+   session; a failed rank publishes a failure marker instead, so nobody waits for it);
+2. ``write``: take the edge bytes of the other ranks, then ``pwrite`` every page span with the
+   engine's :class:`~fastckpt.storage.io.FileWriter` (O_DIRECT where asked: spans are page aligned
+   in the file and in memory), ``fsync``;
+3. ``hashes``: xxh3-64 of each chunk's elements in row-major order (the bytes of
+   ``full[region].contiguous()``: the manifest's per-chunk checksum).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import xxhash
+
+from ..coordination import Session
+from ..format.layout import SavePlan
+from ..storage.io import FileWriter, default_threads, get_backend
+from ..storage.staging import StagingPool
+from .chunks import Chunk, RankLayout, layout
+from .options import SaveOptions
+
+_OK, _FAILED = b"\x00", b"\x01"
+
+
+def host_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The elements of ``t`` in row-major order as a flat ``uint8`` CPU tensor (a view when possible)."""
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.detach().contiguous()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.reshape(-1).view(torch.uint8)
+
+
+class ChunkJob:
+    """One rank's part of one DTensor save (see the module docstring).
+
+    Args:
+        plan: the full-tensor plan (the same on every rank).
+        chunks: every chunk of the save and the rank writing it (the same on every rank).
+        rank: this rank; ``folder``: the temporary folder holding the files (created by rank 0).
+        opts: the save's options (``o_direct``, ``io_backend``, ``threads``, ``chunk_bytes``).
+        pool: staging memory; ``sess``: the save's store session (edge bytes).
+    """
+
+    def __init__(self, plan: SavePlan, chunks: list[Chunk], rank: int, folder: str, opts: SaveOptions,
+                 pool: StagingPool, sess: Session):
+        self.plan, self.chunks, self.rank, self.folder = plan, chunks, rank, folder
+        self.opts, self.pool, self.sess = opts, pool, sess
+        self.lay: RankLayout = layout(plan, chunks, rank)
+        self.src: dict[int, torch.Tensor] = {}
+        self.buf: torch.Tensor | None = None
+        self.held = False
+        self.sent: set[int] = set()
+        self.bytes_written = 0
+
+    def stage(self, sources: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's chunks (``sources``: key path -> its local tensor) into its pages; send edges."""
+        lay = self.lay
+        for ci in lay.chunks:
+            c = self.chunks[ci]
+            t = sources[c.key]
+            if tuple(t.shape) != c.shape:
+                raise ValueError(f"local tensor of {c.key!r} has shape {list(t.shape)}, its chunk {list(c.shape)}")
+            self.src[ci] = host_bytes(t)
+        self.buf, _ = self.pool.acquire(lay.buffer_bytes)
+        self.held = True
+        for ci, s, n, off in lay.copies:
+            self.buf[off:off + n].copy_(self.src[ci][s:s + n])
+        for dst, items in lay.sends.items():
+            blob = torch.cat([self.src[ci][s:s + n] for ci, s, n in items]) if items else torch.empty(0, dtype=torch.uint8)
+            self.sess.publish_bytes(f"edge/{self.rank}/{dst}", _OK + blob.numpy().tobytes())
+            self.sent.add(dst)
+
+    def fail_edges(self, exc: BaseException) -> None:
+        """Tell every rank still waiting for this rank's edge bytes that it failed (never raises)."""
+        for dst in self.lay.sends:
+            if dst not in self.sent:
+                try:
+                    self.sess.publish_bytes(f"edge/{self.rank}/{dst}", _FAILED + f"{type(exc).__name__}: {exc}".encode())
+                except Exception:
+                    pass
+
+    def write(self) -> None:
+        """Take the other ranks' edge bytes, write every page span of this rank, fsync its files."""
+        lay, buf = self.lay, self.buf
+        for src, items in sorted(lay.recvs.items()):
+            data = self.sess.wait_bytes(f"edge/{src}/{self.rank}", f"waiting for rank {src}'s edge bytes")
+            if data[:1] != _OK:
+                raise RuntimeError(f"rank {src} failed before handing over its edge bytes: {data[1:].decode()}")
+            got = torch.frombuffer(bytearray(data[1:]), dtype=torch.uint8) if len(data) > 1 else None
+            pos = 0
+            for off, n in items:
+                buf[off:off + n].copy_(got[pos:pos + n])
+                pos += n
+        be = get_backend(self.opts.io.io_backend)
+        step = self.opts.io.chunk_bytes
+        writers: dict[int, FileWriter] = {}
+        view = memoryview(buf.numpy()) if lay.buffer_bytes else None
+        try:
+            for fi in sorted({fi for fi, _, _, _ in lay.spans}):
+                writers[fi] = FileWriter(be, os.path.join(self.folder, self.plan.files[fi].name),
+                                         self.plan.files[fi].size, self.opts.io.o_direct is not False, create=False)
+            pieces = [(fi, a + d, off + d, min(step, b - a - d)) for fi, a, b, off in lay.spans
+                      for d in range(0, b - a, step)]
+            with ThreadPoolExecutor(self.opts.io.threads or default_threads(),
+                                    thread_name_prefix="fastckpt-io") as ex:
+                for f in [ex.submit(writers[fi].write, view[o:o + n], x) for fi, x, o, n in pieces]:
+                    f.result()
+                for f in [ex.submit(w.sync) for w in writers.values()]:
+                    f.result()
+            self.bytes_written = lay.written_bytes
+        finally:
+            for w in writers.values():
+                w.close()
+
+    def hashes(self) -> dict[int, str]:
+        """xxh3-64 hex digest of each of this rank's chunks (chunk index -> digest)."""
+        return {ci: xxhash.xxh3_64(self.src[ci].numpy()).hexdigest() for ci in self.lay.chunks}
+
+    def release(self) -> None:
+        """Hand the staging buffer back (once); drop the source views."""
+        self.buf = None
+        self.src = {}
+        if self.held:
+            self.held = False
+            self.pool.release()
+
+
+def run_job(job: ChunkJob, sources: dict[str, Any]) -> dict[int, str]:
+    """``stage`` -> ``write`` -> ``hashes`` of ``job``; on failure tell the waiting ranks, release, re-raise."""
+    try:
+        job.stage(sources)
+        job.write()
+        return job.hashes()
+    except BaseException as e:
+        job.fail_edges(e)
+        raise
+    finally:
+        job.release()

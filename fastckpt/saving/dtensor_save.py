@@ -1,0 +1,195 @@
+"""``fastckpt.save`` / ``async_save`` / ``CheckpointManager.save`` of states holding DTensors: the DCP route.
+
+At the call, on every rank of the group: validate (key path and type of anything unsupported,
+before any file exists), snapshot the state with :class:`FastCkptStager` (host copies of the
+local shards in a reused buffer) and return. In the background: ``dcp.save`` of the snapshot
+with :class:`~fastckpt.saving.dcp_writer.FastCkptWriter` and
+:class:`~fastckpt.saving.dcp_writer.FastCkptSavePlanner`, its collectives on a dedicated gloo
+group (:func:`~fastckpt.saving.dtensor.background_group`), never the training group. DCP's
+``CheckpointException`` (a ``BaseException``) becomes :class:`~fastckpt.errors.DistributedSaveError`
+naming each failed rank; nothing is committed and the process stays usable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from ..coordination import LOCAL
+from ..errors import CheckpointExistsError, DistributedSaveError
+from ..format.tree import join
+from ..storage.memory import host_buffer
+from ..storage.staging import copy_into
+from .collect import collect
+from .committer import fmt, remove_uncommitted
+from .dcp_writer import FastCkptSavePlanner, FastCkptWriter, read_manifest_bytes
+from .dtensor import background_group, check_state, mesh_ranks, view_key, with_stand_ins
+from .future import SaveFuture
+from .options import SaveOptions
+
+_ALIGN = 64
+
+
+class FastCkptStager(AsyncStager):
+    """DCP ``AsyncStager``: snapshots a state at the call into one reused host buffer.
+
+    ``stage(state)`` returns the same nesting with every tensor copied into the buffer and
+    every DTensor rebuilt on its copied local shard (same mesh, placements, global shape); other
+    values are shared. The same view under two key paths (tied weights) stays one copy;
+    different views of one storage are copied apart. The buffer grows as needed and is reused
+    by the next ``stage``: start the next save only after the previous one finished
+    (``dcp.async_save(...).result()``; fastckpt's own saves do).
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def stage(self, state_dict: Any) -> Any:
+        """A snapshot of ``state_dict`` (see the class docstring); blocks until copied."""
+        from torch.distributed.tensor import DTensor
+        leaves: list[torch.Tensor] = []
+        seen: dict[int, int] = {}
+
+        def local(v: torch.Tensor) -> torch.Tensor:
+            return v.to_local() if isinstance(v, DTensor) else v
+
+        def ident(v: torch.Tensor) -> Any:
+            return id(v) if isinstance(v, DTensor) else view_key(v)
+
+        def find(_: str, v: Any) -> None:
+            if isinstance(v, torch.Tensor) and ident(v) not in seen:
+                seen[ident(v)] = len(leaves)
+                leaves.append(v)
+        _each(state_dict, "", find)
+        offs, total = [], 0
+        for v in leaves:
+            t = local(v)
+            offs.append(total)
+            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        if self._buf is None or self._buf.numel() < total:
+            self._buf = host_buffer(max(total, 1))[0]
+        copies: list[torch.Tensor] = []
+        for v, off in zip(leaves, offs):
+            t = local(v)
+            n = t.numel() * t.element_size()
+            dst = self._buf[off:off + n]
+            copy_into(dst, t)
+            c = dst.view(t.dtype).view(t.shape) if t.numel() else torch.empty(t.shape, dtype=t.dtype)
+            if isinstance(v, DTensor):
+                c = DTensor.from_local(c, v.device_mesh, v.placements, run_check=False, shape=v.shape,
+                                       stride=v.stride())
+            copies.append(c)
+
+        def rebuild(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                return copies[seen[ident(v)]]
+            if isinstance(v, dict):
+                return {k: rebuild(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [rebuild(x) for x in v]
+            if isinstance(v, tuple):
+                return tuple(rebuild(x) for x in v)
+            return v
+        return rebuild(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """No-op: :meth:`stage` blocks until the copy is done."""
+
+    def close(self) -> None:
+        """Drop the buffer."""
+        self._buf = None
+
+
+def _each(v: Any, path: str, fn) -> None:
+    fn(path, v)
+    if isinstance(v, dict):
+        for k, x in v.items():
+            _each(x, join(path, k) if isinstance(k, (str, int)) else path, fn)
+    elif isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            _each(x, join(path, i), fn)
+
+
+def _refuse_options(opts: SaveOptions) -> None:
+    c = opts.consistency
+    bad = [n for n, on in (("local_keys", bool(opts.local_keys)), ("commit='marker'", opts.commit != "rename"),
+                           ("link_from", c.link_from is not None), ("defer", c.defer is not None),
+                           ("defer_frozen", c.defer_frozen), ("staging_bytes", opts.io.staging_bytes is not None))
+           if on]
+    if bad:
+        raise ValueError(f"save options {bad} are not supported for states holding DTensors (FSDP2 / tensor "
+                         "parallel) yet; drop them. Nothing was written")
+
+
+def _failure_text(v: Any) -> str:
+    exc = v[0] if isinstance(v, tuple) and v and isinstance(v[0], BaseException) else v
+    return fmt(exc) if isinstance(exc, BaseException) else str(exc)
+
+
+def start_dtensor_save(saver: Any, state: Any, path: Path, opts: SaveOptions, pg: Any) -> SaveFuture:
+    """The DCP route of :meth:`fastckpt.Saver.async_save` for a state holding DTensors (module docstring).
+
+    Args:
+        saver: the :class:`~fastckpt.saving.saver.Saver` (its staging pool and pending save).
+        state: the state (every rank of the group, same structure, DTensors by global shape).
+        path: absolute checkpoint folder. ``opts``: the checked options.
+        pg: ``process_group`` of the call: its ranks save together; ``None``: every rank of the
+            DTensors' device meshes.
+
+    Raises:
+        UnsupportedValueError: a value that cannot be saved (key path and type), before any file exists.
+        CheckpointExistsError: ``path`` exists and ``overwrite`` is false.
+        ValueError: an option not supported for DTensor states.
+    """
+    import torch.distributed as dist
+    t0 = time.perf_counter()
+    meshes = check_state(state)
+    _refuse_options(opts)
+    collect(with_stand_ins(state)[0], opts.stems)  # every other value error, at the call
+    if path.exists() and not opts.overwrite:
+        raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it atomically")
+    ranks = (dist.get_process_group_ranks(pg) if pg is not None and not (isinstance(pg, str) and pg == LOCAL)
+             else mesh_ranks(meshes))
+    group = background_group(ranks)
+    if not hasattr(saver, "stager"):
+        saver.stager = FastCkptStager()
+    staged = saver.stager.stage(state)
+    fut = SaveFuture(path)
+    fut._staged.set()
+    fut.blocking_s = time.perf_counter() - t0
+    writer = FastCkptWriter(path, pool=saver.pool, options=opts)
+    planner = FastCkptSavePlanner(opts.stems)
+    rank = dist.get_rank(group)
+
+    def run() -> None:
+        from torch.distributed.checkpoint import save as dcp_save
+        from torch.distributed.checkpoint.api import CheckpointException
+        exc: BaseException | None = None
+        try:
+            dcp_save(staged, storage_writer=writer, planner=planner, process_group=group)
+            info = read_manifest_bytes(path)
+            fut.bytes_written, fut.bytes_by_rank = info["bytes_total"], info["bytes_by_rank"]
+            fut.total_s = time.perf_counter() - t0
+            if rank == 0 and opts.on_commit is not None:
+                opts.on_commit(path)
+        except CheckpointException as e:
+            failures = {int(r): _failure_text(v) for r, v in e.failures.items()}
+            lines = "; ".join(f"rank {r}: {t}" for r, t in sorted(failures.items()))
+            exc = DistributedSaveError(f"multi-rank save of {path} failed, nothing was committed: {lines}", failures)
+        except BaseException as e:
+            exc = e
+        if exc is not None and writer.folder and not writer.committed:
+            remove_uncommitted(writer.folder, opts)
+        fut._finish(exc)
+
+    saver._pending = fut
+    fut._start()
+    threading.Thread(target=run, name="fastckpt-dcp-save", daemon=False).start()
+    return fut

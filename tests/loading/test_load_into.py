@@ -1,0 +1,177 @@
+"""load_into in one process: in-place fills, strict errors that leave the state untouched, verify,
+bounded buffers, non-tensor leaves, and peak RSS against a 200 MB model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.errors import ChecksumMismatchError, StateMismatchError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from into_helpers import CountingBackend, mismatches  # noqa: E402
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(6, 5, generator=g), "b": torch.randn(5, generator=g).to(torch.bfloat16),
+                      "ids": torch.arange(4, dtype=torch.int64) + seed},
+            "optim": {"state": {0: {"step": torch.tensor(float(seed)), "exp_avg": torch.randn(6, 5, generator=g)}},
+                      "param_groups": [{"lr": 0.1 * (seed + 1), "betas": (0.9, 0.99), "params": [0]}]},
+            "step": seed, "arr": np.arange(3, dtype=np.float32) * seed}
+
+
+def _zeros_like(state):
+    if isinstance(state, dict):
+        return {k: _zeros_like(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_zeros_like(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(_zeros_like(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    if isinstance(state, np.ndarray):
+        return np.zeros_like(state)
+    return state
+
+
+def _snapshot(state) -> list[bytes]:
+    out = []
+    for v in (state.values() if isinstance(state, dict) else state):
+        if isinstance(v, (dict, list, tuple)):
+            out += _snapshot(v)
+        elif isinstance(v, torch.Tensor):
+            out.append(v.view(torch.uint8).numpy().tobytes() if v.dim() else v.numpy().tobytes())
+    return out
+
+
+@pytest.fixture
+def ck(tmp_path):
+    return fastckpt.save(_state(1), tmp_path / "ck")
+
+
+def test_fills_in_place_and_returns_checkpoint_values(ck):
+    want = _state(1)
+    dst = _zeros_like(_state(0))
+    ids = {id(t) for t in (dst["model"]["w"], dst["model"]["b"], dst["optim"]["state"][0]["exp_avg"])}
+    arr = dst["arr"]
+    out = fastckpt.load_into(dst, ck, verify=True)
+    assert {id(out["model"]["w"]), id(out["model"]["b"]), id(out["optim"]["state"][0]["exp_avg"])} == ids
+    assert mismatches(dst["model"], want["model"]) == []  # the caller's tensors hold the checkpoint's bytes
+    assert out["step"] == 1 and dst["step"] == 0  # returned tree: checkpoint values; input dict unchanged
+    assert out["optim"]["param_groups"] == [{"lr": 0.2, "betas": (0.9, 0.99), "params": [0]}]
+    assert np.array_equal(arr, want["arr"])  # an ndarray leaf is filled in place too
+
+
+def test_non_contiguous_destination_goes_through_a_small_buffer(ck):
+    dst = _zeros_like(_state(0))
+    dst["model"]["w"] = torch.zeros(5, 6).t()  # strided view
+    fastckpt.load_into(dst, ck, buffer_bytes=20)  # one row (20 bytes) per block
+    assert torch.equal(dst["model"]["w"], _state(1)["model"]["w"])
+
+
+def _expect_mismatch(ck, dst, *needles):
+    before = _snapshot(dst)
+    with pytest.raises(StateMismatchError) as ei:
+        fastckpt.load_into(dst, ck)
+    msg = str(ei.value)
+    for n in needles:
+        assert n in msg, msg
+    assert _snapshot(dst) == before, "a refused load_into wrote into the state"
+    return ei.value
+
+
+def test_strict_shape_mismatch_names_key_shapes_file_and_writes_nothing(ck):
+    dst = _state(0)
+    dst["model"]["w"] = torch.full((6, 4), 7.0)
+    e = _expect_mismatch(ck, dst, "'model/w'", "[6, 4]", "[6, 5]", "model-00001-of-00001.safetensors")
+    assert e.mismatched and e.mismatched[0][0] == "model/w"
+
+
+def test_strict_dtype_mismatch_is_refused(ck):
+    dst = _state(0)
+    dst["model"]["b"] = dst["model"]["b"].float()
+    _expect_mismatch(ck, dst, "'model/b'", "F32", "BF16")
+
+
+def test_strict_missing_and_unexpected_keys(ck):
+    dst = _state(0)
+    dst["model"]["extra"] = torch.ones(2)
+    del dst["model"]["ids"]
+    e = _expect_mismatch(ck, dst, "missing from the checkpoint: 'model/extra'", "not in the state: 'model/ids'",
+                         "strict=False")
+    assert e.missing == ["model/extra"] and e.unexpected == ["model/ids"]
+    assert isinstance(e, ValueError) and isinstance(e, fastckpt.FastCkptError)
+
+
+def test_non_strict_skips_what_does_not_match(ck):
+    dst = _zeros_like(_state(0))
+    dst["model"]["extra"] = torch.ones(2)
+    dst["model"]["w"] = torch.zeros(2, 2)
+    fastckpt.load_into(dst, ck, strict=False)
+    assert torch.equal(dst["model"]["extra"], torch.ones(2)) and torch.equal(dst["model"]["w"], torch.zeros(2, 2))
+    assert torch.equal(dst["model"]["ids"], _state(1)["model"]["ids"])
+
+
+def test_verify_catches_a_flipped_byte_naming_the_tensor(ck):
+    m = fastckpt.read_manifest(ck)
+    e = m["tensors"]["model/w"]
+    with open(os.path.join(ck, e["file"]), "r+b") as f:
+        f.seek(e["offsets"][0] + 9)
+        b = f.read(1)
+        f.seek(e["offsets"][0] + 9)
+        f.write(bytes([b[0] ^ 0x10]))
+    dst = _zeros_like(_state(0))
+    fastckpt.load_into(dst, ck)  # without verify: loads the damaged bytes
+    with pytest.raises(ChecksumMismatchError, match="model/w"):
+        fastckpt.load_into(dst, ck, verify=True)
+
+
+def test_plain_hf_safetensors_file_by_name(tmp_path):
+    from safetensors.torch import save_file
+    t = {"layer.weight": torch.randn(4, 3), "layer.bias": torch.randn(3)}
+    save_file(t, str(tmp_path / "model.safetensors"))
+    dst = {"layer.weight": torch.zeros(4, 3), "layer.bias": torch.zeros(3)}
+    counter = CountingBackend()
+    fastckpt.load_into({"model": dst}, tmp_path, io_backend=counter)  # prefix "model" dropped
+    assert all(torch.equal(dst[k], t[k]) for k in t)
+    assert counter.bytes == 4 * 3 * 4 + 3 * 4
+    with pytest.raises(StateMismatchError, match="missing from the checkpoint: 'other'"):
+        fastckpt.load_into({"other": torch.zeros(1), **dst}, tmp_path)
+
+
+RSS_SCRIPT = textwrap.dedent("""
+    import json, resource, sys, torch, fastckpt
+    n, path = int(sys.argv[1]), sys.argv[2]
+    state = {"model": {f"layer{i}": torch.zeros(n // 8 // 4) for i in range(8)}}
+    for t in state["model"].values():
+        t.fill_(1.0)                    # fault every page of the model in
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    fastckpt.load_into(state, path)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    ok = all(float(t[0]) == i + 0.5 for i, t in enumerate(state["model"].values()))
+    print(json.dumps({"base": base, "peak": peak, "ok": ok}))
+""")
+
+
+def test_peak_rss_stays_at_model_size(tmp_path):
+    n = 200 << 20
+    ck = tmp_path / "big"
+    fastckpt.save({"model": {f"layer{i}": torch.full((n // 8 // 4,), i + 0.5) for i in range(8)}}, ck)
+    env = dict(os.environ)
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(n), str(ck)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["ok"]
+    growth = r["peak"] - r["base"]
+    assert growth < 0.5 * n, f"peak RSS grew by {growth / 2**20:.0f} MiB loading a {n >> 20} MiB model in place"

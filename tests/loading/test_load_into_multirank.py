@@ -1,0 +1,219 @@
+"""load_into across world sizes with a real FSDP2 (``fully_shard``) tiny Llama + AdamW, 2 spawned
+gloo ranks on CPU: 2 -> 2 (fresh model, new mesh), 1 -> 2, 2 -> 1 (a v1 multi-rank checkpoint of
+``fastckpt.Shard`` pieces) and plain HF folders; every tensor bit-exact, each rank reading only its
+shard's bytes, and the resumed run's next loss equal to the uninterrupted run's."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "saving"))  # RankPool
+from ranks import RankPool  # noqa: E402
+
+import fastckpt  # noqa: E402
+from into_helpers import (LR, CountingBackend, batches, fsdp, llama, local_bytes, mismatches,  # noqa: E402
+                          next_loss, step, tensor_leaves)
+
+TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    p = RankPool(str(tmp_path_factory.mktemp("pool")), world_size=2)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def ckpts(pool, tmp_path_factory):
+    """Checkpoints of one training step: 'full2' (plain save of full tensors from rank 0 of an FSDP2
+    run), 'pieces2' (v1 multi-rank, Shard pieces from both ranks), 'solo' (one process), HF folders."""
+    folder = str(tmp_path_factory.mktemp("ck"))
+    out = pool.run(train_and_save, folder=folder, timeout_s=TIMEOUT_S)
+    solo = pool.run(train_and_save_solo, ranks=[0], folder=folder, timeout_s=TIMEOUT_S)
+    return {"folder": folder, "loss2": out[0]["loss"], "loss1": solo[0]["loss"], **out[0]}
+
+
+# -- rank-side functions ----------------------------------------------------------------------
+
+def _to_pieces(v):
+    """A sharded state with every DTensor replaced by this rank's ``fastckpt.Shard`` piece."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    if isinstance(v, dict):
+        return {k: _to_pieces(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_to_pieces(x) for x in v]
+    if isinstance(v, DTensor):
+        _, off = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+        return fastckpt.Shard(v.to_local().detach().clone(), tuple(v.shape), tuple(off))
+    return v
+
+
+def train_and_save(folder: str) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    model = fsdp(llama(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    step(model, opt, batches()[0])
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        fastckpt.save({"model": msd, "optim": osd}, os.path.join(folder, "full2"))
+        plain = llama(5)
+        plain.load_state_dict(msd)
+        plain.save_pretrained(os.path.join(folder, "hf"), safe_serialization=True)
+        plain.save_pretrained(os.path.join(folder, "hf_sharded"), safe_serialization=True, max_shard_size="40KB")
+    sm, so = get_state_dict(model, opt)
+    fastckpt.save(_to_pieces({"model": sm, "optim": so}), os.path.join(folder, "pieces2"),
+                  process_group=dist.group.WORLD, timeout_s=60)
+    dist.barrier()
+    return {"loss": next_loss(model, opt)}
+
+
+def train_and_save_solo(folder: str) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model = llama(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    step(model, opt, batches()[0])
+    msd, osd = get_state_dict(model, opt)
+    fastckpt.save({"model": msd, "optim": osd}, os.path.join(folder, "solo"))
+    return {"loss": next_loss(model, opt)}
+
+
+def resume_fsdp(ck: str, with_optim: bool = True) -> dict:
+    """A fresh FSDP2 model (other init, new mesh) filled with load_into from ``ck``; bit-exactness
+    against the checkpoint's full tensors, bytes read, and the next loss."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    model = fsdp(llama(1))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR / 3)
+    msd, osd = get_state_dict(model, opt)
+    counter = CountingBackend()
+    if with_optim:
+        state = fastckpt.load_into({"model": msd, "optim": osd}, ck, io_backend=counter, verify=False)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        want = fastckpt.load(ck)
+    else:  # an HF folder: model weights only, matched by tensor name
+        state = {"model": fastckpt.load_into(msd, ck, io_backend=counter)}
+        want = {"model": fastckpt.load(ck)}
+    expected = local_bytes(state)
+    full_m, full_o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    bad = mismatches(full_m, want["model"])
+    if with_optim:
+        bad += mismatches(full_o, want["optim"], "optim")
+    total = sum(t.numel() * t.element_size() for t in tensor_leaves(want))
+    loss = next_loss(model, opt) if with_optim else None
+    return {"bad": bad, "read": counter.bytes, "expected": expected, "total": total, "loss": loss}
+
+
+def resume_plain(ck: str) -> dict:
+    """One process (no FSDP): load_into a plain model + AdamW state from ``ck``."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model = llama(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR / 3)
+    msd, osd = get_state_dict(model, opt)
+    state = fastckpt.load_into({"model": msd, "optim": osd}, ck, verify=True)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    whole = fastckpt.load(ck)  # plain load assembles Shard pieces: no placeholder dicts
+    m2, o2 = get_state_dict(model, opt)
+    bad = mismatches(m2, whole["model"]) + mismatches(o2, whole["optim"], "optim")
+    return {"bad": bad, "loss": next_loss(model, opt)}
+
+
+def dtensor_placements(folder: str) -> dict:
+    """Shard(1) (uneven: 5 columns on 2 ranks), Shard(0) (uneven rows) and Replicate DTensors filled
+    from a full-tensor checkpoint: each rank's local part equals the full tensor's, bytes = its part."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    ck = os.path.join(folder, "placements")
+    full = {"a": torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5), "b": torch.arange(3 * 4 * 6).reshape(3, 4, 6),
+            "c": torch.randn(9, 4, generator=torch.Generator().manual_seed(0))}
+    if dist.get_rank() == 0:
+        fastckpt.save(full, ck)
+    dist.barrier()
+    mesh = init_device_mesh("cpu", (2,))
+    state = {"a": distribute_tensor(torch.zeros(7, 5), mesh, [Shard(1)]),
+             "b": distribute_tensor(torch.zeros(3, 4, 6, dtype=torch.int64), mesh, [Shard(2)]),
+             "c": distribute_tensor(torch.zeros(9, 4), mesh, [Replicate()])}
+    counter = CountingBackend()
+    fastckpt.load_into(state, ck, io_backend=counter)
+    bad = [k for k in full if not torch.equal(state[k].full_tensor(), full[k])]
+    fastckpt.load_into(state, ck, verify=True)  # partial regions: the whole-tensor xxh3 is read and checked
+    return {"bad": bad, "read": counter.bytes, "expected": local_bytes(state)}
+
+
+# -- tests ------------------------------------------------------------------------------------
+
+def _check(out: dict, ref_loss: float, exact: bool) -> None:
+    for r, o in out.items():
+        assert o["bad"] == [], f"rank {r}: tensors differ from the checkpoint: {o['bad'][:5]}"
+        # each rank read exactly its shard (plus the replicated optimizer step scalars), not the model
+        assert 0 < o["read"] == o["expected"], (r, o)
+        assert o["read"] < 0.6 * o["total"], (r, o)
+        if exact:
+            assert o["loss"] == ref_loss, (r, o["loss"], ref_loss)
+        else:  # another world size: the same math, other reduction order
+            assert o["loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6), (r, o["loss"], ref_loss)
+
+
+def test_fsdp2_2_to_2_new_mesh_bit_exact(pool, ckpts):
+    out = pool.run(resume_fsdp, ck=os.path.join(ckpts["folder"], "full2"), timeout_s=TIMEOUT_S)
+    _check(out, ckpts["loss2"], exact=True)
+
+
+def test_fsdp2_1_to_2(pool, ckpts):
+    out = pool.run(resume_fsdp, ck=os.path.join(ckpts["folder"], "solo"), timeout_s=TIMEOUT_S)
+    _check(out, ckpts["loss1"], exact=False)
+
+
+def test_v1_multirank_pieces_2_to_2_and_2_to_1(pool, ckpts):
+    ck = os.path.join(ckpts["folder"], "pieces2")
+    m = fastckpt.read_manifest(ck)
+    assert m["world_size"] == 2 and m["distributed"]["shards"], "not a multi-rank Shard checkpoint"
+    out = pool.run(resume_fsdp, ck=ck, timeout_s=TIMEOUT_S)
+    _check(out, ckpts["loss2"], exact=True)
+    one = pool.run(resume_plain, ranks=[0], ck=ck, timeout_s=TIMEOUT_S)[0]
+    assert one["bad"] == [], one["bad"][:5]
+    assert one["loss"] == pytest.approx(ckpts["loss2"], rel=1e-5, abs=1e-6)
+
+
+def test_plain_load_of_shard_pieces_returns_full_tensors(ckpts):
+    whole = fastckpt.load(os.path.join(ckpts["folder"], "pieces2"))
+    full = fastckpt.load(os.path.join(ckpts["folder"], "full2"))
+    assert mismatches(whole["model"], full["model"]) == []
+    assert mismatches(whole["optim"]["state"], full["optim"]["state"]) == []
+
+
+@pytest.mark.parametrize("name", ["hf", "hf_sharded"])
+def test_hf_folder_into_fsdp2(pool, ckpts, name):
+    ck = os.path.join(ckpts["folder"], name)
+    if name == "hf_sharded":
+        assert os.path.exists(os.path.join(ck, "model.safetensors.index.json")), os.listdir(ck)
+    out = pool.run(resume_fsdp, ck=ck, with_optim=False, timeout_s=TIMEOUT_S)
+    for r, o in out.items():
+        assert o["bad"] == [], (r, o["bad"][:5])
+        assert o["read"] == o["expected"] and o["read"] < 0.6 * o["total"], (r, o)
+
+
+def test_hf_folder_prefixed_state_one_process(ckpts):
+    model = llama(3)
+    sd = model.state_dict()
+    out = fastckpt.load_into({"model": sd}, os.path.join(ckpts["folder"], "hf_sharded"))
+    want = fastckpt.load(os.path.join(ckpts["folder"], "full2"))["model"]
+    assert out["model"] is not None and mismatches(dict(model.state_dict()), want) == []
+
+
+def test_dtensor_shard1_uneven_and_replicate(pool, tmp_path):
+    out = pool.run(dtensor_placements, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    for r, o in out.items():
+        assert o["bad"] == [] and 0 < o["read"] == o["expected"], (r, o)
+
+
+def test_sharded_load_is_deprecated(ckpts):
+    from fastckpt.loading import sharded
+    with pytest.warns(DeprecationWarning, match="load_into"):
+        sharded.load(os.path.join(ckpts["folder"], "pieces2"), rank=0, world_size=1)

@@ -1,0 +1,210 @@
+"""DTensor states saved by fastckpt.save / async_save on 2 spawned ranks (gloo, CPU): one committed
+folder of full tensors, each rank writing its own chunks (uneven shards, Shard(0)/Shard(1)/Replicate,
+O_DIRECT), byte-for-byte the files of a one-process save of the full tensors; failures commit nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from ranks import RankPool  # noqa: E402
+
+import fastckpt  # noqa: E402
+from fastckpt.storage.io import PosixBackend  # noqa: E402
+
+TIMEOUT_S = 120
+TMP_MARK = ".fastckpt-tmp-"
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    p = RankPool(str(tmp_path_factory.mktemp("dtpool")), world_size=2)
+    yield p
+    p.close()
+
+
+# -- rank functions (run in the spawned ranks) ------------------------------------------------
+
+def _full_state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {"a.weight": torch.randn(7, 33, generator=g),          # Shard(0): 4 + 3 rows of 132 bytes
+                  "b.weight": torch.randn(5, 37, generator=g),          # Shard(1): 19 + 18 cols, rows of 148 bytes
+                  "c.weight": torch.randn(3001, 7, generator=g),        # Shard(0), edges inside pages
+                  "d.weight": torch.randn(64, 1001, generator=g).half(),  # Shard(1), rows of 2002 bytes
+                  "e.bias": torch.randn(3, 3, generator=g).double(),    # Replicate()
+                  "f.weight": torch.randn(9, 5, generator=g),           # 2-D mesh (1, 2): Replicate(), Shard(0)
+                  "plain": torch.arange(10)},                          # a plain tensor: one rank writes it
+        "step": 3, "note": "uneven", "scalar": torch.tensor(2.5)}
+
+
+def _distribute(full: dict) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (2,))
+    mesh2 = init_device_mesh("cpu", (1, 2))
+    m = full["model"]
+    place = {"a.weight": (mesh, [Shard(0)]), "b.weight": (mesh, [Shard(1)]), "c.weight": (mesh, [Shard(0)]),
+             "d.weight": (mesh, [Shard(1)]), "e.bias": (mesh, [Replicate()]),
+             "f.weight": (mesh2, [Replicate(), Shard(0)])}
+    out = dict(full)
+    out["model"] = {k: (distribute_tensor(v, *place[k]) if k in place else v) for k, v in m.items()}
+    return out
+
+
+def rank_save_uneven(folder: str, o_direct: bool) -> dict:
+    state = _distribute(_full_state())
+    fut = fastckpt.async_save(state, os.path.join(folder, "ck"), o_direct=o_direct, timeout_s=60)
+    fut.result(timeout_s=90)
+    return {"bytes_by_rank": fut.bytes_by_rank}
+
+
+class _FailingBackend(PosixBackend):
+    def pwrite(self, fd, data, offset):
+        raise OSError(5, "injected EIO")
+
+
+def rank_save_failing(folder: str) -> dict:
+    import torch.distributed as dist
+    state = _distribute(_full_state())
+    path = os.path.join(folder, "bad")
+    kw = {"io_backend": _FailingBackend()} if dist.get_rank() == 1 else {}
+    out = {}
+    try:
+        fastckpt.save(state, path, timeout_s=30, **kw)
+        out["error"] = None
+    except Exception as e:
+        out["error"] = type(e).__name__
+        out["failures"] = sorted(getattr(e, "failures", {}) or {})
+        out["message"] = str(e)
+    dist.barrier()
+    out["exists_after_fail"] = os.path.exists(path)
+    out["leftovers"] = sorted(n for n in os.listdir(folder) if TMP_MARK in n)
+    fastckpt.save(state, path, timeout_s=30)  # the process stays usable
+    out["ok_after"] = os.path.exists(os.path.join(path, "manifest.json"))
+    return out
+
+
+def rank_refuse(folder: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    class Sub(torch.Tensor):
+        pass
+
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    cases = {"partial": {"model": {"w": DTensor.from_local(torch.ones(4, 4), mesh, [Partial()])}},
+             "subclass": {"model": {"w": DTensor.from_local(torch.ones(4, 4), mesh, [__import__(
+                 "torch.distributed.tensor", fromlist=["Shard"]).Shard(0)]), "x": torch.Tensor._make_subclass(Sub, torch.ones(2))}}}
+    for name, state in cases.items():
+        path = os.path.join(folder, name)
+        try:
+            fastckpt.save(state, path)
+            out[name] = None
+        except Exception as e:
+            out[name] = (type(e).__name__, str(e), os.path.exists(path),
+                         sorted(n for n in os.listdir(folder) if TMP_MARK in n))
+    return out
+
+
+def rank_manager(folder: str) -> dict:
+    import torch.distributed as dist
+    state = _distribute(_full_state())
+    mgr = fastckpt.CheckpointManager(os.path.join(folder, "run"), keep_last=1, process_group=dist.group.WORLD)
+    mgr.save(1, state, timeout_s=60)
+    state["step"] = 2
+    mgr.save(2, state, timeout_s=60)
+    dist.barrier()
+    return {"steps": mgr.steps(), "latest": mgr.latest()}
+
+
+# -- tests --------------------------------------------------------------------------------------
+
+def _read_all(path: Path) -> dict:
+    from safetensors.torch import load_file
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.parametrize("o_direct", [True, False])
+def test_uneven_shards_bytes_exact(pool, tmp_path, o_direct):
+    res = pool.run(rank_save_uneven, folder=str(tmp_path), o_direct=o_direct, timeout_s=TIMEOUT_S)
+    ck = tmp_path / "ck"
+    full = _full_state()
+    # the files are byte-for-byte those of a one-process save of the full tensors
+    ref = tmp_path / "ref"
+    fastckpt.save(full, ref)
+    names = sorted(p.name for p in ref.iterdir() if p.name != "manifest.json")
+    assert sorted(p.name for p in ck.iterdir() if p.name != "manifest.json") == names
+    for n in names:
+        assert (ck / n).read_bytes() == (ref / n).read_bytes(), n
+    got = _read_all(ck)
+    for k, v in full["model"].items():
+        assert torch.equal(got[k], v), k
+    m = json.loads((ck / "manifest.json").read_text())
+    assert m["format_version"] == 2
+    t = m["tensors"]
+    for k in ("a.weight", "b.weight", "c.weight", "d.weight", "f.weight"):
+        key = "model/" + k
+        assert "xxh3" not in t[key] and len(t[key]["chunks"]) == 2, (k, t[key])
+    assert t["model/b.weight"]["chunks"][1]["offsets"] == [0, 19]
+    assert t["model/b.weight"]["chunks"][1]["shape"] == [5, 18]
+    import xxhash
+    c = t["model/d.weight"]["chunks"][1]
+    region = full["model"]["d.weight"][:, c["offsets"][1]:c["offsets"][1] + c["shape"][1]].contiguous()
+    assert c["xxh3"] == xxhash.xxh3_64(region.numpy().tobytes()).hexdigest()
+    for k in ("model/e.bias", "model/plain", "scalar"):  # written by one rank, one checksum
+        assert "chunks" not in t[k] and t[k]["xxh3"] == json.loads((ref / "manifest.json").read_text())["tensors"][k]["xxh3"]
+    by_rank = m["distributed"]["bytes_by_rank"]
+    assert set(by_rank) == {"0", "1"} and all(b > 0 for b in by_rank.values())
+    assert res[0]["bytes_by_rank"] == {0: by_rank["0"], 1: by_rank["1"]}
+    back = fastckpt.load(ck)
+    assert back["step"] == 3 and back["note"] == "uneven" and torch.equal(back["scalar"], full["scalar"])
+    for k, v in full["model"].items():
+        assert torch.equal(back["model"][k], v), k
+
+
+def test_failing_rank_commits_nothing(pool, tmp_path):
+    res = pool.run(rank_save_failing, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    for r in (0, 1):
+        assert res[r]["error"] == "DistributedSaveError", res[r]
+        assert 1 in res[r]["failures"] and "injected EIO" in res[r]["message"], res[r]
+        assert not res[r]["exists_after_fail"] and res[r]["leftovers"] == []
+        assert res[r]["ok_after"]
+    assert torch.equal(fastckpt.load(tmp_path / "bad")["model"]["b.weight"], _full_state()["model"]["b.weight"])
+
+
+def test_unsupported_values_refused_before_any_file(pool, tmp_path):
+    res = pool.run(rank_refuse, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    for r in (0, 1):
+        typ, msg, exists, leftovers = res[r]["partial"]
+        assert typ == "UnsupportedValueError" and "'model/w'" in msg and "Partial" in msg
+        assert not exists and leftovers == []
+        typ, msg, exists, leftovers = res[r]["subclass"]
+        assert typ == "UnsupportedValueError" and "'model/x'" in msg and "Sub" in msg
+        assert not exists and leftovers == []
+
+
+def test_shard_is_deprecated_naming_dtensor():
+    with pytest.warns(DeprecationWarning, match="DTensor"):
+        fastckpt.Shard(torch.ones(2), (4,), (0,))
+
+
+def test_checkpoint_manager_saves_dtensor_state(pool, tmp_path):
+    res = pool.run(rank_manager, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    assert res[0] == res[1] == {"steps": [2], "latest": 2}
+    back = fastckpt.load(tmp_path / "run" / "step-2")
+    full = _full_state()
+    assert back["step"] == 2
+    for k, v in full["model"].items():
+        assert torch.equal(back["model"][k], v), k
+    assert json.loads((tmp_path / "run" / "step-2" / "manifest.json").read_text())["step"] == 2
