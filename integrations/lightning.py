@@ -105,14 +105,18 @@ def _build_strategy_class():
                 StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                 set_model_state_dict, set_optimizer_state_dict)
             strict = self.lightning_module.strict_loading
+            # Lightning's own part first (small: loops, callbacks...); it is also part of the target,
+            # so load_into's strict check compares the whole checkpoint with the whole state
+            meta = fastckpt.load(path, keys=META_KEY)[META_KEY]
             target: dict[str, Any] = {STATE_KEY: get_model_state_dict(self.model)}
             for i, optim in enumerate(self.optimizers):
                 target[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optim)
-            loaded = fastckpt.load_into(target, path, strict=strict, exclude=[META_KEY])
+            target[META_KEY] = meta
+            loaded = fastckpt.load_into(target, path, strict=strict)
             set_model_state_dict(self.model, loaded[STATE_KEY], options=StateDictOptions(strict=strict))
             for i, optim in enumerate(self.optimizers):
                 set_optimizer_state_dict(self.model, optim, optim_state_dict=loaded[f"optimizer_{i}"])
-            return fastckpt.load(path, keys=META_KEY)[META_KEY]
+            return loaded[META_KEY]
 
         def remove_checkpoint(self, filepath) -> None:
             """Rank 0 deletes a fastckpt folder atomically (rename, then remove); others as Lightning."""

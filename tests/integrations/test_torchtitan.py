@@ -210,13 +210,17 @@ def rank_failure(folder: str) -> dict:
         def _arm(cls, on: bool):
             cls.armed = on
 
-        def storage_writer(self, checkpoint_id):
-            w = super().storage_writer(checkpoint_id)
-            if getattr(type(self), "armed", False) and dist.get_rank() == 1:
-                def write_data(plan, planner):
+        def storage_writer(self, checkpoint_id):  # the documented override point
+            from fastckpt.dcp import FastCkptWriter
+            from fastckpt.storage.io import PosixBackend
+
+            class FailingBackend(PosixBackend):
+                def pwrite(self, fd, data, offset):
                     raise OSError(28, "injected: no space left on device")
-                w.write_data = write_data
-            return w
+
+            armed = getattr(type(self), "armed", False) and dist.get_rank() == 1
+            return FastCkptWriter(checkpoint_id, timeout_s=30,
+                                  **({"io_backend": FailingBackend()} if armed else {}))
 
     Failing._arm(True)
     parts = _setup(0)
