@@ -105,6 +105,11 @@ def _typed_future(fut: Future) -> Future:
     return out
 
 
+def _fast_stager_type():
+    from fastckpt.dcp import FastCkptStager
+    return FastCkptStager
+
+
 @functools.lru_cache(maxsize=None)
 def _build_manager_class():
     """Define the subclass (imports torchtitan; called once, on first use)."""
@@ -149,13 +154,18 @@ def _build_manager_class():
             from fastckpt.dcp import FastCkptSavePlanner
             return FastCkptSavePlanner()
 
+        def __init__(self, config, **kwargs: Any) -> None:
+            super().__init__(config, **kwargs)
+            if self.enable and self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+                # set before torchtitan's _save would make its DefaultStager (shared + pinned memory)
+                self.stager = self.async_stager()
+
         def async_stager(self):
-            """The stager of ``async_mode="async_with_pinned_mem"`` (default one ``FastCkptStager``
-            kept for the run, so its host buffers are reused step after step)."""
-            if getattr(self, "_fast_stager", None) is None:
-                from fastckpt.dcp import FastCkptStager
-                self._fast_stager = FastCkptStager()
-            return self._fast_stager
+            """The stager of ``async_mode="async_with_pinned_mem"``: one ``FastCkptStager`` for the
+            run (made at construction), so its host buffer is reused step after step."""
+            if not isinstance(getattr(self, "stager", None), _fast_stager_type()):
+                self.stager = _fast_stager_type()()
+            return self.stager
 
         def storage_reader(self, checkpoint_id: str):
             """The DCP ``StorageReader`` for one step folder (default ``FastCkptReader(path)``)."""

@@ -137,7 +137,7 @@ def rank_round_trip(folder: str, async_mode: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+@pytest.mark.parametrize("async_mode", ["disabled", "async", "async_with_pinned_mem"])
 def test_save_then_load_bit_exact_and_hf_layout(pool, tmp_path, async_mode):
     folder = str(tmp_path)
     res = pool.run(rank_round_trip, folder=folder, async_mode=async_mode, timeout_s=TIMEOUT_S)
