@@ -86,8 +86,9 @@ def _trainer(root: str, max_steps: int, callbacks=(), strategy=None):
     from fastckpt.integrations.lightning import FastCkptModelParallelStrategy
 
     strategy = strategy or FastCkptModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    ckpt = any(isinstance(c, L.callbacks.ModelCheckpoint) for c in callbacks)
     return L.Trainer(accelerator="cpu", devices=2, max_steps=max_steps, logger=False, strategy=strategy,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     enable_checkpointing=ckpt, enable_progress_bar=False, enable_model_summary=False,
                      default_root_dir=root, callbacks=list(callbacks))
 
 
@@ -211,6 +212,40 @@ def test_trainer_save_then_resume_bit_exact(pool, tmp_path):
             assert _raw(f.get_tensor(name)) == _raw(full[name]), name
     meta = fastckpt.load(ck, keys="lightning")["lightning"]
     assert meta["global_step"] == 2 and "loops" in meta and meta["lr_schedulers"][0]["last_epoch"] == 2
+
+
+def rank_model_checkpoint(folder: str) -> dict:
+    """ModelCheckpoint every step, save_top_k=1 + save_last: old step folders removed, last.ckpt
+    overwritten (atomically), both committed; resume from last.ckpt restores step 3."""
+    import lightning.pytorch as L
+
+    _env()
+    dirpath = os.path.join(folder, "ckpts")
+    cb = L.callbacks.ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=1, save_last=True)
+    _trainer(folder, 3, [cb]).fit(_module(0))
+    import torch.distributed as dist
+    dist.barrier()
+    listing = sorted(os.listdir(dirpath))
+    steps = []
+
+    class Step(L.Callback):
+        def on_train_start(self, trainer, module):
+            steps.append(trainer.global_step)
+
+    _trainer(folder, 4, [Step()]).fit(_module(1), ckpt_path=os.path.join(dirpath, "last.ckpt"))
+    return {"listing": listing, "best": os.path.basename(cb.best_model_path), "resumed_at": steps}
+
+
+def test_model_checkpoint_rotation_and_last(pool, tmp_path):
+    res = pool.run(rank_model_checkpoint, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    dirpath = os.path.join(str(tmp_path), "ckpts")
+    for r, out in res.items():
+        # only the newest step folder and last.ckpt; no temporaries or half-deleted folders left
+        assert out["listing"] == ["epoch=1-step=3.ckpt", "last.ckpt"], (r, out)
+        assert out["resumed_at"] == [3], (r, out)
+    for name in ("epoch=1-step=3.ckpt", "last.ckpt"):
+        assert fastckpt.is_committed(os.path.join(dirpath, name)), name
+        assert fastckpt.load(os.path.join(dirpath, name), keys="lightning")["lightning"]["global_step"] == 3
 
 
 def test_save_distributed_checkpoint_false_is_refused():
