@@ -77,13 +77,23 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
             Default ``None``: this process saves alone, even when a process group is
             initialized (the ``if rank == 0: fastckpt.save(...)`` pattern).
 
+    DTensor states (FSDP2 ``fully_shard``, tensor parallel: ``Shard(d)`` / ``Replicate()`` on any
+    mesh, uneven shards) are saved by every rank together: with ``process_group=None`` the ranks
+    of the DTensors' device meshes. The folder holds full tensors in HF layout (docs/FORMAT.md,
+    "Version 2"), each rank writing its own chunks; DCP's planner places them and its collectives
+    run on a dedicated gloo group (:func:`fastckpt.dcp.background_group`), never the training
+    group. ``local_keys``, ``commit="marker"``, ``link_from``, ``defer``, ``defer_frozen`` and
+    ``staging_bytes`` are refused (``ValueError``) for such states; a rank's failure raises
+    ``DistributedSaveError`` on every rank with nothing committed.
+
     Returns:
         A :class:`SaveFuture`; ``result()`` returns the path once durable and committed.
 
     Raises:
         CheckpointExistsError: ``path`` exists and ``overwrite`` is false.
         UnsupportedValueError / UnsupportedDtypeError: a value cannot be stored (names its key
-            path); raised before any file is created.
+            path; e.g. a DTensor with a ``Partial()`` placement, a tensor subclass); raised before
+            any file is created.
         InsufficientSpaceError: not enough free space for the checkpoint.
         SaveConflictError: without ``process_group``, another rank is saving the same path.
         DistributedSaveError: with ``process_group``, a rank failed or did not arrive within

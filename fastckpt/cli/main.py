@@ -117,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     ls.set_defaults(func=cmd_ls)
     v = sub.add_parser("verify", help="re-read every byte of a checkpoint against its checksums",
                        description="Re-read every byte of a committed checkpoint (or the newest committed "
-                                   "one of a run root) against the manifest's xxh3 checksums. Exit 0: all "
-                                   "match; 1: a mismatch or damaged file (named); 2: nothing to verify. "
+                                   "one of a run root) against the manifest's xxh3 checksums (format 2: one per "
+                                   "chunk of a tensor several ranks wrote; a mismatch names the chunk's offsets). "
+                                   "Exit 0: all match; 1: a mismatch or damaged file (named); 2: nothing to verify. "
                                    f"{_FOUND}. Sizes in decimal units (1 MB = 10^6 bytes).")
     v.add_argument("path", help="checkpoint folder, run root, or a foreign safetensors file/HF folder "
                                 "(headers and index validated only)")

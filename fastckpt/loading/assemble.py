@@ -44,7 +44,7 @@ def fill_placeholders(tree: Any, manifest: dict, get: Callable[[str], torch.Tens
     Raises:
         ShardedCheckpointError: the pieces do not cover the tensor (the checkpoint holds only some
             ranks' shards: fill a state in place with ``fastckpt.load_into``), or a rank-local subtree
-            (saved with ``local_keys``: ``fastckpt.loading.sharded.load(..., local_rank_from=r)``).
+            (saved with ``local_keys``: ``fastckpt.load_into(state, path, local_rank=r)``).
     """
     if isinstance(tree, dict):
         if len(tree) == 1 and "__shard__" in tree:
@@ -52,8 +52,8 @@ def fill_placeholders(tree: Any, manifest: dict, get: Callable[[str], torch.Tens
         if len(tree) == 1 and "__rank_local__" in tree:
             raise ShardedCheckpointError(
                 f"{root}: {path or tree['__rank_local__']!r} is a rank-local subtree (saved per rank with "
-                f"local_keys by {manifest.get('world_size')} ranks); plain load cannot merge it: read one "
-                "rank's with fastckpt.loading.sharded.load(path, local_rank_from=r), or load the rest with "
+                f"local_keys by {manifest.get('world_size')} ranks); plain load cannot merge it: fill a state "
+                "with one saved rank's with fastckpt.load_into(state, path, local_rank=r), or load the rest with "
                 "load(path, keys=...)")
         return {k: fill_placeholders(x, manifest, get, root, join(path, k)) for k, x in tree.items()}
     if isinstance(tree, list):

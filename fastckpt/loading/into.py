@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,8 +119,8 @@ class _Plan:
     def _rank_local_hint(self, path: str) -> str:
         for kp in self.idx.rank_local:
             if path == kp or path.startswith(kp + "/"):
-                return (f" (under rank-local subtree {kp!r}, saved per rank with local_keys: read it with "
-                        "fastckpt.loading.sharded.load(..., local_rank_from=))")
+                return (f" (under rank-local subtree {kp!r}, saved per rank with local_keys; the saved rank "
+                        "asked for (local_rank=) saved none)")
         return ""
 
     def _tensor(self, v: torch.Tensor, path: str, desc: TensorDesc) -> None:
@@ -175,7 +176,8 @@ def _walk(state: Any, path: str, segs: tuple, plan: _Plan) -> None:
 
 def _rebuild(state: Any, path: str, values: dict[str, Any]) -> Any:
     if isinstance(state, dict) and state:
-        return {k: _rebuild(x, join(path, k), values) for k, x in state.items()}
+        d = {k: _rebuild(x, join(path, k), values) for k, x in state.items()}
+        return type(state)(d) if isinstance(state, OrderedDict) else d  # model.state_dict() stays an OrderedDict
     if isinstance(state, (list, tuple)) and state:
         out = [_rebuild(x, join(path, i), values) for i, x in enumerate(state)]
         if isinstance(state, list):
@@ -284,9 +286,18 @@ def verify_region(key: str, checks: list[Check], local: torch.Tensor, region: Bo
             raise ChecksumMismatchError(f"{c.what}: {problem}", path=c.stored.file, tensor=key)
 
 
+def _default_rank() -> int:
+    try:
+        import torch.distributed as dist
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    except (ImportError, RuntimeError):
+        return 0
+
+
 def load_into(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bool = False,
               threads: int | None = None, io_backend: str | PosixBackend | None = None,
-              chunk_bytes: int = READ_CHUNK_BYTES, buffer_bytes: int = BUFFER_BYTES) -> Any:
+              chunk_bytes: int = READ_CHUNK_BYTES, buffer_bytes: int = BUFFER_BYTES,
+              local_rank: int | None = None) -> Any:
     """Fill the tensors of ``state`` in place from the checkpoint at ``path``, resharding as needed.
 
     ``state`` is a nested dict/list/tuple like the one saved, e.g. ``{"model": model.state_dict(),
@@ -306,7 +317,9 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool = True, verif
     HF folders (no manifest; ``model.safetensors``, sharded with an index, hub snapshot folders):
     a tensor leaf matches the stored tensor named by the longest suffix of its key segments joined
     with ``.``; so ``load_into(model.state_dict(), hf_dir)`` matches names directly and
-    ``load_into({"model": model.state_dict()}, hf_dir)`` drops the ``"model"`` prefix.
+    ``load_into({"model": model.state_dict()}, hf_dir)`` drops the ``"model"`` prefix. Weights that HF
+    leaves out of the files (tied ``lm_head.weight`` when ``tie_word_embeddings``) are missing keys:
+    pass ``strict=False`` (the tied tensor shares memory with the embedding that is filled).
 
     Non-tensor leaves (ints, floats, strings, ``None``, optimizer ``param_groups`` values, empty
     containers) are replaced in the *returned* tree by the checkpoint's values (the input containers
@@ -328,6 +341,9 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool = True, verif
         chunk_bytes: bytes per read request (default 4 MiB).
         buffer_bytes: host bounce memory per tensor for destinations that are not contiguous CPU
             tensors (accelerator tensors, strided views), default 64 MiB; at least one dim-0 slice.
+        local_rank: saved rank whose rank-local subtrees (a multi-rank save's ``local_keys``, which
+            carry no placement and do not reshard) fill the state's. Default: this process's rank in
+            the default process group when one is initialized, else 0.
 
     Returns:
         ``state`` rebuilt with the same containers: tensor leaves are the filled objects, non-tensor
@@ -353,7 +369,9 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool = True, verif
         state = fastckpt.load_into({"model": sd, "optim": osd}, "ckpt/step-100")
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     """
-    idx = open_index(path)
+    if local_rank is None:
+        local_rank = _default_rank()
+    idx = open_index(path, local_rank)
     plan = _Plan(idx)
     _walk(state, "", (), plan)
     unexpected = plan.unexpected()

@@ -73,8 +73,7 @@ def load(path: str | os.PathLike, *, process_group: Any = None, rank: int | None
     .. deprecated:: 0.2
         Use :func:`fastckpt.load_into` (fills an existing plain or DTensor state in place, any world
         size to any, reading only each rank's bytes). This function keeps working for one release
-        and emits a ``DeprecationWarning``; ``local_rank_from`` (rank-local subtrees) has no
-        ``load_into`` equivalent yet.
+        and emits a ``DeprecationWarning``; ``local_rank_from`` is ``load_into``'s ``local_rank``.
 
     Args:
         path: committed checkpoint folder.

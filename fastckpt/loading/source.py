@@ -27,7 +27,10 @@ from ..errors import CheckpointNotFoundError
 from ..format.safetensors import safe_join
 from ..storage.commit import MANIFEST, read_manifest_shared
 from ..storage.retention import scan_checkpoints
+from ..format.dtypes import itemsize, str_to_dtype
+from .chunks import chunk_boxes
 from .reader import read_tensors
+from .regions import Stored, box_runs
 from .resolve import Resolved, resolve
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -135,7 +138,8 @@ def file_checks(folder: str | os.PathLike, name: str) -> tuple[int, list[RangeCh
     """Size and checksummed byte ranges of file ``name`` of the fastckpt checkpoint ``folder``.
 
     The ranges are the whole file (small files: config, tokenizer, adapter config), the header
-    of a safetensors file, and each of its tensors, as the manifest lists them, sorted by start.
+    of a safetensors file, and each of its tensors, as the manifest lists them, sorted by start
+    (format 2: each chunk that is one contiguous byte range, see :func:`_chunk_checks`).
 
     Returns:
         ``(bytes, ranges)``, or ``None`` when ``folder`` has no manifest or the manifest does not
@@ -160,8 +164,27 @@ def file_checks(folder: str | os.PathLike, name: str) -> tuple[int, list[RangeCh
     for key, e in m["tensors"].items():
         if isinstance(e, dict) and e.get("file") == name and "xxh3" in e:
             out.append(RangeCheck(f"tensor {key!r}", e["offsets"][0], e["offsets"][1], e["xxh3"]))
+        elif isinstance(e, dict) and e.get("file") == name and "chunks" in e:
+            out.extend(_chunk_checks(folder, key, e))
     out.sort(key=lambda c: (c.start, c.end))
     return info["bytes"], out
+
+
+def _chunk_checks(folder: str, key: str, e: dict) -> list[RangeCheck]:
+    """Range checks of the format-2 chunks of ``e`` that are one contiguous byte range of the file
+    (every chunk of a dim-0 split, e.g. FSDP2's); other chunks are checked by ``fastckpt verify``
+    and ``load(verify=True)``, not by these ranges."""
+    fpath = os.path.join(folder, e["file"])
+    isz = itemsize(str_to_dtype(e["dtype"], tensor=key, path=fpath))
+    whole = Stored(key, fpath, e["offsets"][0], tuple(e["shape"]), e["dtype"], isz, (0,) * len(e["shape"]))
+    out = []
+    for box, want in chunk_boxes(key, e, os.path.join(folder, MANIFEST)):
+        runs = box_runs(whole, box, box)
+        if len(runs) == 1:
+            r = runs[0]
+            out.append(RangeCheck(f"tensor {key!r} chunk at offsets {list(box[0])}", r.file_offset,
+                                  r.file_offset + r.nbytes, want))
+    return out
 
 
 def find_checkpoint(source: str | os.PathLike) -> str:

@@ -14,6 +14,7 @@ Readers of regions (:mod:`fastckpt.loading.into`, :mod:`fastckpt.loading.dcp_rea
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedValueError
 from ..format.dtypes import itemsize, str_to_dtype
+from ..format.layout import RANK_KEY
+from ..format.safetensors import safe_join
 from ..format.tree import join, unflatten
 from ..storage.commit import MANIFEST
 from .chunks import chunk_boxes
@@ -65,7 +68,8 @@ class CheckpointIndex:
         resolved: the validated checkpoint (:func:`fastckpt.loading.resolve.resolve`).
         tensors: key path (or HF tensor name) -> :class:`TensorDesc`.
         values: key path -> non-tensor leaf value from ``state.json`` (fastckpt only).
-        rank_local: key paths of rank-local subtrees (``local_keys`` saves), which carry no placement.
+        rank_local: key path -> top-level key of each rank-local subtree (``local_keys`` saves) that
+            was not filled in from a saved rank (see ``local_rank`` of :func:`open_index`).
         tree: the saved state with each tensor (and shard placeholder) as a :class:`Leaf` (fastckpt),
             or ``{name: Leaf}`` (HF files).
     """
@@ -73,7 +77,7 @@ class CheckpointIndex:
     resolved: Resolved
     tensors: dict[str, TensorDesc] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
-    rank_local: set[str] = field(default_factory=set)
+    rank_local: dict[str, Any] = field(default_factory=dict)
     tree: Any = None
 
     @property
@@ -130,12 +134,14 @@ def _checks(r: Resolved, key: str, st: Stored) -> list[Check]:
             for b, h in chunk_boxes(key, e, mpath)]
 
 
-def open_index(path: str | os.PathLike) -> CheckpointIndex:
+def open_index(path: str | os.PathLike, local_rank: int | None = None) -> CheckpointIndex:
     """Validate ``path`` (every header, index and manifest entry) and index what it holds.
 
     Args:
         path: fastckpt checkpoint folder (format 1 or 2, one or many ranks), HF model folder (hub
             snapshot folders included) or one safetensors file.
+        local_rank: saved rank whose rank-local subtrees (``local_keys`` saves) are indexed in place
+            of their placeholders (``None``: left out, listed in :attr:`CheckpointIndex.rank_local`).
 
     Raises:
         CheckpointNotFoundError, HeaderError, CorruptCheckpointError, UnsafePathError: as
@@ -155,7 +161,31 @@ def open_index(path: str | os.PathLike) -> CheckpointIndex:
     idx.tree = unflatten(r.skeleton, lambda k, kind: Leaf(k))
     shards = (r.manifest.get("distributed") or {}).get("shards") or {}
     _walk(idx, idx.tree, "", shards)
+    if idx.rank_local and local_rank is not None:
+        _add_rank_local(idx, local_rank, shards)
     return idx
+
+
+def _add_rank_local(idx: CheckpointIndex, rank: int, shards: dict) -> None:
+    """Index saved rank ``rank``'s rank-local subtrees (``state-rank*.json``, keys ``@rank{r}/...``)."""
+    r = idx.resolved
+    name = r.manifest["distributed"].get("rank_local", {}).get("skeletons", {}).get(str(rank))
+    if name is None:
+        return  # that rank saved none: the state's keys under them stay missing
+    spath = safe_join(r.root, name)
+    try:
+        with open(spath, "rb") as f:
+            skel = json.loads(f.read())
+    except (OSError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{spath}: rank {rank}'s rank-local skeleton is unreadable ({e}); run "
+                                     "`fastckpt verify`", path=spath) from None
+    pre = RANK_KEY.format(rank)
+    local = unflatten(skel, lambda k, kind: Leaf(pre + k))
+    local = local.get("local", {}) if isinstance(local, dict) else {}
+    for path, key in list(idx.rank_local.items()):
+        if key in local:
+            _walk(idx, local[key], path, shards)
+            del idx.rank_local[path]
 
 
 def _walk(idx: CheckpointIndex, v: Any, path: str, shards: dict) -> None:
@@ -166,7 +196,7 @@ def _walk(idx: CheckpointIndex, v: Any, path: str, shards: dict) -> None:
         return
     if isinstance(v, dict) and len(v) == 1 and ("__shard__" in v or "__rank_local__" in v):
         if "__rank_local__" in v:
-            idx.rank_local.add(path)
+            idx.rank_local[path] = v["__rank_local__"]
             return
         info = shards.get(v["__shard__"])
         if not isinstance(info, dict):

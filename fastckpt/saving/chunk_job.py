@@ -17,6 +17,7 @@ the :class:`~fastckpt.saving.chunks.RankLayout` of the rank (pure). Call order:
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -58,7 +59,7 @@ class ChunkJob:
                  pool: StagingPool, sess: Session):
         self.plan, self.chunks, self.rank, self.folder = plan, chunks, rank, folder
         self.opts, self.pool, self.sess = opts, pool, sess
-        self.lay: RankLayout = layout(plan, chunks, rank)
+        self.lay: RankLayout = _layout(plan, chunks, rank)
         self.src: dict[int, torch.Tensor] = {}
         self.buf: torch.Tensor | None = None
         self.held = False
@@ -114,9 +115,21 @@ class ChunkJob:
                                          self.plan.files[fi].size, self.opts.io.o_direct is not False, create=False)
             pieces = [(fi, a + d, off + d, min(step, b - a - d)) for fi, a, b, off in lay.spans
                       for d in range(0, b - a, step)]
+            tasks: list[list] = [[]]  # about chunk_bytes per task: a Shard(1) chunk is thousands of row spans
+            held = 0
+            for p in pieces:
+                if tasks[-1] and held + p[3] > step:
+                    tasks.append([])
+                    held = 0
+                tasks[-1].append(p)
+                held += p[3]
+
+            def run(task: list) -> None:
+                for fi, x, o, n in task:
+                    writers[fi].write(view[o:o + n], x)
             with ThreadPoolExecutor(self.opts.io.threads or default_threads(),
                                     thread_name_prefix="fastckpt-io") as ex:
-                for f in [ex.submit(writers[fi].write, view[o:o + n], x) for fi, x, o, n in pieces]:
+                for f in [ex.submit(run, t) for t in tasks if t]:
                     f.result()
                 for f in [ex.submit(w.sync) for w in writers.values()]:
                     f.result()
@@ -136,6 +149,24 @@ class ChunkJob:
         if self.held:
             self.held = False
             self.pool.release()
+
+
+#: The last (inputs, layout): a training run saves the same layout every time (layout costs ~0.1 s
+#: per 8k chunk rows in Python). One entry per process; layouts are never mutated.
+_MEMO: list = [None, None]
+_MEMO_LOCK = threading.Lock()
+
+
+def _layout(plan: SavePlan, chunks: list[Chunk], rank: int) -> RankLayout:
+    key = (tuple((f.name, f.size, tuple((t.spec.key, t.spec.dtype, t.spec.shape, t.file_offset) for t in f.tensors))
+                 for f in plan.files), tuple(chunks), rank)
+    with _MEMO_LOCK:
+        if _MEMO[0] == key:
+            return _MEMO[1]
+    lay = layout(plan, chunks, rank)
+    with _MEMO_LOCK:
+        _MEMO[0], _MEMO[1] = key, lay
+    return lay
 
 
 def run_job(job: ChunkJob, sources: dict[str, Any]) -> dict[int, str]:

@@ -61,6 +61,11 @@ def _planner_name() -> str:
     return "fastckpt.dcp.FastCkptSavePlanner"
 
 
+def _placement(p: Any) -> str:
+    """``"Shard(1)"`` / ``"Replicate()"``: a placement as the manifest names it."""
+    return f"Shard({p.dim})" if hasattr(p, "dim") else f"{type(p).__name__}()"
+
+
 class FastCkptSavePlanner(DefaultSavePlanner):
     """DCP save planner for :class:`FastCkptWriter`: DCP's :class:`DefaultSavePlanner` on the state's
     arrays only, keyed by fastckpt key paths; non-tensor values stay in the JSON skeleton (``state.json``),
@@ -87,14 +92,16 @@ class FastCkptSavePlanner(DefaultSavePlanner):
         sub, dts = with_stand_ins(state_dict)
         col = collect(sub, self.weights)
         self.collected = col
-        self.arrays = {s.key: dts[s.key] for s in col.specs}
+        self.arrays = {s.key: dts[s.key] if s.key in dts else col.sources[s.key] for s in col.specs}  # NumPy: its tensor
         super().set_up_planner(self.arrays, storage_meta, is_coordinator)
 
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan, carrying what the writer needs to lay out the files (the coordinator's in full)."""
         plan = super().create_local_plan()
         col = self.collected
-        info = {"skeleton": col.skeleton, "specs": spec_list(col.specs), "entries": col.entries}
+        info = {"skeleton": col.skeleton, "specs": spec_list(col.specs), "entries": col.entries,
+                "placement": {k: {"mesh_shape": list(v.device_mesh.shape), "placements": [_placement(p) for p in v.placements]}
+                              for k, v in self.arrays.items() if hasattr(v, "placements")}}
         data = {"digest": hashlib.sha256(json.dumps([info["skeleton"], info["specs"]], sort_keys=True).encode()).hexdigest(),
                 "info": info if self.is_coordinator else None, "weights": self.weights}
         return SavePlan(plan.items, storage_data=plan.storage_data, planner_data={_KEY: data})
@@ -282,6 +289,8 @@ class FastCkptWriter(StorageWriter):
         for k, cs in multi.items():
             tensors[k].pop("xxh3", None)
             tensors[k]["chunks"] = sorted(cs, key=lambda c: c["offsets"])
+            if k in info.get("placement", {}):  # informational (docs/FORMAT.md, "Version 2")
+                tensors[k]["placement"] = info["placement"][k]
         manifest = manifest_doc(opts, files, tensors, world_size=len(results))
         if multi:
             manifest["format_version"] = CHUNKS_FORMAT_VERSION

@@ -83,8 +83,7 @@ class FastCkptStager(AsyncStager):
             copy_into(dst, t)
             c = dst.view(t.dtype).view(t.shape) if t.numel() else torch.empty(t.shape, dtype=t.dtype)
             if isinstance(v, DTensor):
-                c = DTensor.from_local(c, v.device_mesh, v.placements, run_check=False, shape=v.shape,
-                                       stride=v.stride())
+                c = _host_dtensor(c, v)
             copies.append(c)
 
         def rebuild(v: Any) -> Any:
@@ -105,6 +104,20 @@ class FastCkptStager(AsyncStager):
     def close(self) -> None:
         """Drop the buffer."""
         self._buf = None
+
+
+def _host_dtensor(local: torch.Tensor, like: Any) -> Any:
+    """A DTensor with ``like``'s mesh, placements and global shape on the host tensor ``local``
+    (``DTensor.from_local`` would move it back to the mesh's device, e.g. CUDA)."""
+    from torch.distributed.tensor import DTensor
+    try:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        spec = DTensorSpec(like.device_mesh, tuple(like.placements),
+                           tensor_meta=TensorMeta(like.shape, like.stride(), like.dtype))
+        return DTensor(local, spec, requires_grad=False)
+    except (ImportError, TypeError):  # torch moved the spec: the public constructor (CPU meshes stay on the host)
+        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                  stride=like.stride())
 
 
 def _each(v: Any, path: str, fn) -> None:

@@ -20,6 +20,10 @@ make the call. Call order of one save, on every rank of its group:
    removes the folder: nothing partial is ever committed. ``SaveFuture.result()`` returns
    the path or raises (multi-rank: ``DistributedSaveError`` naming each failed rank).
 
+A state holding DTensors (FSDP2, tensor parallel) takes the DCP route of
+:mod:`fastckpt.saving.dtensor_save` at ``async_save`` (same folder format, chunks placed by DCP's
+planner, the same staging pool, file writer, checksums and rename commit).
+
 Without ``process_group`` a call saves from this process alone even when torch.distributed
 is initialized (``if rank == 0: fastckpt.save(...)``); plain calls from several ranks for one
 path fail at once with :class:`~fastckpt.errors.SaveConflictError`.

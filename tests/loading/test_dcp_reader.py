@@ -25,7 +25,8 @@ import fastckpt  # noqa: E402
 import fastckpt.dcp  # noqa: E402
 from fastckpt.dcp import FastCkptLoadPlanner, FastCkptReader  # noqa: E402
 from fastckpt.errors import DCPLoadError  # noqa: E402
-from into_helpers import LR, batches, fsdp, llama, mismatches, next_loss, rewrite_as_v2, step  # noqa: E402
+from into_helpers import (LR, batches, fsdp, llama, mismatches, next_loss, rewrite_as_v2, step,  # noqa: E402
+                          to_pieces)
 
 TIMEOUT_S = 180
 
@@ -66,6 +67,9 @@ def train_save_full(folder: str) -> dict:
     if dist.get_rank() == 0:
         fastckpt.save({"model": msd, "optim": osd}, os.path.join(folder, "full"))
         rewrite_as_v2(str(fastckpt.save({"model": msd, "optim": osd}, os.path.join(folder, "v2"))))
+    sm, so = get_state_dict(model, opt)  # v1 multi-rank: each rank's Shard pieces
+    fastckpt.save(to_pieces({"model": sm, "optim": so}), os.path.join(folder, "pieces"),
+                  process_group=dist.group.WORLD, timeout_s=60)
     dist.barrier()
     return {"loss": next_loss(model, opt)}
 
@@ -94,12 +98,12 @@ def ckpts(pool, tmp_path_factory):
     return {"folder": folder, "loss": out[0]["loss"]}
 
 
-@pytest.mark.parametrize("name,verify", [("full", False), ("v2", True)])
+@pytest.mark.parametrize("name,verify", [("full", False), ("v2", True), ("pieces", True)])
 def test_dcp_load_into_fsdp2_bit_exact(pool, ckpts, name, verify):
     ck = os.path.join(ckpts["folder"], name)
     assert not os.path.exists(os.path.join(ck, ".metadata"))
     m = fastckpt.read_manifest(ck)
-    assert m["format_version"] == (2 if name == "v2" else 1)
+    assert m["format_version"] == (2 if name == "v2" else 1) and ("distributed" in m) == (name == "pieces")
     assert any("chunks" in e for e in m["tensors"].values()) == (name == "v2")
     out = pool.run(dcp_resume, ck=ck, verify=verify, timeout_s=TIMEOUT_S)
     for r, o in out.items():
@@ -107,6 +111,19 @@ def test_dcp_load_into_fsdp2_bit_exact(pool, ckpts, name, verify):
         assert o["lr"] == LR  # param_groups came from state.json (JSON), not from the fresh optimizer
         assert o["loss"] == ckpts["loss"], (r, o["loss"], ckpts["loss"])
     assert not os.path.exists(os.path.join(ck, ".metadata"))
+
+
+def test_pieces_into_one_process_plain_state(ckpts):
+    """2 -> 1 through DCP: the Shard pieces are DCP chunks; DCP's planner assembles the full tensors."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    ck = os.path.join(ckpts["folder"], "pieces")
+    model = llama(2)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR / 3)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    with _NoPickle():
+        dcp.load(state, storage_reader=FastCkptReader(ck, verify=True), planner=FastCkptLoadPlanner())
+    assert mismatches(state, fastckpt.load(ck)) == []
 
 
 def _small(tmp_path):

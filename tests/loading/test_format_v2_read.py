@@ -132,3 +132,16 @@ def test_newer_format_is_refused(tmp_path):
         json.dump(m, f)
     with pytest.raises(CorruptCheckpointError, match="format_version 3 is newer"):
         fastckpt.load(ck)
+
+
+def test_file_checks_list_the_contiguous_chunks(tmp_path):
+    """`fastckpt load --to` checks copied bytes against file_checks: a dim-0 chunk is one byte range."""
+    from fastckpt.loading.source import file_checks
+    ck = make_v2(tmp_path / "ck")
+    name = fastckpt.read_manifest(ck)["tensors"]["model/w"]["file"]
+    _, checks = file_checks(ck, name)
+    w = [c for c in checks if "'model/w' chunk" in c.what]
+    assert [c.what.split("offsets ")[1] for c in w] == ["[0, 0]", "[4, 0]"]
+    raw = open(os.path.join(ck, name), "rb").read()
+    assert all(xxhash.xxh3_64(raw[c.start:c.end]).hexdigest() == c.xxh3 for c in checks if "chunk" in c.what)
+    assert not any("'model/e'" in c.what for c in checks)  # a dim-1 chunk is no single range

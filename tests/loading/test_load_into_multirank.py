@@ -18,7 +18,7 @@ from ranks import RankPool  # noqa: E402
 
 import fastckpt  # noqa: E402
 from into_helpers import (LR, CountingBackend, batches, fsdp, llama, local_bytes, mismatches,  # noqa: E402
-                          next_loss, step, tensor_leaves)
+                          next_loss, step, tensor_leaves, to_pieces)
 
 TIMEOUT_S = 180
 
@@ -42,20 +42,6 @@ def ckpts(pool, tmp_path_factory):
 
 # -- rank-side functions ----------------------------------------------------------------------
 
-def _to_pieces(v):
-    """A sharded state with every DTensor replaced by this rank's ``fastckpt.Shard`` piece."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    if isinstance(v, dict):
-        return {k: _to_pieces(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_to_pieces(x) for x in v]
-    if isinstance(v, DTensor):
-        _, off = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
-        return fastckpt.Shard(v.to_local().detach().clone(), tuple(v.shape), tuple(off))
-    return v
-
-
 def train_and_save(folder: str) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     model = fsdp(llama(0))
@@ -69,7 +55,7 @@ def train_and_save(folder: str) -> dict:
         plain.save_pretrained(os.path.join(folder, "hf"), safe_serialization=True)
         plain.save_pretrained(os.path.join(folder, "hf_sharded"), safe_serialization=True, max_shard_size="40KB")
     sm, so = get_state_dict(model, opt)
-    fastckpt.save(_to_pieces({"model": sm, "optim": so}), os.path.join(folder, "pieces2"),
+    fastckpt.save(to_pieces({"model": sm, "optim": so}), os.path.join(folder, "pieces2"),
                   process_group=dist.group.WORLD, timeout_s=60)
     dist.barrier()
     return {"loss": next_loss(model, opt)}
@@ -146,6 +132,17 @@ def dtensor_placements(folder: str) -> dict:
     return {"bad": bad, "read": counter.bytes, "expected": local_bytes(state)}
 
 
+def rank_local_case(folder: str) -> dict:
+    """A multi-rank save with a rank-local subtree (local_keys): each rank fills its own back."""
+    r = dist.get_rank()
+    ck = os.path.join(folder, "local")
+    fastckpt.save({"w": torch.arange(4.0), "opt": {"m": torch.full((2,), float(r)), "n": r}}, ck,
+                  process_group=dist.group.WORLD, local_keys=("opt",), timeout_s=60)
+    dst = {"w": torch.zeros(4), "opt": {"m": torch.zeros(2), "n": -1}}
+    out = fastckpt.load_into(dst, ck)
+    return {"w": dst["w"].tolist(), "m": dst["opt"]["m"].tolist(), "n": out["opt"]["n"]}
+
+
 # -- tests ------------------------------------------------------------------------------------
 
 def _check(out: dict, ref_loss: float, exact: bool) -> None:
@@ -211,6 +208,18 @@ def test_dtensor_shard1_uneven_and_replicate(pool, tmp_path):
     out = pool.run(dtensor_placements, folder=str(tmp_path), timeout_s=TIMEOUT_S)
     for r, o in out.items():
         assert o["bad"] == [] and 0 < o["read"] == o["expected"], (r, o)
+
+
+def test_rank_local_subtrees(pool, tmp_path):
+    out = pool.run(rank_local_case, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    for r, o in out.items():
+        assert o == {"w": [0.0, 1.0, 2.0, 3.0], "m": [float(r)] * 2, "n": r}, (r, o)
+    ck = tmp_path / "local"
+    dst = {"w": torch.zeros(4), "opt": {"m": torch.zeros(2), "n": -1}}
+    assert fastckpt.load_into(dst, ck, local_rank=1)["opt"]["n"] == 1 and dst["opt"]["m"].tolist() == [1.0, 1.0]
+    with pytest.raises(fastckpt.errors.ShardedCheckpointError, match="load_into"):
+        fastckpt.load(ck)  # never a {'__rank_local__': ...} placeholder
+    assert torch.equal(fastckpt.load(ck, keys="w")["w"], torch.arange(4.0))
 
 
 def test_sharded_load_is_deprecated(ckpts):

@@ -58,11 +58,24 @@ def _distribute(full: dict) -> dict:
     return out
 
 
+class _Recording(PosixBackend):
+    """Records (file name, offset, bytes) of every pwrite this rank makes."""
+
+    def __init__(self):
+        self.writes = []
+
+    def pwrite(self, fd, data, offset):
+        n = super().pwrite(fd, data, offset)
+        self.writes.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, n))
+        return n
+
+
 def rank_save_uneven(folder: str, o_direct: bool) -> dict:
     state = _distribute(_full_state())
-    fut = fastckpt.async_save(state, os.path.join(folder, "ck"), o_direct=o_direct, timeout_s=60)
+    be = _Recording()
+    fut = fastckpt.async_save(state, os.path.join(folder, "ck"), o_direct=o_direct, timeout_s=60, io_backend=be)
     fut.result(timeout_s=90)
-    return {"bytes_by_rank": fut.bytes_by_rank}
+    return {"bytes_by_rank": fut.bytes_by_rank, "writes": be.writes}
 
 
 class _FailingBackend(PosixBackend):
@@ -88,6 +101,34 @@ def rank_save_failing(folder: str) -> dict:
     out["leftovers"] = sorted(n for n in os.listdir(folder) if TMP_MARK in n)
     fastckpt.save(state, path, timeout_s=30)  # the process stays usable
     out["ok_after"] = os.path.exists(os.path.join(path, "manifest.json"))
+    return out
+
+
+def rank_stage_failing(folder: str) -> dict:
+    """Rank 1 fails before handing over its edge bytes: rank 0, waiting for them, fails at once."""
+    import time
+
+    import torch.distributed as dist
+    from fastckpt.saving import chunk_job
+    state = _distribute(_full_state())
+    path = os.path.join(folder, "bad-stage")
+    orig = chunk_job.ChunkJob.stage
+    if dist.get_rank() == 1:
+        def bad(self, sources):
+            raise RuntimeError("injected staging failure")
+        chunk_job.ChunkJob.stage = bad
+    t = time.monotonic()
+    try:
+        fastckpt.save(state, path, timeout_s=60)
+        out = {"error": None}
+    except Exception as e:
+        out = {"error": type(e).__name__, "failures": sorted(getattr(e, "failures", {}) or {}), "message": str(e)}
+    finally:
+        chunk_job.ChunkJob.stage = orig
+    out["seconds"] = time.monotonic() - t
+    dist.barrier()
+    out["exists"] = os.path.exists(path)
+    out["leftovers"] = sorted(n for n in os.listdir(folder) if TMP_MARK in n)
     return out
 
 
@@ -156,6 +197,8 @@ def test_uneven_shards_bytes_exact(pool, tmp_path, o_direct):
     for k in ("a.weight", "b.weight", "c.weight", "d.weight", "f.weight"):
         key = "model/" + k
         assert "xxh3" not in t[key] and len(t[key]["chunks"]) == 2, (k, t[key])
+    assert t["model/b.weight"]["placement"] == {"mesh_shape": [2], "placements": ["Shard(1)"]}
+    assert t["model/f.weight"]["placement"] == {"mesh_shape": [1, 2], "placements": ["Replicate()", "Shard(0)"]}
     assert t["model/b.weight"]["chunks"][1]["offsets"] == [0, 19]
     assert t["model/b.weight"]["chunks"][1]["shape"] == [5, 18]
     import xxhash
@@ -167,6 +210,11 @@ def test_uneven_shards_bytes_exact(pool, tmp_path, o_direct):
     by_rank = m["distributed"]["bytes_by_rank"]
     assert set(by_rank) == {"0", "1"} and all(b > 0 for b in by_rank.values())
     assert res[0]["bytes_by_rank"] == {0: by_rank["0"], 1: by_rank["1"]}
+    # one writer per 4 KiB page: no page of any file is written by both ranks
+    pages = {r: {(f, p) for f, off, n in res[r]["writes"] for p in range(off // 4096, (off + n - 1) // 4096 + 1)}
+             for r in (0, 1)}
+    assert pages[0] and pages[1] and not pages[0] & pages[1], sorted(pages[0] & pages[1])[:5]
+    assert sum(n for _, _, n in res[1]["writes"]) == by_rank["1"]
     back = fastckpt.load(ck)
     assert back["step"] == 3 and back["note"] == "uneven" and torch.equal(back["scalar"], full["scalar"])
     for k, v in full["model"].items():
@@ -208,3 +256,12 @@ def test_checkpoint_manager_saves_dtensor_state(pool, tmp_path):
     for k, v in full["model"].items():
         assert torch.equal(back["model"][k], v), k
     assert json.loads((tmp_path / "run" / "step-2" / "manifest.json").read_text())["step"] == 2
+
+
+def test_rank_failing_before_its_edge_bytes_fails_every_rank_at_once(pool, tmp_path):
+    res = pool.run(rank_stage_failing, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    for r in (0, 1):
+        assert res[r]["error"] == "DistributedSaveError" and 1 in res[r]["failures"], res[r]
+        assert "injected staging failure" in res[r]["message"]
+        assert res[r]["seconds"] < 30, res[r]  # not the 60 s timeout_s: the failure marker reached rank 0
+        assert not res[r]["exists"] and res[r]["leftovers"] == []

@@ -141,6 +141,11 @@ def rank_default_planner_refused(folder: str) -> dict:
         out = {"error": None}
     except BaseException as e:  # DCP's CheckpointException derives from BaseException
         out = {"error": type(e).__name__, "message": str(e)}
+    try:  # tensors only, DCP's default planner: still refused, naming the planner to pass
+        dcp.save({"model": model.state_dict()}, storage_writer=FastCkptWriter(path))
+        out["tensors_only"] = None
+    except BaseException as e:
+        out["tensors_only"] = str(e)
     dist.barrier()
     out["exists"] = os.path.exists(path)
     out["listing"] = sorted(os.listdir(folder))
@@ -211,4 +216,6 @@ def test_default_planner_refuses_byte_io(pool, tmp_path):
     for r in (0, 1):
         assert res[r]["error"] == "CheckpointException", res[r]
         assert "FastCkptSavePlanner" in res[r]["message"] and "UnsupportedPlannerError" in res[r]["message"]
+        assert "BYTE_IO" in res[r]["message"] and "'note'" in res[r]["message"]
+        assert "FastCkptSavePlanner" in res[r]["tensors_only"]
         assert not res[r]["exists"] and res[r]["listing"] == [], res[r]
