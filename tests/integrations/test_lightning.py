@@ -38,7 +38,7 @@ def pool(tmp_path_factory):
 # ----------------------------------------------------------------------------------------------
 # rank side
 # ----------------------------------------------------------------------------------------------
-def _module(seed: int):
+def _module(seed: int, intermediate: int = 64):
     import lightning.pytorch as L
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -48,7 +48,7 @@ def _module(seed: int):
             super().__init__()
             torch.manual_seed(seed)
             self.llama = LlamaForCausalLM(LlamaConfig(
-                vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                vocab_size=64, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
 
         def configure_model(self):
@@ -246,6 +246,27 @@ def test_model_checkpoint_rotation_and_last(pool, tmp_path):
     for name in ("epoch=1-step=3.ckpt", "last.ckpt"):
         assert fastckpt.is_committed(os.path.join(dirpath, name)), name
         assert fastckpt.load(os.path.join(dirpath, name), keys="lightning")["lightning"]["global_step"] == 3
+
+
+def rank_mismatch(folder: str) -> dict:
+    """Resume into a module whose MLP is narrower: a typed error naming key, shapes and file."""
+    _env()
+    ck = os.path.join(folder, "ck")
+    t = _trainer(folder, 1)
+    t.fit(_module(0))
+    t.save_checkpoint(ck)
+    try:
+        _trainer(folder, 2).fit(_module(0, intermediate=48), ckpt_path=ck)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "msg": str(e)}
+    return {"type": None}
+
+
+def test_resume_into_mismatched_model_is_a_typed_error(pool, tmp_path):
+    res = pool.run(rank_mismatch, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    for r, out in res.items():
+        assert out["type"] == "StateMismatchError" and "FastCkptError" in out["mro"], (r, out)
+        assert "mlp" in out["msg"] and "48" in out["msg"] and "64" in out["msg"], out["msg"]
 
 
 def test_save_distributed_checkpoint_false_is_refused():
