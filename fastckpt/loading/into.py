@@ -101,7 +101,7 @@ class _Plan:
                 if name in idx.values:
                     self.mismatched.append((path, _describe(v), f"a {type(idx.values[name]).__name__} value", ""))
                 else:
-                    self.missing.append(path + self._rank_local_hint(path))
+                    self.missing.append(path)
                 return
             self.used.add(name)
             self._tensor(v, path, desc)
@@ -114,9 +114,10 @@ class _Plan:
             self.mismatched.append((path, f"a {type(v).__name__} value", _describe_desc(idx.tensors[name]),
                                     os.path.basename(idx.tensors[name].pieces[0].file)))
         else:
-            self.missing.append(path + self._rank_local_hint(path))
+            self.missing.append(path)
 
-    def _rank_local_hint(self, path: str) -> str:
+    def rank_local_hint(self, path: str) -> str:
+        """Why ``path`` may be missing: it lies under a rank-local subtree the asked rank lacks."""
         for kp in self.idx.rank_local:
             if path == kp or path.startswith(kp + "/"):
                 return (f" (under rank-local subtree {kp!r}, saved per rank with local_keys; the saved rank "
@@ -191,7 +192,7 @@ def _raise_mismatch(plan: _Plan, unexpected: list[str], root: str) -> None:
     for key, have, stored, f in plan.mismatched:
         lines.append(f"  {key!r}: the state has {have}, the checkpoint has {stored}" + (f" in {f!r}" if f else ""))
     for k in plan.missing[:20]:
-        lines.append(f"  missing from the checkpoint: {k!r}")
+        lines.append(f"  missing from the checkpoint: {k!r}{plan.rank_local_hint(k)}")
     for k in unexpected[:20]:
         lines.append(f"  not in the state: {k!r}")
     more = len(plan.missing) + len(unexpected) - min(len(plan.missing), 20) - min(len(unexpected), 20)
