@@ -51,20 +51,22 @@ def dcp_call(fn, *args: Any, **kwargs: Any) -> Any:
 
     DCP reports a failure on any rank as ``CheckpointException``, which derives from
     ``BaseException`` (a plain ``except Exception`` in a training loop would miss it). It is
-    re-raised as :class:`fastckpt.DistributedSaveError` (``failures``: rank -> error text),
-    chained; a ``Future`` returned by ``dcp.async_save`` is wrapped the same way, so its
-    ``result()`` raises ``DistributedSaveError`` too.
+    re-raised, chained, as :class:`fastckpt.DistributedSaveError` for saves and as
+    :class:`fastckpt.errors.DCPLoadError` for ``dcp.load`` (``failures``: rank -> error text);
+    a ``Future`` returned by ``dcp.async_save`` is wrapped the same way, so its ``result()``
+    raises ``DistributedSaveError`` too.
 
     Returns:
         What ``fn`` returns (a Future or ``AsyncSaveResponse`` for ``async_save``).
 
     Raises:
-        fastckpt.DistributedSaveError: DCP's ``CheckpointException``, any rank.
+        fastckpt.DistributedSaveError: DCP's ``CheckpointException`` during a save, any rank.
+        fastckpt.errors.DCPLoadError: the same during ``dcp.load``.
     """
     try:
         out = fn(*args, **kwargs)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        typed = _typed(e)
+        typed = _typed(e, load=getattr(fn, "__name__", "") == "load")
         if typed is e:
             raise
         raise typed from e
@@ -75,12 +77,16 @@ def dcp_call(fn, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
-def _typed(e: BaseException) -> BaseException:
+def _typed(e: BaseException, load: bool = False) -> BaseException:
     failures = getattr(e, "failures", None)
     if not _is_dcp_exception(e) or not isinstance(failures, dict):
         return e
     text = {int(r): f"{type(f[0] if isinstance(f, tuple) else f).__name__}: "
                     f"{f[0] if isinstance(f, tuple) else f}" for r, f in failures.items()}
+    if load:
+        from fastckpt.errors import DCPLoadError
+        return DCPLoadError("torch.distributed.checkpoint.load failed on ranks " + ", ".join(map(str, sorted(text)))
+                            + ": " + "; ".join(f"rank {r}: {t}" for r, t in sorted(text.items())), text)
     return fastckpt.DistributedSaveError(
         "torch.distributed.checkpoint failed on ranks " + ", ".join(map(str, sorted(text))) + ": "
         + "; ".join(f"rank {r}: {t}" for r, t in sorted(text.items()))

@@ -49,7 +49,7 @@ class _TrainState:
         self.step, self.tokens = sd["step"], sd["tokens"]
 
 
-def _setup(seed: int):
+def _setup(seed: int, intermediate: int = 64):
     """(model, optimizers, lr_schedulers, train_state): FSDP2 tiny Llama, torchtitan containers."""
     from torch.distributed.fsdp import fully_shard
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
@@ -57,7 +57,7 @@ def _setup(seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = LlamaForCausalLM(cfg)
     for layer in model.model.layers:
@@ -251,3 +251,31 @@ def test_failing_rank_commits_nothing_and_raises_typed(pool, tmp_path):
         assert "injected" in out["err"][1], out["err"]
         assert out["committed_after_fail"] is False, r
         assert out["ok"] and out["committed_2"], (r, out)
+
+
+def rank_load_mismatch(folder: str) -> dict:
+    """Loading a step into a model of another shape fails typed (an Exception, not DCP's BaseException)."""
+    import torch.distributed as dist
+    from fastckpt.integrations.torchtitan import FastCkptCheckpointManager as M
+
+    parts = _setup(0)
+    _step(*parts, 0)
+    mgr = _manager(M, folder, parts)
+    mgr.save(curr_step=1)
+    mgr.close()
+    dist.barrier()
+    other = _manager(M, folder, _setup(0, intermediate=48))
+    try:
+        other.load()
+        out = {"type": None}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out = {"type": type(e).__name__, "msg": str(e), "failures": sorted(getattr(e, "failures", {}) or {})}
+    other.close()
+    return out
+
+
+def test_load_into_other_shapes_is_a_typed_error(pool, tmp_path):
+    res = pool.run(rank_load_mismatch, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    for r, out in res.items():
+        assert out["type"] == "DCPLoadError" and out["failures"] == [0, 1], (r, out)
+        assert "mlp" in out["msg"], out["msg"]
