@@ -1,6 +1,8 @@
 """1 vs 2 ranks writing the same replicated state: bytes written per rank and wall time.
+``--fsdp2``: 2 ranks holding an FSDP2-style sharded (DTensor ``Shard(0)``) state: fastckpt vs DCP.
 
 Run: ``python benchmarks/bench_dist.py --mib 512 --dir /path/on/the/tier [--baseline SRC]``
+     ``python benchmarks/bench_dist.py --fsdp2 --mib 384 --dir /path/on/the/tier``
 (``--baseline``: another checkout's fastckpt, e.g. today's main, measured in the same run, rounds
 rotated; wall time is the slowest rank's, durable; GB/s are of the state, against the raw device
 write measured in the same run)
@@ -17,6 +19,18 @@ On one machine (M = 1, here one local disk and 2 cores), N = 2 helps only while 
 cannot saturate the disk; with one rank per node on N nodes and M = N links, the write phase
 shrinks ~1/N until B_tier is reached. The saving in staging (each rank copies only ~S/N from
 device to host) applies in every case.
+
+FSDP2 mode (``--fsdp2``, see :func:`fsdp2_main`): the same DTensor state on 2 gloo ranks (8 fp32
+tensors, ``Shard(0)`` over a 1-D CPU mesh, each rank holding half), saved by ``fastckpt.async_save``
+(the DTensor route: blocking time = until it returns, total = durable commit), by ``dcp.save`` with
+``FileSystemWriter`` and with DCP's ``HuggingFaceStorageWriter`` (``save_distributed=True``,
+``enable_consolidation=True``: full-tensor safetensors like ours), each fsynced (durable), and by a
+one-rank ``fastckpt.save`` of the same bytes as full tensors; then ``fastckpt.load_into`` vs
+``dcp.load`` (``FileSystemReader``) and ``dcp.load`` with ``FastCkptReader`` into fresh DTensors,
+page cache dropped before each when root. Per variant: wall time (slowest rank), GB/s of the state
+against the raw device measured in the same run, MiB written per rank (``wchar`` of /proc/self/io:
+bytes the rank's write calls passed, all threads) and peak RSS growth per rank (sampled every 2 ms).
+Variant order rotates each round; medians over rounds.
 """
 
 from __future__ import annotations
@@ -91,6 +105,285 @@ def _measure(mib: int, reps: int, folder_root: str | None) -> dict:
         shutil.rmtree(base, ignore_errors=True)
 
 
+# ----------------------------------------------------------------------------------------------
+# FSDP2 mode
+# ----------------------------------------------------------------------------------------------
+N_TENSORS, COLS = 8, 1024
+SAVES = ["fastckpt", "dcp FileSystemWriter", "dcp HuggingFaceStorageWriter"]
+LOADS = ["fastckpt.load_into", "dcp.load FileSystemReader", "dcp.load FastCkptReader"]
+
+
+def _rows(mib: int) -> int:
+    return max(2, (mib << 20) // 4 // COLS // N_TENSORS // 2 * 2)
+
+
+class _Probe:
+    """Peak RSS growth (sampled every 2 ms in a thread) and ``wchar`` growth of this process."""
+
+    def __init__(self):
+        import threading
+        self._stop, self.peak = threading.Event(), 0
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    @staticmethod
+    def wchar() -> int:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            self._stop.wait(0.002)
+
+    def __enter__(self):
+        self.rss0, self.w0 = self.rss(), self.wchar()
+        self.peak = self.rss0
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self.rss())
+        self.grew, self.written = self.peak - self.rss0, self.wchar() - self.w0
+
+
+def _sharded_state(mesh, rows: int, fill: bool) -> dict:
+    """``{"model": {w0..w7: DTensor [rows, COLS] fp32, Shard(0)}}``; this rank's half random or zero."""
+    from torch.distributed.tensor import DTensor, Shard
+    r, n = mesh.get_local_rank(), mesh.size()
+    local_rows = rows // n
+    out = {}
+    for i in range(N_TENSORS):
+        g = torch.Generator().manual_seed(1000 * i + r)
+        t = torch.randn(local_rows, COLS, generator=g) if fill else torch.zeros(local_rows, COLS)
+        out[f"w{i}"] = DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=(rows, COLS),
+                                          stride=(COLS, 1))
+    return {"model": out}
+
+
+def _fsdp2_save(kind: str, state: dict, path: str) -> float:
+    """Run one save; returns the blocking seconds (== total for DCP's synchronous saves)."""
+    import torch.distributed.checkpoint as dcp
+    t0 = time.perf_counter()
+    if kind == "fastckpt":
+        fut = fastckpt.async_save(state, path, threads=4)
+        blocking = time.perf_counter() - t0
+        fut.result()
+        return blocking
+    if kind == "dcp FileSystemWriter":
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=4))
+    else:
+        dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(
+            path, thread_count=4, save_distributed=True, enable_consolidation=True, thread_count_consolidation=4))
+    if dist.get_rank() == 0:  # durable like ours: every file and folder fsynced before the clock stops
+        import common as C
+        C.fsync_tree(path)
+    return time.perf_counter() - t0
+
+
+def _fsdp2_load(kind: str, state: dict, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    if kind == "fastckpt.load_into":
+        fastckpt.load_into(state, path)
+    elif kind == "dcp.load FileSystemReader":
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    else:
+        from fastckpt.dcp import FastCkptLoadPlanner, FastCkptReader
+        dcp.load(state, storage_reader=FastCkptReader(path), planner=FastCkptLoadPlanner())
+
+
+def _fsdp2_rank(rank: int, world: int, mib: int, folder: str, out: str, rnd: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import common as C
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    rows = _rows(mib)
+    state = _sharded_state(mesh, rows, True)
+    res = {"shard_bytes": sum(v.to_local().nbytes for v in state["model"].values())}
+    src = {"fastckpt.load_into": "fastckpt", "dcp.load FileSystemReader": "dcp FileSystemWriter",
+           "dcp.load FastCkptReader": "fastckpt"}
+    for kind in C.rotated(SAVES, rnd) * 2:  # first save of the process, then the steady state
+        path = os.path.join(folder, kind.replace(" ", "_"))
+        try:
+            if rank == 0 and os.path.exists(path):
+                shutil.rmtree(path)
+            dist.barrier()
+            with _Probe() as p:
+                t0 = time.perf_counter()
+                blocking = _fsdp2_save(kind, state, path)
+                dist.barrier()
+                wall = time.perf_counter() - t0
+            row = {"wall_s": wall, "blocking_s": blocking, "written": p.written, "rss_grew": p.grew}
+            if kind in res:
+                row["first_wall_s"], row["first_rss_grew"] = res[kind]["wall_s"], res[kind]["rss_grew"]
+            res[kind] = row
+        except Exception as e:  # e.g. a --baseline checkout that cannot save DTensor states
+            res[kind] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    for kind in C.rotated(LOADS, rnd):
+        path = os.path.join(folder, src[kind].replace(" ", "_"))
+        if "error" in res.get(src[kind], {}):
+            res[kind] = {"error": "its save failed"}
+            continue
+        fresh = _sharded_state(mesh, rows, False)
+        dist.barrier()
+        cold = C.drop_caches() if rank == 0 else None
+        dist.barrier()
+        try:
+            with _Probe() as p:
+                t0 = time.perf_counter()
+                _fsdp2_load(kind, fresh, path)
+                dist.barrier()
+                wall = time.perf_counter() - t0
+            ok = all(torch.equal(fresh["model"][k].to_local(), state["model"][k].to_local()) for k in state["model"])
+            res[kind] = {"wall_s": wall, "rss_grew": p.grew, "ok": ok, "cold": cold}
+        except Exception as e:
+            res[kind] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        del fresh
+    dist.barrier()
+    with open(os.path.join(out, f"f{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def _one_rank_full(mib: int, folder: str) -> dict:
+    """The same bytes as full tensors, saved by one process (the 0.9x reference)."""
+    g = torch.Generator().manual_seed(0)
+    state = {"model": {f"w{i}": torch.randn(_rows(mib), COLS, generator=g) for i in range(N_TENSORS)}}
+    walls, grew = [], []
+    for i in range(2):  # first save of the process, then the steady state
+        with _Probe() as p:
+            t0 = time.perf_counter()
+            fut = fastckpt.async_save(state, os.path.join(folder, f"one{i}"), threads=4)
+            blocking = time.perf_counter() - t0
+            fut.result()
+            walls.append(time.perf_counter() - t0)
+        grew.append(p.grew)
+    return {"wall_s": walls[1], "first_wall_s": walls[0], "blocking_s": blocking, "written": p.written,
+            "rss_grew": grew[1], "first_rss_grew": grew[0]}
+
+
+def _fsdp2_child(mib: int, folder_root: str | None, rnd: int) -> dict:
+    base = tempfile.mkdtemp(dir=folder_root)
+    try:
+        folder = tempfile.mkdtemp(dir=base)
+        mp.spawn(_fsdp2_rank, args=(2, mib, folder, base, rnd), nprocs=2, join=True)
+        res = {"ranks": [json.load(open(os.path.join(base, f"f{r}.json"))) for r in range(2)]}
+        shutil.rmtree(folder)
+        one = tempfile.mkdtemp(dir=base)
+        res["one"] = _one_rank_full(mib, one)
+        return res
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def fsdp2_main(a) -> None:
+    """Run ``a.reps`` rounds (fresh processes each), print medians, ratios and the targets."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import common as C
+    nbytes = _rows(a.mib) * COLS * 4 * N_TENSORS
+    where = a.dir or tempfile.gettempdir()
+    raw_w = C.raw_device(where, nbytes, a.reps, write=True)
+    raw_r = C.raw_device(where, nbytes, a.reps, write=False)
+    C.rm(os.path.join(where, "raw.bin"))
+    print(f"raw device: write {raw_w['gbps']:.3f} GB/s, read {raw_r['gbps']:.3f} GB/s ({raw_w['tool']})", flush=True)
+    rounds = []
+    for r in range(a.reps):
+        out = tempfile.mktemp(suffix=".json")
+        env = dict(os.environ)
+        if a.baseline:
+            env["PYTHONPATH"] = os.path.abspath(a.baseline) + os.pathsep + env.get("PYTHONPATH", "")
+        subprocess.run([sys.executable, __file__, "--fsdp2", "--mib", str(a.mib), "--child-json", out,
+                        "--round", str(r)] + (["--dir", a.dir] if a.dir else []), env=env, check=True)
+        rounds.append(json.load(open(out)))
+        os.unlink(out)
+
+    def stat(kind, key, rank=None):
+        """Median over rounds of the max over ranks (or of one rank); None when a round failed."""
+        vals = []
+        for x in rounds:
+            rows = [x["one"]] if kind == "one" else x["ranks"] if rank is None else [x["ranks"][rank]]
+            entries = rows if kind == "one" else [row.get(kind, {"error": "missing"}) for row in rows]
+            if any("error" in e for e in entries):
+                return None
+            vals.append(max(e[key] for e in entries))
+        return statistics.median(vals) if vals else None
+
+    shard = rounds[0]["ranks"][0]["shard_bytes"]
+    code = f"baseline {a.baseline}" if a.baseline else "this checkout"
+    print(f"\n{nbytes / 2**20:.0f} MiB fp32 DTensor state (8 x [{_rows(a.mib)}, {COLS}], Shard(0)), 2 gloo ranks, "
+          f"{shard / 2**20:.0f} MiB per rank; durable; median of {a.reps}; {code}\n")
+    print("Saves: the second save of each process (steady state: pools and threads exist), first save's wall in "
+          "its own column\n")
+    print("| save | ranks | wall s | blocking s | GB/s | x raw | x DCP FileSystemWriter | MiB written per rank "
+          "| peak RSS growth per rank MiB (steady / first save) | first save wall s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---|---:|")
+    fs = stat("dcp FileSystemWriter", "wall_s")
+    walls = {}
+    for kind in SAVES + ["one"]:
+        wall = stat(kind, "wall_s")
+        if wall is None:
+            err = next((x["ranks"][0].get(kind, {}).get("error") for x in rounds), "")
+            print(f"| {kind} | 2 | failed: {err} |")
+            continue
+        walls[kind] = wall
+        gbps = nbytes / wall / C.GB
+        if kind == "one":
+            per_w = [f"{stat('one', 'written') / 2**20:.0f}"]
+            per_r = [f"{stat('one', 'rss_grew') / 2**20:.0f} / {stat('one', 'first_rss_grew') / 2**20:.0f}"]
+        else:
+            per_w = [f"{stat(kind, 'written', r) / 2**20:.0f}" for r in range(2)]
+            per_r = [f"{stat(kind, 'rss_grew', r) / 2**20:.0f} / {stat(kind, 'first_rss_grew', r) / 2**20:.0f}"
+                     for r in range(2)]
+        label = "fastckpt.save, full tensors, one process" if kind == "one" else kind
+        print(f"| {label} | {1 if kind == 'one' else 2} | {wall:.2f} | {stat(kind, 'blocking_s'):.2f} | {gbps:.2f} | "
+              f"{gbps / raw_w['gbps']:.2f} | {fs / wall if fs else float('nan'):.2f} | {', '.join(per_w)} | "
+              f"{', '.join(per_r)} | {stat(kind, 'first_wall_s'):.2f} |")
+    print("\n| load | wall s | GB/s | x raw read | x dcp.load FileSystemReader | peak RSS growth per rank MiB | "
+          "bit-exact | cold cache |")
+    print("|---|---:|---:|---:|---:|---|---|---|")
+    ref = stat("dcp.load FileSystemReader", "wall_s")
+    for kind in LOADS:
+        wall = stat(kind, "wall_s")
+        if wall is None:
+            err = next((x["ranks"][0].get(kind, {}).get("error") for x in rounds), "")
+            print(f"| {kind} | failed: {err} |")
+            continue
+        gbps = nbytes / wall / C.GB
+        ok = all(x["ranks"][r][kind]["ok"] for x in rounds for r in range(2))
+        cold = all(x["ranks"][0][kind]["cold"] for x in rounds)
+        grew = ", ".join(f"{stat(kind, 'rss_grew', r) / 2**20:.0f}" for r in range(2))
+        print(f"| {kind} | {wall:.2f} | {gbps:.2f} | {gbps / raw_r['gbps']:.2f} | {ref / wall if ref else float('nan'):.2f} | "
+              f"{grew} | {ok} | {cold} |")
+    if "fastckpt" in walls:
+        print("\nTargets (same run):")
+        ours = nbytes / walls["fastckpt"] / C.GB
+        for what, other, want in (("save >= 2x dcp.save(FileSystemWriter)", "dcp FileSystemWriter", 2.0),
+                                  ("save >= 0.9x one-rank fastckpt.save of the same state", "one", 0.9)):
+            ratio = walls.get(other, 0) / walls["fastckpt"]
+            needed = want * nbytes / walls[other] / C.GB if other in walls else 0
+            ceiling = (f"it needs {needed:.2f} GB/s, above the raw device's {raw_w['gbps']:.2f} GB/s; "
+                       f"fastckpt reaches {ours / raw_w['gbps']:.2f}x raw")
+            if ratio >= want:
+                verdict = "met"
+            elif needed > raw_w["gbps"] and ours >= 0.8 * raw_w["gbps"]:
+                verdict = "CANNOT BE SHOWN on this machine: " + ceiling
+            else:
+                verdict = "NOT MET" + (f" ({ceiling})" if needed > raw_w["gbps"] else "")
+            print(f"- {what}: {ratio:.2f}x: {verdict}")
+        for r in range(2):
+            grew = stat("fastckpt", "first_rss_grew", r)
+            print(f"- RSS growth rank {r} <= its shard ({shard / 2**20:.0f} MiB) + staging: first save grew "
+                  f"{grew / 2**20:.0f} MiB = {grew / shard:.2f}x the shard (steady state "
+                  f"{stat('fastckpt', 'rss_grew', r) / 2**20:.0f} MiB)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=256, help="state size in MiB (default 256)")
@@ -98,8 +391,18 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="folder on the storage tier (default: a temp folder)")
     ap.add_argument("--baseline", default=None, metavar="SRC",
                     help="checkout of another fastckpt (e.g. `git worktree add /tmp/base main`), run beside ours")
+    ap.add_argument("--fsdp2", action="store_true",
+                    help="2 ranks with a sharded DTensor state: fastckpt vs DCP (FileSystemWriter, HF writer), loads")
     ap.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.fsdp2 and a.child_json:
+        with open(a.child_json, "w") as f:
+            json.dump(_fsdp2_child(a.mib, a.dir, a.round), f)
+        return
+    if a.fsdp2:
+        fsdp2_main(a)
+        return
     if a.child_json:
         with open(a.child_json, "w") as f:
             json.dump(_measure(a.mib, 1, a.dir), f)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check for fastckpt's device loaders (issue 4). One prepared script, < 9 minutes worst case (timeouts), no network.
+# GPU check for fastckpt's device loaders (issue 4) and DTensor saves/loads on CUDA (issue 13). One prepared script,
+# no network; each step has a timeout (180 + 200 + 150 + 120 s worst case); step 5 moves 512 MiB (seconds on a GPU).
 # Runs from the source tree through PYTHONPATH with the machine's own Python/torch build:
 #   1. environment: torch/CUDA, pinned memory, kvikio (GDS) status;
 #   2. the CUDA tests of tests/loading/test_device.py and test_device_memory.py (skipped on CPU) if pytest is there;
@@ -7,8 +8,11 @@
 #      kvikio if usable, and safetensors.load_file + .cuda() as the anchor, on GIB GiB (default 2)
 #      in 2 files, page cache dropped before each run when we are root (else fadvise DONTNEED);
 #   4. peak device memory of load_weights against the bound stated in load_tensors' docstring
-#      (issue 15): torch.cuda.max_memory_allocated growth <= R + S with dtype conversion, R without.
-# Usage: bash scripts/gpu_check.sh [GIB]     Output: human lines + JSON lines "RESULT {...}", "RESULT_MEM {...}".
+#      (issue 15): torch.cuda.max_memory_allocated growth <= R + S with dtype conversion, R without;
+#   5. 2 ranks with a CUDA DTensor state (issue 13): staging to (pinned) host memory, async_save,
+#      load_into bit-exact and its device memory growth against its bound.
+# Usage: bash scripts/gpu_check.sh [GIB]
+# Output: human lines + JSON lines "RESULT {...}", "RESULT_MEM {...}", "RESULT_DIST {...}".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -140,3 +144,118 @@ for name, src, dt, dim, kv in cases:
 res["all_ok"] = ok_all
 print("RESULT_MEM " + json.dumps(res))
 PY
+
+# ---------------------------------------------------------------------------------------------
+# 5. Distributed (issue 13): 2 ranks (gloo; one GPU each, or both on cuda:0 when there is one),
+#    a Shard(0) DTensor state of 512 MiB fp32 on CUDA:
+#    a. FastCkptStager.stage (the snapshot async saves take): GB/s device->host, whether the staged
+#       copies are pinned, against a plain copy into pinned memory measured in the same run;
+#    b. fastckpt.async_save of the DTensor state: blocking and total seconds; each rank's rows in the
+#       safetensors file equal its CUDA shard;
+#    c. fastckpt.load_into into zeroed CUDA DTensors: bit-exact, and device memory growth (peak of
+#       torch.cuda.max_memory_allocated over the call) against the bound: in place, so at most
+#       load_into's buffer_bytes (64 MiB default, were a device-side bounce used).
+#    Prints "DIST ok|FAIL: ..." lines and one "RESULT_DIST {...}" JSON line; never stops the script.
+#    FASTCKPT_GPU_CHECK_CPU=1 runs the same code on CPU tensors (a dry run of the script's logic).
+# ---------------------------------------------------------------------------------------------
+echo "== distributed: DTensor on CUDA staged to host, async_save, load_into device memory bound"
+DISTDIR="$WORK/dist"; mkdir -p "$DISTDIR"
+cat > "$WORK/dist_check.py" <<'PY'
+import json, os, sys, time
+import torch
+import torch.multiprocessing as mp
+
+CPU = os.environ.get("FASTCKPT_GPU_CHECK_CPU") == "1"
+ROWS, COLS, N = 4096, 4096, 8            # 8 x 64 MiB fp32 = 512 MiB, 256 MiB per rank
+if CPU:
+    ROWS, COLS = 512, 256
+
+
+def rank(r, d):
+    import torch.distributed as dist
+    import fastckpt
+    from fastckpt.dcp import FastCkptStager
+    from safetensors import safe_open
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=r, world_size=2)
+    dev = "cpu" if CPU else f"cuda:{r % torch.cuda.device_count()}"
+    if not CPU:
+        torch.cuda.set_device(dev)
+    mesh = init_device_mesh("cpu" if CPU else "cuda", (2,))
+    half = ROWS // 2
+
+    def state(fill):
+        out = {}
+        for i in range(N):
+            g = torch.Generator().manual_seed(1000 * i + r)
+            t = (torch.randn(half, COLS, generator=g) if fill else torch.zeros(half, COLS)).to(dev)
+            out[f"w{i}"] = DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=(ROWS, COLS),
+                                              stride=(COLS, 1))
+        return {"model": out}
+
+    def sync():
+        if not CPU:
+            torch.cuda.synchronize()
+
+    s = state(True)
+    shard = N * half * COLS * 4
+    res = {"rank": r, "shard_MiB": shard >> 20}
+    stager = FastCkptStager()
+    stager.stage(s); sync()                                   # first call allocates the buffer
+    t = time.perf_counter(); staged = stager.stage(s); sync(); dt = time.perf_counter() - t
+    res["stage_GBps"] = round(shard / dt / 1e9, 2)
+    res["staged_pinned"] = bool(staged["model"]["w0"].to_local().is_pinned()) if not CPU else None
+    ref = torch.empty(half, COLS, pin_memory=not CPU)
+    t = time.perf_counter()
+    for v in s["model"].values():
+        ref.copy_(v.to_local(), non_blocking=True)
+    sync(); res["pinned_copy_GBps"] = round(shard / (time.perf_counter() - t) / 1e9, 2)
+    del staged; stager.close()
+
+    path = os.path.join(d, "ck")
+    dist.barrier()
+    t = time.perf_counter(); fut = fastckpt.async_save(s, path); res["save_blocking_s"] = round(time.perf_counter() - t, 3)
+    fut.result(); res["save_total_s"] = round(time.perf_counter() - t, 3)
+    dist.barrier()
+    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]
+    same = True
+    for k, v in s["model"].items():
+        with safe_open(os.path.join(path, index[k]), "pt") as f:
+            same &= torch.equal(f.get_slice(k)[r * half:(r + 1) * half], v.to_local().cpu())
+    res["file_rows_equal_shard"] = bool(same)
+
+    fresh = state(False); sync()
+    if not CPU:
+        torch.cuda.empty_cache(); base = torch.cuda.memory_allocated(); torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter(); fastckpt.load_into(fresh, path); sync()
+    res["load_into_s"] = round(time.perf_counter() - t, 3)
+    grew = (torch.cuda.max_memory_allocated() - base) if not CPU else 0
+    res["load_into_device_grew_MiB"] = round(grew / 2**20, 1)
+    res["load_into_bound_MiB"] = 64
+    res["load_into_bit_exact"] = all(torch.equal(fresh["model"][k].to_local(), s["model"][k].to_local()) for k in s["model"])
+    dist.barrier()
+    with open(os.path.join(d, f"r{r}.json"), "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    d = sys.argv[1]
+    assert CPU or torch.cuda.is_available(), "no CUDA device"
+    mp.spawn(rank, args=(d,), nprocs=2, join=True)
+    rows = [json.load(open(os.path.join(d, f"r{r}.json"))) for r in range(2)]
+    ok_all = True
+    for x in rows:
+        checks = {"staged copies pinned" + (" (n/a: CPU dry run)" if CPU else ""): x["staged_pinned"] in (True, None),
+                  "file rows == CUDA shard": x["file_rows_equal_shard"],
+                  "load_into bit-exact": x["load_into_bit_exact"],
+                  f"load_into device growth {x['load_into_device_grew_MiB']} MiB <= 64 MiB":
+                      x["load_into_device_grew_MiB"] <= x["load_into_bound_MiB"]}
+        for name, ok in checks.items():
+            ok_all &= bool(ok)
+            print(f"DIST {'ok' if ok else 'FAIL'}: rank {x['rank']}: {name}")
+    print("RESULT_DIST " + json.dumps({"ranks": rows, "all_ok": ok_all, "cpu_dry_run": CPU}))
+PY
+# a file, not stdin: the spawned ranks import the script's functions from it
+timeout 120 "$PY" "$WORK/dist_check.py" "$DISTDIR" || echo "DISTRIBUTED CHECK FAILED"
