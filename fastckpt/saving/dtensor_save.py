@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from ..coordination import LOCAL
 from ..errors import CheckpointExistsError, DistributedSaveError
 from ..format.tree import join
-from ..storage.memory import host_buffer
+from ..storage.memory import host_buffer, pin_if_possible
 from ..storage.staging import copy_into
 from .collect import collect
 from .committer import fmt, remove_uncommitted
@@ -74,7 +74,8 @@ class FastCkptStager(AsyncStager):
             offs.append(total)
             total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
         if self._buf is None or self._buf.numel() < total:
-            self._buf = host_buffer(max(total, 1))[0]
+            # page-locked when CUDA is present: device -> host copies of CUDA DTensors run at full speed
+            self._buf = pin_if_possible(host_buffer(max(total, 1))[0])
         copies: list[torch.Tensor] = []
         for v, off in zip(leaves, offs):
             t = local(v)
