@@ -129,3 +129,21 @@ class DeviceUnavailableError(FastCkptError, ValueError):
     """``device=`` names a device this process cannot load into: a string torch does not
     parse, a type fastckpt has no engine for, CUDA/NPU not available, or an index past the
     devices present. Raised before any byte is read."""
+
+
+# --- Hugging Face Trainer integration (issue 14): where the Trainer raises ValueError, so do we ---
+class TrainerCheckpointNotFoundError(CheckpointNotFoundError, ValueError):
+    """``Trainer.train(resume_from_checkpoint=True)`` through fastckpt found no committed
+    ``checkpoint-N`` folder in ``output_dir`` (the Trainer raises ``ValueError`` there, so this
+    is one too). Start without ``resume_from_checkpoint`` or pass a checkpoint folder."""
+
+
+class ResumeMismatchError(FastCkptError, ValueError):
+    """The checkpoint the Trainer resumed from holds another step than the Trainer's
+    ``TrainerState`` (its ``trainer_state.json`` was edited or belongs to another folder).
+    Resume from an unmodified fastckpt checkpoint folder."""
+
+
+class UnsupportedTrainerOptionError(FastCkptError, ValueError):
+    """A ``TrainingArguments`` option the fastckpt callback does not support (``push_to_hub``);
+    the message says what to do instead."""
