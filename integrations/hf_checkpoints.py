@@ -159,14 +159,20 @@ def update_best_metric(args, state, metrics: dict[str, float]) -> bool:
     return False
 
 
-def update_stateful_callbacks(state, callbacks) -> None:
+def update_stateful_callbacks(state, callbacks, control) -> None:
     """Refresh ``state.stateful_callbacks`` (a ``TrainerState``'s) from every
-    ``transformers.trainer_callback.ExportableState`` among ``callbacks`` (the Trainer's callbacks
-    plus its ``TrainerControl``), grouped by class name, as ``Trainer._save_checkpoint`` does."""
+    ``transformers.trainer_callback.ExportableState`` among ``callbacks`` (the Trainer's callbacks)
+    and ``control`` (its ``TrainerControl``), grouped by class name, as ``Trainer._save_checkpoint``
+    does. ``control`` is recorded with ``should_save=True``, as the Trainer's own save records it
+    (the fastckpt callback has set it to False to keep the Trainer from saving)."""
+    import copy
+
     from transformers.trainer_callback import ExportableState
 
+    control = copy.copy(control)
+    control.should_save = True
     grouped: dict[str, list] = {}
-    for cb in callbacks:
+    for cb in list(callbacks) + [control]:
         if isinstance(cb, ExportableState):
             grouped.setdefault(cb.__class__.__name__, []).append(cb.state())
     for name, states in grouped.items():

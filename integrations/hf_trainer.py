@@ -307,7 +307,7 @@ class FastCkptCallback(_trainer_callback_base()):
         others = self.trainer_callbacks
         if others is None and self._relay.handler is not None:
             others = self._relay.handler.callbacks  # live list: the Trainer may replace callbacks on resume
-        update_stateful_callbacks(state, list(others or ()) + [control])
+        update_stateful_callbacks(state, others or (), control)
         extra["trainer_state.json"] = (
             json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n").encode()
         clean_stale_temps(args.output_dir)  # leftovers of a killed earlier save (dead writers only)

@@ -10,6 +10,7 @@ CPU, 16 steps per epoch.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -348,12 +349,20 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_same_as_without_fastckpt(tmp_path, name):
-    cfg = CONFIGS[name]
-    ref = plain(tmp_path / "plain", **cfg)
+    cfg = dict(CONFIGS[name])
+    if name == "load_best_model_at_end":  # a stateful callback, saved in trainer_state.json
+        early = lambda: [transformers.EarlyStoppingCallback(early_stopping_patience=100)]  # noqa: E731
+    else:
+        early = lambda: []  # noqa: E731
+    ref = plain(tmp_path / "plain", callbacks=early(), **cfg)
     ref.train()
-    tr = fast(tmp_path / "fast", **cfg)
+    tr = fast(tmp_path / "fast", callbacks=early(), **cfg)
     tr.train()
     assert ckpt_names(tmp_path / "fast") == ckpt_names(tmp_path / "plain")  # checkpoint-N naming, rotation
+    last = ckpt_names(tmp_path / "fast")[-1]
+    stateful = [json.loads((tmp_path / d / last / "trainer_state.json").read_text())["stateful_callbacks"]
+                for d in ("plain", "fast")]
+    assert stateful[0] == stateful[1]
     assert losses(tr) == losses(ref)
     best = lambda t: t.state.best_model_checkpoint and Path(t.state.best_model_checkpoint).name  # noqa: E731
     assert best(tr) == best(ref)
