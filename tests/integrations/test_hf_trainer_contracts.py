@@ -373,3 +373,52 @@ def test_same_as_without_fastckpt(tmp_path, name):
     for d in ckpt_names(tmp_path / "fast"):
         snap = fastckpt.load(tmp_path / "fast" / d)
         assert ("optimizer" in snap) is (name != "save_only_model")
+
+
+# ------------------------------------------------------------------------------------------------
+# a model that is not a PreTrainedModel (upstream test_can_resume_training's regression model)
+# ------------------------------------------------------------------------------------------------
+class RegressionData(torch.utils.data.Dataset):
+    def __init__(self, n=128):
+        g = torch.Generator().manual_seed(42)
+        self.x = torch.randn(n, generator=g)
+        self.y = 2 * self.x + 3 + 0.1 * torch.randn(n, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_x": self.x[i], "labels": self.y[i]}
+
+
+class Regression(torch.nn.Module):
+    """y = dropout(a * x) + b: a plain ``nn.Module`` (no config), RNG used in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.tensor(0.0))
+        self.b = torch.nn.Parameter(torch.tensor(0.0))
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, input_x, labels=None):
+        y = self.drop(input_x * self.a) + self.b
+        return {"loss": torch.nn.functional.mse_loss(y, labels), "logits": y}
+
+
+def regression_trainer(out):
+    args = transformers.TrainingArguments(str(out), save_steps=5, logging_steps=5, learning_rate=0.1,
+                                          report_to="none", use_cpu=True, disable_tqdm=True,
+                                          per_device_train_batch_size=8, num_train_epochs=3, seed=7)
+    return Trainer(Regression(), args, train_dataset=RegressionData(), callbacks=[hf_trainer.FastCkptCallback()])
+
+
+def test_exact_resume_of_a_plain_module(tmp_path):
+    tr = regression_trainer(tmp_path)
+    tr.train()
+    ref = (tr.model.a.item(), tr.model.b.item())
+    ref_log = steady(tr.state.log_history)
+    for ckpt in ("checkpoint-5", "checkpoint-15"):  # mid-epoch 1, and across an epoch boundary
+        again = regression_trainer(tmp_path)
+        again.train(resume_from_checkpoint=str(tmp_path / ckpt))
+        assert (again.model.a.item(), again.model.b.item()) == ref, ckpt
+        assert steady(again.state.log_history) == ref_log, ckpt
