@@ -187,6 +187,7 @@ class FastCkptCallback(_trainer_callback_base()):
 
     def on_epoch_begin(self, args, state, control, **kw):
         self._tick(args, control)
+        self._flush_deferred(args, state, control)  # before the sampler draws the next epoch's shuffle
         self._resume.at_epoch_begin()
         self._epoch_rng = capture_rng_state()
 
@@ -195,10 +196,8 @@ class FastCkptCallback(_trainer_callback_base()):
         self._flush_deferred(args, state, control)
         self._resume.at_step_begin()
 
-    def _tick_event(self, args, state, control, **kw):
-        self._tick(args, control)
-
-    on_substep_end = on_pre_optimizer_step = on_optimizer_step = on_prediction_step = _tick_event
+    on_substep_end = on_pre_optimizer_step = on_optimizer_step = on_prediction_step = \
+        lambda self, args, state, control, **kw: self._tick(args, control)  # noqa: E731
 
     def on_step_end(self, args, state, control, **kw):
         self._refs(args, state, kw)

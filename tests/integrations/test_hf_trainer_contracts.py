@@ -122,22 +122,35 @@ def test_on_save_fires_after_each_commit_on_the_training_thread(tmp_path):
     assert rec.events.index(saves[-1]) < next(j for j, x in enumerate(rec.events) if x["event"] == "on_train_end")
 
 
+class ReleaseAt(transformers.TrainerCallback):
+    def __init__(self, step, event):
+        self.step, self.event = step, event
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step >= self.step:
+            self.event.set()
+
+
 def test_on_save_sees_the_state_of_its_step_when_it_fires_later(tmp_path, monkeypatch):
-    """The commit lands while later steps run (slow fsync): on_save still gets global_step N."""
+    """The first save's background fsyncs are held until step 7 has ended, so its commit lands
+    while later steps run: its on_save still gets a state with global_step 5."""
+    release = threading.Event()
     real_fsync = os.fsync
 
-    def slow_fsync(fd):
-        time.sleep(0.05)
+    def held_fsync(fd):
+        if threading.current_thread() is not threading.main_thread():
+            release.wait(30)  # bounded: a missed release slows the test, never hangs it
         real_fsync(fd)
 
-    monkeypatch.setattr(os, "fsync", slow_fsync)
+    monkeypatch.setattr(os, "fsync", held_fsync)
     rec = Recorder()
-    tr = fast(tmp_path, callbacks=[rec], save_steps=5, num_train_epochs=1)
+    tr = fast(tmp_path, callbacks=[ReleaseAt(7, release), rec], save_steps=5, num_train_epochs=1)
     tr.train()
     saves = [e for e in rec.events if e["event"] == "on_save"]
     assert [e["step"] for e in saves] == [5, 10, 15, 16]  # the Trainer also saves at the last step
-    later = [e for e in saves if any(x["step"] > e["step"] for x in rec.events[:rec.events.index(e)])]
-    assert later, "no on_save fired after a later step began: the slow commit did not overlap training"
+    first = rec.events.index(saves[0])
+    assert max(x["step"] for x in rec.events[:first]) >= 7  # fired after later steps ran ...
+    assert saves[0]["step"] == 5  # ... with the state as of its own step
     assert all(f"checkpoint-{e['step']}" in e["committed"] for e in saves)
 
 
@@ -232,6 +245,23 @@ def test_save_on_an_eval_step_is_written(tmp_path, caplog, on_evaluate):
         want = trainer_saved_weights(tmp_path / "plain" / f"checkpoint-{n}")
         assert want.keys() <= got.keys()
         assert_bit_equal({k: got[k] for k in want}, want)
+
+
+def test_epoch_save_without_on_evaluate_resumes_exactly(tmp_path):
+    """save and eval at each epoch end, evaluate() never calls on_evaluate: the save comes at the
+    next epoch's begin, before the sampler draws that epoch's shuffle, so resuming from it is exact."""
+    def build(out):
+        base = make_trainer(out, mixin=False, save_strategy="epoch", eval_strategy="epoch", num_train_epochs=2)
+        return EvalWithoutEvent(model=base.model, args=base.args, train_dataset=IntDataset(),
+                                eval_dataset=IntDataset(), callbacks=[hf_trainer.FastCkptCallback()])
+
+    full = build(tmp_path / "a")
+    full.train()
+    assert ckpt_names(tmp_path / "a") == ["checkpoint-16", "checkpoint-32"]
+    again = build(tmp_path / "b")
+    again.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-16"))
+    assert losses(again) == losses(full)
+    assert_bit_equal(weights(again.model), weights(full.model))
 
 
 # ------------------------------------------------------------------------------------------------
