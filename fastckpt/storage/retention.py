@@ -7,7 +7,10 @@ the Trainer callback and the accelerate plugin:
 * Only committed folders (see :func:`fastckpt.storage.commit.is_committed`) count and are ever
   deleted; a folder without a valid manifest is left alone.
 * The newest committed step is never deleted, so retention cannot remove the last good
-  checkpoint before a newer one is committed (run it after each commit).
+  checkpoint before a newer one is committed (run it after each commit). "Newest" is by step,
+  except for the Trainer callback, which follows the Trainer's own rule (by commit time,
+  :func:`commit_order` + :func:`select_victims_in_order`) and also protects the step it just
+  committed; ``CheckpointManager`` protects the step it just committed too.
 * A folder is deleted by :func:`delete_checkpoint`: one atomic ``rename`` to a hidden temporary
   name (``.{name}.fastckpt-tmp-{pid}@{host}-{hex}.del``) made durable by an fsync of the root,
   then ``rmtree``. From the rename on it is no checkpoint; if the process dies in the middle,
