@@ -238,3 +238,21 @@ class LoraMergeError(FastCkptError, ValueError):
         self.path = path
         self.missing = sorted(missing)
         self.unexpected = sorted(unexpected)
+
+
+# --- Hugging Face Trainer integration (issue 14): where the Trainer raises ValueError, so do we ---
+class TrainerCheckpointNotFoundError(CheckpointNotFoundError, ValueError):
+    """``Trainer.train(resume_from_checkpoint=True)`` through fastckpt found no committed
+    ``checkpoint-N`` folder in ``output_dir`` (the Trainer raises ``ValueError`` there, so this
+    is one too). Start without ``resume_from_checkpoint`` or pass a checkpoint folder."""
+
+
+class ResumeMismatchError(FastCkptError, ValueError):
+    """The checkpoint the Trainer resumed from holds another step than the Trainer's
+    ``TrainerState`` (its ``trainer_state.json`` was edited or belongs to another folder).
+    Resume from an unmodified fastckpt checkpoint folder."""
+
+
+class UnsupportedTrainerOptionError(FastCkptError, ValueError):
+    """A ``TrainingArguments`` option the fastckpt callback does not support (``push_to_hub``);
+    the message says what to do instead."""

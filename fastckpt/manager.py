@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from .saving.saver import Saver
 
 LATEST = "latest"
 
+logger = logging.getLogger(__name__)
+
 
 class CheckpointManager:
     """Checkpoints of one run: ``{root}/{prefix}{step}`` folders, committed atomically.
@@ -24,7 +27,9 @@ class CheckpointManager:
         root: folder holding the step folders (created on first save).
         keep_last: keep at most this many committed steps (``None``: keep all). Pruning runs
             only after a commit, so the newest committed checkpoint is never removed before a
-            newer one is committed.
+            newer one is committed, and it never removes the step just committed: with
+            higher-numbered steps of an earlier run in ``root`` (``step-500`` while this run saves
+            ``step-100``) those are kept, named in a WARNING, and ``save`` returns an existing folder.
         prefix: step folder prefix (default ``"step-"``; the Trainer integration uses
             ``"checkpoint-"``).
         lock_timeout_s: seconds a save or prune waits for another job's root lock before
@@ -64,6 +69,7 @@ class CheckpointManager:
         self._lock = RootLock(self.root)
         self.lock_timeout_s = lock_timeout_s
         self.link_unchanged = link_unchanged
+        self._last_saved: int | None = None  # the step this manager committed last (rank 0)
 
     def path(self, step: int) -> Path:
         """Folder of ``step`` (whether or not it exists)."""
@@ -101,9 +107,15 @@ class CheckpointManager:
         user_hook = options.pop("on_commit", None)
 
         def after_commit(p: Path) -> None:
+            self._last_saved = step
             self._write_latest()
             if self.keep_last is not None:
-                self.prune(self.keep_last)
+                self.prune(self.keep_last, protect=(step,))  # never the step just committed
+            newer = [s for s in self.steps() if s > step]
+            if newer:
+                logger.warning("fastckpt: %s holds committed steps %s above the step just saved (%d), probably "
+                               "an earlier run's: they are kept, and latest()/load() pick the highest step. "
+                               "Remove them or save this run under another root", self.root, newer, step)
             if user_hook is not None:
                 user_hook(p)
 
@@ -139,6 +151,9 @@ class CheckpointManager:
         A save this manager started and that is still in flight is waited for first (its
         failure, if any, is still raised by its ``result()`` or the next save, not here).
 
+        With ``step=None`` the highest committed step is loaded; when it is above the step this
+        manager saved last (an earlier run's, left in ``root``), a WARNING names it.
+
         Raises:
             CheckpointNotFoundError: no committed checkpoint (or not that step).
         """
@@ -149,6 +164,10 @@ class CheckpointManager:
             step = self.latest()
             if step is None:
                 raise CheckpointNotFoundError(f"{self.root}: no committed checkpoint")
+            if self._last_saved is not None and step > self._last_saved:
+                logger.warning("fastckpt: loading %s, the highest committed step, but this manager last saved "
+                               "step %d: %s is probably an earlier run's; pass step=%d to load this run's",
+                               self.path(step), self._last_saved, self.path(step).name, self._last_saved)
         elif step not in self.steps():
             raise CheckpointNotFoundError(f"{self.root}: step {step} is not committed (have {self.steps()})")
         return load(self.path(step), **options)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 import numpy as np
 
 import fastckpt
-from fastckpt.storage import prune_checkpoints, scan_checkpoints, step_folders
+from fastckpt.storage import scan_checkpoints, step_folders
+from fastckpt.storage.retention import prune_checkpoints
 
 logger = logging.getLogger("fastckpt.integrations.hf_trainer")
 
@@ -40,24 +42,34 @@ def get_last_checkpoint(output_dir: str | os.PathLike) -> str | None:
 
 
 def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | None,
-                       best_model_checkpoint: str | None = None) -> list[Path]:
-    """Delete the oldest committed checkpoints beyond ``save_total_limit``.
+                       best_model_checkpoint: str | None = None,
+                       just_saved: str | os.PathLike | None = None) -> list[Path]:
+    """Delete old committed checkpoints beyond ``save_total_limit``, by the pinned Trainer's rule.
 
-    The Trainer's rule (``Trainer._rotate_checkpoints``): ``save_total_limit`` folders remain,
-    the best one counted among them; never deletes the newest committed checkpoint or
-    ``best_model_checkpoint`` (with a limit of 1 and a different best, two are kept, as the
-    Trainer does); uncommitted folders are left alone. Each victim goes through
-    :func:`fastckpt.storage.retention.delete_checkpoint` (renamed to a temporary name that the
-    next save's cleanup or ``fastckpt prune`` removes if this process dies mid-deletion), after
-    dead writers' leftovers in ``output_dir`` are removed.
+    The rule of ``transformers.trainer_utils.rotate_checkpoints`` as ``Trainer._save_checkpoint``
+    calls it (transformers 5.24.0, ``use_mtime=True``): checkpoints are ordered by commit time
+    (folder mtime; by step when all lie within 1 s, see
+    :func:`fastckpt.storage.retention.commit_order`), the most recent one and
+    ``best_model_checkpoint`` are protected and count among the limit, the oldest others go.
+    Two differences, both for safety: ``just_saved`` (the folder just committed) is protected too,
+    so a save is never rotated away by higher-numbered checkpoints of an earlier run in the same
+    ``output_dir`` (transformers#26961; the Trainer itself deletes it when the mtimes lie within
+    1 s); and only committed fastckpt folders count and are deleted (a ``checkpoint-N`` folder
+    without a committed manifest, e.g. a plain Trainer's, is left alone). A deleted checkpoint
+    with a higher step than ``just_saved`` (an earlier run's) is named in a WARNING.
+
+    Each victim goes through :func:`fastckpt.storage.retention.delete_checkpoint` (renamed to a
+    temporary name that the next save's cleanup or ``fastckpt prune`` removes if this process
+    dies mid-deletion), after dead writers' leftovers in ``output_dir`` are removed.
 
     Args:
         output_dir: the Trainer's ``args.output_dir``.
         save_total_limit: ``args.save_total_limit``; ``None`` or <= 0 deletes nothing.
         best_model_checkpoint: ``state.best_model_checkpoint`` (a folder path) or ``None``.
+        just_saved: the checkpoint folder just committed, or ``None``.
 
     Returns:
-        The folders deleted, oldest first.
+        The folders deleted, oldest commit first.
 
     Raises:
         OSError: a victim could not be renamed.
@@ -65,16 +77,48 @@ def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | No
     if not save_total_limit or save_total_limit <= 0:
         return []
     scan = scan_checkpoints(output_dir, _PREFIX)
-    best = Path(best_model_checkpoint).resolve() if best_model_checkpoint else None
-    best_step = next((s for s, p in scan.committed if best is not None and p.resolve() == best), None)
-    keep = save_total_limit
-    if best_step is not None and best_step not in scan.steps[-keep:]:
-        keep = max(1, keep - 1)  # the best counts among the limit (the Trainer keeps limit folders)
-    protect = () if best_step is None else (best_step,)
-    deleted = [scan.root / f"{_PREFIX}{s}" for s in prune_checkpoints(output_dir, _PREFIX, keep, protect)]
-    for p in deleted:
-        logger.info("fastckpt: deleted %s (save_total_limit=%d)", p, save_total_limit)
+    protect = []
+    for folder in (best_model_checkpoint, just_saved):
+        if folder:
+            protect += [s for s, p in scan.committed if p.resolve() == Path(folder).resolve()]
+    steps = prune_checkpoints(output_dir, _PREFIX, save_total_limit, tuple(protect), by_commit_time=True)
+    deleted = [scan.root / f"{_PREFIX}{s}" for s in steps]
+    mine = protect[-1] if just_saved and protect else None
+    for s, p in zip(steps, deleted):
+        if mine is not None and s > mine:
+            logger.warning("fastckpt: deleted %s (save_total_limit=%d): committed before %s%d, so an earlier "
+                           "run's checkpoint; the Trainer rotates by commit time too", p, save_total_limit,
+                           _PREFIX, mine)
+        else:
+            logger.info("fastckpt: deleted %s (save_total_limit=%d)", p, save_total_limit)
     return deleted
+
+
+def newer_runs_warning(output_dir: str | os.PathLike, chosen: str | os.PathLike) -> list[Path]:
+    """Warn when ``chosen`` (the checkpoint a resume picked by highest step, as the Trainer's
+    ``get_last_checkpoint`` does) was committed before lower-numbered checkpoints of
+    ``output_dir``: it is then probably an earlier run's.
+
+    Returns:
+        The lower-numbered, later-committed folders named in the WARNING (empty: no warning).
+    """
+    chosen = Path(os.path.abspath(os.fspath(chosen)))
+    m = re.fullmatch(re.escape(_PREFIX) + r"(\d+)", chosen.name)
+    if m is None or chosen.parent != Path(os.path.abspath(os.fspath(output_dir))):
+        return []
+    step = int(m.group(1))
+    try:
+        at = chosen.stat().st_mtime
+        later = [p for s, p in scan_checkpoints(output_dir, _PREFIX).committed
+                 if s < step and p.stat().st_mtime > at]
+    except OSError:
+        return []
+    if later:
+        logger.warning("fastckpt: resuming from %s, the highest step in %s (the Trainer's rule), but it was "
+                       "committed before %s: it is probably an earlier run's checkpoint. Pass "
+                       "resume_from_checkpoint=<folder> to resume this run instead", chosen, output_dir,
+                       ", ".join(p.name for p in later))
+    return later
 
 
 def logged_this_step(state) -> bool:
@@ -113,3 +157,36 @@ def update_best_metric(args, state, metrics: dict[str, float]) -> bool:
         state.best_global_step = state.global_step
         return True
     return False
+
+
+def update_stateful_callbacks(state, callbacks, control) -> None:
+    """Refresh ``state.stateful_callbacks`` (a ``TrainerState``'s) from every
+    ``transformers.trainer_callback.ExportableState`` among ``callbacks`` (the Trainer's callbacks)
+    and ``control`` (its ``TrainerControl``), grouped by class name, as ``Trainer._save_checkpoint``
+    does. ``control`` is recorded with ``should_save=True``, as the Trainer's own save records it
+    (the fastckpt callback has set it to False to keep the Trainer from saving)."""
+    import copy
+
+    from transformers.trainer_callback import ExportableState
+
+    control = copy.copy(control)
+    control.should_save = True
+    grouped: dict[str, list] = {}
+    for cb in list(callbacks) + [control]:
+        if isinstance(cb, ExportableState):
+            grouped.setdefault(cb.__class__.__name__, []).append(cb.state())
+    for name, states in grouped.items():
+        state.stateful_callbacks[name] = states if len(states) > 1 else states[0]
+
+
+def is_trainers_last(output_dir: str | os.PathLike, ckpt: str | os.PathLike) -> bool:
+    """True if ``ckpt`` is the folder the Trainer's own ``get_last_checkpoint(output_dir)``
+    (``transformers.trainer_utils``, highest ``checkpoint-N``, committed or not) picks, i.e. the
+    one ``train(resume_from_checkpoint=True)`` resumes from without the mixin."""
+    from transformers.trainer_utils import get_last_checkpoint as trainers_last
+
+    try:
+        last = trainers_last(output_dir)
+    except OSError:
+        return False
+    return last is not None and os.path.abspath(last) == os.path.abspath(ckpt)

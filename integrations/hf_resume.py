@@ -23,29 +23,70 @@ import math
 from typing import Any
 
 import fastckpt
-from fastckpt.errors import CheckpointNotFoundError
+from fastckpt.errors import ResumeMismatchError, TrainerCheckpointNotFoundError
 
-from .hf_checkpoints import get_last_checkpoint
+from .hf_checkpoints import get_last_checkpoint, newer_runs_warning
 from .hf_snapshot import restore_rng_state
 
 logger = logging.getLogger("fastckpt.integrations.hf_trainer")
 
 
 def resume_checkpoint(output_dir: str, resume_from_checkpoint: Any) -> Any:
-    """What ``Trainer.train(resume_from_checkpoint=...)`` should get: ``True`` becomes the newest
-    committed ``checkpoint-N`` of ``output_dir`` (:func:`get_last_checkpoint`); anything else is
-    returned as is.
+    """What ``Trainer.train(resume_from_checkpoint=...)`` should get: ``True`` becomes the
+    highest-numbered *committed* ``checkpoint-N`` of ``output_dir`` (:func:`get_last_checkpoint`,
+    the Trainer's rule minus uncommitted folders), with a WARNING naming lower-numbered checkpoints
+    committed after it (it is then probably an earlier run's, :func:`newer_runs_warning`); anything
+    else is returned as is.
 
     Raises:
-        CheckpointNotFoundError: ``True`` and no committed checkpoint exists in ``output_dir``.
+        TrainerCheckpointNotFoundError: ``True`` and no committed checkpoint exists in
+            ``output_dir`` (a ``ValueError``, as the Trainer raises there).
     """
     if resume_from_checkpoint is not True:
         return resume_from_checkpoint
     found = get_last_checkpoint(output_dir)
     if found is None:
-        raise CheckpointNotFoundError(
-            f"no committed fastckpt checkpoint in {output_dir}; start without resume_from_checkpoint")
+        raise TrainerCheckpointNotFoundError(
+            f"resume_from_checkpoint=True: no committed fastckpt checkpoint-N folder in {output_dir}; "
+            "start without resume_from_checkpoint or pass a checkpoint folder")
+    newer_runs_warning(output_dir, found)
     return found
+
+
+#: How many frames above a callback event to look for the Trainer (event -> CallbackHandler.call_event
+#: -> CallbackHandler.on_<event> -> Trainer method, plus a little room for wrappers).
+_MAX_FRAMES = 12
+
+
+def find_trainer() -> tuple[Any, Any]:
+    """The ``transformers.Trainer`` whose callback event is running, and the
+    ``resume_from_checkpoint`` its training loop got, found on the call stack.
+
+    ``TrainerCallback`` events receive neither the Trainer nor the folder a resume loads from; the
+    pinned Trainer (transformers 5.24.0) calls ``on_train_begin`` from
+    ``Trainer._inner_training_loop(self, ..., resume_from_checkpoint, ...)``, where
+    ``resume_from_checkpoint`` is already resolved (``True`` -> the Trainer's
+    ``get_last_checkpoint``). Reading that frame is what makes the mixin unnecessary: the callback
+    alone restores optimizer, scheduler and RNG from the exact folder, in any ``output_dir``.
+
+    Returns:
+        ``(trainer, resume_from_checkpoint)``: ``(None, None)`` when no Trainer frame is found
+        within a few frames (events called by hand, a future transformers); ``resume`` is
+        ``None`` when the run does not resume.
+    """
+    import sys
+
+    from transformers import Trainer
+
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        me = frame.f_locals.get("self")
+        if isinstance(me, Trainer) and frame.f_code.co_name == "_inner_training_loop":
+            return me, frame.f_locals.get("resume_from_checkpoint")
+        frame = frame.f_back
+    return None, None
 
 
 class TrainerResume:
@@ -76,19 +117,22 @@ class TrainerResume:
             no optimizer/RNG state (``save_only_model``): the resume is then not exact.
 
         Raises:
-            ValueError: ``ckpt`` holds another step than ``state.global_step``.
+            ResumeMismatchError: ``ckpt`` holds another step than ``state.global_step`` (a
+                ``ValueError``).
         """
         if not fastckpt.is_committed(ckpt):
             logger.warning(
                 "fastckpt: resumed at step %d but %s is not a committed fastckpt checkpoint: optimizer, "
                 "scheduler and RNG states come from the Trainer's own files if any; resume may not be "
-                "exact (pass FastCkptCallback(resume_from=...) or use FastCkptTrainerMixin)",
+                "exact (pass FastCkptCallback(resume_from=...))",
                 state.global_step, ckpt)
             return False
         snap = fastckpt.load(ckpt, keys=None)
         if snap.get("trainer", {}).get("global_step") != state.global_step:
-            raise ValueError(f"{ckpt} holds step {snap.get('trainer', {}).get('global_step')}, "
-                             f"the Trainer resumed at step {state.global_step}")
+            raise ResumeMismatchError(
+                f"{ckpt} holds step {snap.get('trainer', {}).get('global_step')} (manifest key trainer/global_step), "
+                f"but the Trainer resumed at step {state.global_step} from its trainer_state.json: resume "
+                "from an unmodified fastckpt checkpoint folder")
         if snap.get("optimizer") is None or snap.get("rng") is None:
             logger.warning("fastckpt: %s has no optimizer/RNG state (save_only_model?): resume is not exact",
                            ckpt)

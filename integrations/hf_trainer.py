@@ -1,42 +1,29 @@
 """Hugging Face ``Trainer`` integration: asynchronous, atomic, pickle-free checkpoints.
 
-Usage (saving and exact resume)::
+Usage (the callback alone is enough; docs/TRAINER.md lists every Trainer feature)::
 
-    from fastckpt.integrations.hf_trainer import FastCkptCallback, FastCkptTrainerMixin
+    from fastckpt.integrations.hf_trainer import FastCkptCallback
 
-    class MyTrainer(FastCkptTrainerMixin, Trainer):   # optional, see "Resume" below
-        pass
-
-    trainer = MyTrainer(model=..., args=args, train_dataset=..., callbacks=[FastCkptCallback()])
+    trainer = Trainer(model=..., args=args, train_dataset=..., callbacks=[FastCkptCallback()])
     trainer.train()                                   # writes output_dir/checkpoint-N via fastckpt
-    trainer.train(resume_from_checkpoint=True)        # newest *committed* checkpoint
+    trainer.train(resume_from_checkpoint=True)        # or a folder: exact resume
 
-Saving: the callback intercepts every save the Trainer decides on (``save_strategy`` "steps",
-"epoch" or "best"), sets ``control.should_save = False`` so the Trainer's own pickle save never
-runs, and starts :func:`fastckpt.async_save` of a whole snapshot into ``checkpoint-N``: model
-weights in HF layout (``model-0000k-of-0000n.safetensors`` + index + ``config.json``), for a
-``PeftModel`` also ``adapter_model.safetensors`` + ``adapter_config.json``, the optimizer, the
-scheduler, Python/NumPy/torch/CUDA RNG states, the RNG state at the start of the epoch (data
-position), ``trainer_state.json``, ``generation_config.json`` and the Trainer's tokenizer files
-(``processing_class``). Training blocks only while the state is staged. A pending
-save is awaited before the next one, at the end of training and on SIGTERM; its failure is
-re-raised in the training process with its original type.
+Saving: the callback intercepts every save the Trainer decides on, sets ``control.should_save =
+False`` so the Trainer's own pickle save never runs, and starts :func:`fastckpt.async_save` of a
+whole snapshot into ``checkpoint-N`` (HF-layout weights, adapter files, optimizer, scheduler, RNG
+states, ``trainer_state.json``, generation config and tokenizer files). Once it is committed the
+other callbacks' ``on_save`` fires (:mod:`~fastckpt.integrations.hf_on_save`). A background
+failure is re-raised in the training process with its original type.
 
-Resume: ``trainer.train(resume_from_checkpoint=...)`` loads the model through the Trainer's
-own (safetensors) loader; the callback restores optimizer and scheduler in ``on_train_begin``
-and the RNG states exactly where the Trainer would restore ``rng_state.pth``. Without the mixin
-the callback finds the checkpoint as ``output_dir/checkpoint-{global_step}``; the one-line mixin
-tells it the exact folder and makes ``resume_from_checkpoint=True`` pick the newest committed
-checkpoint (:func:`get_last_checkpoint`).
+Resume: the Trainer loads the model through its own (safetensors) loader; the callback restores
+optimizer, scheduler and RNG states from the folder the Trainer resumes from (read off its training
+loop, :func:`~fastckpt.integrations.hf_resume.find_trainer`). :class:`FastCkptTrainerMixin` is
+optional: it makes ``resume_from_checkpoint=True`` skip uncommitted ``checkpoint-N`` folders.
 
-Folder helpers (:func:`get_last_checkpoint`, :func:`rotate_checkpoints`) live in
-:mod:`fastckpt.integrations.hf_checkpoints`, snapshot pieces in
-:mod:`fastckpt.integrations.hf_snapshot` (both re-exported here), what a resume restores and
-when in :mod:`fastckpt.integrations.hf_resume`, the optimizer-step gate of ``defer_params`` in
-:mod:`fastckpt.integrations.hf_step_gate`.
-
-``push_to_hub=True`` is refused with ``ValueError`` (upload a committed folder yourself).
-Multi-process training: the main process saves model/optimizer/RNG of rank 0 only.
+Helpers live in :mod:`~fastckpt.integrations.hf_checkpoints` (folders, rotation),
+:mod:`~fastckpt.integrations.hf_snapshot`, :mod:`~fastckpt.integrations.hf_resume` and
+:mod:`~fastckpt.integrations.hf_step_gate`. Multi-process training: the main process saves
+model/optimizer/RNG of rank 0 only.
 """
 
 from __future__ import annotations
@@ -53,12 +40,14 @@ from typing import Any
 
 import fastckpt
 from fastckpt import no_gc
-from fastckpt.errors import LinkedTensorChangedError, SourceChangedError
+from fastckpt.errors import LinkedTensorChangedError, SourceChangedError, UnsupportedTrainerOptionError
 from fastckpt.storage import clean_stale_temps
 
 from .hf_checkpoints import (  # noqa: F401  (re-exported: public helpers, tests)
-    PREFIX_CHECKPOINT_DIR, get_last_checkpoint, logged_this_step, rotate_checkpoints, update_best_metric)
-from .hf_resume import TrainerResume, resume_checkpoint
+    PREFIX_CHECKPOINT_DIR, get_last_checkpoint, is_trainers_last, logged_this_step, newer_runs_warning,
+    rotate_checkpoints, update_best_metric, update_stateful_callbacks)
+from .hf_on_save import OnSaveRelay, state_as_of_now
+from .hf_resume import TrainerResume, find_trainer, resume_checkpoint
 from .hf_snapshot import (  # noqa: F401  (re-exported: accelerate plugin, scripts)
     ModelSnapshotter, capture_rng_state, dedup_tied, is_peft_model, model_snapshot, peft_base_weights,
     restore_rng_state, snapshot_bytes_estimate, tokenizer_files)
@@ -74,9 +63,6 @@ _CALLBACK_SAVE_OPTIONS = frozenset({"max_shard_bytes", "chunk_bytes", "threads",
                                     "defer_frozen"})
 
 
-# ---------------------------------------------------------------------------------------------
-# The callback
-# ---------------------------------------------------------------------------------------------
 def _trainer_callback_base():
     from transformers import TrainerCallback
 
@@ -109,9 +95,9 @@ class FastCkptCallback(_trainer_callback_base()):
             copy (outside the optimizer) fails that save (:class:`~fastckpt.errors.SourceChangedError`,
             dropped like a ``LinkedTensorChangedError`` below, later saves copy at the call).
             Only with a ``torch.optim.Optimizer`` (unwrapped from accelerate's wrapper).
-        resume_from: checkpoint folder to restore optimizer/scheduler/RNG from when the
-            Trainer resumes; default None = the folder the mixin reports, else
-            ``output_dir/checkpoint-{global_step}``.
+        resume_from: checkpoint folder to restore optimizer/scheduler/RNG from when the Trainer
+            resumes; default None = the folder the Trainer resumes from (found on its stack, else
+            ``output_dir/checkpoint-{global_step}``).
 
     Attributes:
         records: one dict per finished save: ``step``, ``path``, ``blocking_s`` (seconds training
@@ -119,10 +105,7 @@ class FastCkptCallback(_trainer_callback_base()):
             ``staging_wait_s``, the time the next optimizer step waited for its background copy),
             ``total_s`` (from the same start to the commit), ``bytes``, ``linked_bytes``.
         failed_saves: ``{"step", "path", "error"}`` of saves dropped by :meth:`wait`.
-
-    Every checkpoint also carries the Trainer's tokenizer / processor files (``processing_class``,
-    saved once with ``save_pretrained`` and cached) and ``generation_config.json``, so that
-    ``fastckpt load --to DIR`` gives a folder ``vllm serve`` and ``AutoTokenizer`` accept.
+        (Timings go to ``records`` and the INFO log, never to ``state.log_history``.)
 
     Raises:
         TypeError: at construction, a save option :func:`fastckpt.async_save` would not take here
@@ -130,7 +113,8 @@ class FastCkptCallback(_trainer_callback_base()):
         ValueError: at construction, a bad option value (as :meth:`fastckpt.SaveOptions.check`).
 
     Raises (from the Trainer's calls):
-        ValueError: ``push_to_hub=True`` (not supported; refused at train begin).
+        UnsupportedTrainerOptionError: ``push_to_hub=True`` (a ``ValueError``; at train begin).
+        ResumeMismatchError: the resumed folder holds another step (a ``ValueError``).
         FastCkptError / OSError: a background save failed (re-raised with its type at the next
             save, the next step end, train end or SIGTERM).
     """
@@ -152,7 +136,7 @@ class FastCkptCallback(_trainer_callback_base()):
         self.resume_from = str(resume_from) if resume_from is not None else None
         self.records: list[dict[str, Any]] = []
         self.failed_saves: list[dict[str, Any]] = []
-        self._pending = None  # (future, step, path, blocking_s, t_start, t_call)
+        self._pending = None  # (future, step, path, blocking_s, t_start, t_call, state as of the save)
         self._inflight = None  # future of the newest save, never cleared: read lock-free by the SIGTERM handler
         self._processing_class = None
         self._tok_cache: tuple[int, dict[str, bytes]] | None = None  # (id(processing_class), files)
@@ -166,14 +150,17 @@ class FastCkptCallback(_trainer_callback_base()):
         self._gate = OptimizerStepGate(self._pending_save)  # defer_params: step() waits for staging
         self._model = self._args = self._state = None
         self.trainer_callbacks = None  # set by FastCkptTrainerMixin: all callbacks of the Trainer
+        self._relay = OnSaveRelay()  # on_save of the other callbacks, after each commit
+        self._eval_warned = False
 
-    # -- events --------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
         if args.push_to_hub:
-            raise ValueError(
-                "FastCkptCallback does not push to the Hub: set push_to_hub=False and upload a "
-                "committed checkpoint folder with huggingface_hub.upload_folder after training"
-            )
+            raise UnsupportedTrainerOptionError(
+                "FastCkptCallback does not push to the Hub (TrainingArguments.push_to_hub=True): set "
+                "push_to_hub=False and upload a committed checkpoint folder with "
+                "huggingface_hub.upload_folder after training")
+        trainer, resumed_from = find_trainer()
+        self._relay.attach(trainer)
         self._training = True
         self._refs(args, state, {**kw, "model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler})
         self._install_sigterm()
@@ -183,7 +170,11 @@ class FastCkptCallback(_trainer_callback_base()):
             if not args.save_only_model:
                 self._saver.reserve(snapshot_bytes_estimate(model))  # first save copies into touched memory
         if state.global_step > 0:
-            ckpt = self.resume_from or str(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            ckpt = self.resume_from or (str(resumed_from) if resumed_from else None)
+            if ckpt is None:
+                ckpt = str(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            elif self.resume_from is None and is_trainers_last(args.output_dir, ckpt):
+                newer_runs_warning(args.output_dir, ckpt)  # resume_from_checkpoint=True may have picked it
             self._resume.restore(ckpt, args, state, optimizer, lr_scheduler)
         if self.defer_params and not args.save_only_model:
             self._gate.install(optimizer)
@@ -195,25 +186,34 @@ class FastCkptCallback(_trainer_callback_base()):
             self._saver.prime_hashes(snap, weights=weights)
 
     def on_epoch_begin(self, args, state, control, **kw):
+        self._tick(args, control)
+        self._flush_deferred(args, state, control)  # before the sampler draws the next epoch's shuffle
         self._resume.at_epoch_begin()
         self._epoch_rng = capture_rng_state()
 
     def on_step_begin(self, args, state, control, **kw):
+        self._tick(args, control)
         self._flush_deferred(args, state, control)
         self._resume.at_step_begin()
 
+    on_substep_end = on_pre_optimizer_step = on_optimizer_step = on_prediction_step = \
+        lambda self, args, state, control, **kw: self._tick(args, control)  # noqa: E731
+
     def on_step_end(self, args, state, control, **kw):
         self._refs(args, state, kw)
-        self._poll()
+        self._tick(args, control)
         self._intercept(args, state, control)
 
     def on_epoch_end(self, args, state, control, **kw):
         self._refs(args, state, kw)
+        self._tick(args, control)
+        self._flush_deferred(args, state, control)  # a save due after an on_evaluate that never came
         self._intercept(args, state, control)
         if control.should_training_stop:
             self.wait(args)
 
     def on_evaluate(self, args, state, control, metrics=None, **kw):
+        self._tick(args, control)
         if not self._training or metrics is None:
             return
         self._refs(args, state, kw)
@@ -227,14 +227,15 @@ class FastCkptCallback(_trainer_callback_base()):
 
     def on_train_end(self, args, state, control, **kw):
         try:
+            self._tick(args, control)
             self._flush_deferred(args, state, control)
             self.wait(args)
+            self._relay.fire(args, control)  # the last save's on_save before train() returns
         finally:
             self._training = False
             self._uninstall_sigterm()
             self._gate.remove()
 
-    # -- saving --------------------------------------------------------------------------------
     def _intercept(self, args, state, control) -> None:
         if not control.should_save:
             return
@@ -251,16 +252,29 @@ class FastCkptCallback(_trainer_callback_base()):
             self._save(args, state, control)
 
     def on_log(self, args, state, control, logs=None, **kw):
+        self._tick(args, control)
         if self._save_after_log and not self._save_after_eval:
             self._save_after_log = False
             self._refs(args, state, kw)
             self._save(args, state, control)
 
     def _flush_deferred(self, args, state, control) -> None:
-        """A save deferred to on_log whose log never came: do it now rather than never."""
-        if self._save_after_log:
-            self._save_after_log = False
+        """A save deferred to on_log or on_evaluate whose event never came (a Trainer subclass that
+        evaluates without ``on_evaluate``): do it now, at the next event, rather than never."""
+        if self._save_after_eval and not self._eval_warned:
+            self._eval_warned = True
+            logger.warning("fastckpt: checkpoint-%d fell on an evaluation step but on_evaluate never came (does "
+                           "the Trainer subclass override evaluate()?): saved at the next event instead, with "
+                           "best_metric as the Trainer left it", state.global_step)
+        if self._save_after_log or self._save_after_eval:
+            self._save_after_log = self._save_after_eval = False
             self._save(args, state, control)
+
+    def _tick(self, args, control) -> None:
+        """At every event: collect a save committed meanwhile, then fire the other callbacks'
+        ``on_save`` for each commit not yet announced (training thread, first event after commit)."""
+        self._poll()
+        self._relay.fire(args, control)
 
     def _save(self, args, state, control) -> None:
         if not args.should_save:
@@ -285,9 +299,14 @@ class FastCkptCallback(_trainer_callback_base()):
             snap["epoch_rng"] = self._epoch_rng
         snap["trainer"] = {"global_step": state.global_step, "epoch": state.epoch,
                            "save_only_model": bool(args.save_only_model)}
-        if state.best_global_step == state.global_step and args.metric_for_best_model:
-            state.best_model_checkpoint = str(out)
-        self._update_stateful_callbacks(state, control)
+        if args.save_strategy in ("steps", "epoch", "best") and state.best_global_step:
+            best = out.parent / f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}"
+            if best == out or best.exists():  # as Trainer._save_checkpoint
+                state.best_model_checkpoint = str(best)
+        others = self.trainer_callbacks
+        if others is None and self._relay.handler is not None:
+            others = self._relay.handler.callbacks  # live list: the Trainer may replace callbacks on resume
+        update_stateful_callbacks(state, others or (), control)
         extra["trainer_state.json"] = (
             json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n").encode()
         clean_stale_temps(args.output_dir)  # leftovers of a killed earlier save (dead writers only)
@@ -304,8 +323,7 @@ class FastCkptCallback(_trainer_callback_base()):
         self._inflight = fut  # what the SIGTERM handler waits for (without the lock)
         blocking = time.perf_counter() - t0
         with self._lock:
-            self._pending = (fut, state.global_step, out, blocking, t0, t_call)
-        state.log_history.append({"fastckpt_save_blocking_s": round(blocking, 4), "step": state.global_step})
+            self._pending = (fut, state.global_step, out, blocking, t0, t_call, state_as_of_now(state))
         logger.info("fastckpt: checkpoint-%d staged in %.3f s, writing in background",
                     state.global_step, blocking)
         if state.max_steps and state.global_step >= state.max_steps:
@@ -343,18 +361,6 @@ class FastCkptCallback(_trainer_callback_base()):
     def _opt_sched(self):
         return getattr(self, "_optimizer", None), getattr(self, "_lr_scheduler", None)
 
-    def _update_stateful_callbacks(self, state, control) -> None:
-        """Refresh ``state.stateful_callbacks`` as ``Trainer._save_checkpoint`` does."""
-        from transformers.trainer_callback import ExportableState
-
-        others = list(self.trainer_callbacks) if self.trainer_callbacks is not None else []
-        grouped: dict[str, list] = {}
-        for cb in others + [control]:
-            if isinstance(cb, ExportableState):
-                grouped.setdefault(cb.__class__.__name__, []).append(cb.state())
-        for name, states in grouped.items():
-            state.stateful_callbacks[name] = states if len(states) > 1 else states[0]
-
     def wait(self, args=None) -> bool:
         """Block until the pending save is committed, record its timings, apply rotation.
 
@@ -376,7 +382,7 @@ class FastCkptCallback(_trainer_callback_base()):
         """:meth:`wait` for a pending save already taken out of ``self._pending``."""
         if pending is None:
             return True
-        fut, step, out, blocking, t0, t_call = pending
+        fut, step, out, blocking, t0, t_call, state_then = pending
         try:
             path = fut.result()
         except (LinkedTensorChangedError, SourceChangedError) as e:
@@ -405,7 +411,10 @@ class FastCkptCallback(_trainer_callback_base()):
                     "step), %.3f s total, %d bytes, %.3f GB/s", step, rec["blocking_s"], gate, rec["total_s"],
                     rec["bytes"], gbps)
         if args is not None:
-            rotate_checkpoints(args.output_dir, args.save_total_limit, self._best_dir)
+            rotate_checkpoints(args.output_dir, args.save_total_limit, getattr(self._state, "best_model_checkpoint", None),
+                               just_saved=path)
+        if state_then is not None:
+            self._relay.committed(state_then)  # on_save fires at the next event (training thread)
         return True
 
     def _poll(self) -> None:
@@ -414,7 +423,6 @@ class FastCkptCallback(_trainer_callback_base()):
         if pending is not None and pending[0].done():
             self.wait(self._args)
 
-    # -- SIGTERM -------------------------------------------------------------------------------
     def _install_sigterm(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
@@ -460,22 +468,19 @@ class FastCkptCallback(_trainer_callback_base()):
             elif prev != signal.SIG_IGN:
                 signal.raise_signal(signal.SIGTERM)
 
-    @property
-    def _best_dir(self):
-        return getattr(self._state, "best_model_checkpoint", None)
-
 
 class FastCkptTrainerMixin:
-    """One-line ``Trainer`` mixin: ``class MyTrainer(FastCkptTrainerMixin, Trainer): pass``.
+    """Optional one-line ``Trainer`` mixin: ``class MyTrainer(FastCkptTrainerMixin, Trainer): pass``.
 
-    Adds a :class:`FastCkptCallback` when none was passed, gives it every callback of the
-    Trainer (so ``EarlyStoppingCallback`` & co. are saved in ``trainer_state.json``), tells it the
-    exact folder ``train(resume_from_checkpoint=...)`` resumes from, and resolves
-    ``resume_from_checkpoint=True`` with :func:`get_last_checkpoint` (newest *committed*).
+    The callback alone resumes exactly (it reads the folder off the Trainer's training loop). The
+    mixin adds a :class:`FastCkptCallback` when none was passed, gives it every callback of the
+    Trainer, and resolves ``resume_from_checkpoint=True`` with :func:`get_last_checkpoint`: the
+    highest *committed* ``checkpoint-N`` (the Trainer's own rule takes the highest folder, committed
+    or not), warning when it was committed before lower-numbered ones (an earlier run's).
 
     Raises:
-        fastckpt.errors.CheckpointNotFoundError: ``resume_from_checkpoint=True`` and no committed
-            checkpoint exists in ``args.output_dir``.
+        fastckpt.errors.TrainerCheckpointNotFoundError: ``resume_from_checkpoint=True`` and no
+            committed checkpoint exists in ``args.output_dir`` (a ``ValueError``, as the Trainer's).
     """
 
     def __init__(self, *args, **kwargs):

@@ -177,3 +177,23 @@ def test_prune_keeps_newest(tmp_path):
     assert mgr.prune(1) == [1, 3]
     assert mgr.steps() == [4] and no_temps(tmp_path)
     assert_tree_same(st(4), mgr.load())
+
+
+def test_keep_last_never_prunes_the_step_just_saved(tmp_path, caplog):
+    """An earlier run left step-500 in the root; this run saves step 100 with keep_last=1: the
+    returned folder exists, step-500 is kept and named, and load() of the highest step warns."""
+    mgr = CheckpointManager(tmp_path, keep_last=1)
+    mgr.save(500, st(500))
+    mgr2 = CheckpointManager(tmp_path, keep_last=1)  # the new run
+    with caplog.at_level("WARNING", logger="fastckpt.manager"):
+        p = mgr2.save(100, st(100))
+    assert p == tmp_path / "step-100" and p.is_dir()
+    assert mgr2.steps() == [100, 500]
+    assert "[500]" in caplog.text and "earlier run" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fastckpt.manager"):
+        assert_tree_same(st(500), mgr2.load())  # the highest step, as documented, but named
+    assert "step-500" in caplog.text and "step=100" in caplog.text
+    assert_tree_same(st(100), mgr2.load(100))
+    p = mgr2.save(200, st(200))  # the older step of this run goes; the just-saved and the highest stay
+    assert p.is_dir() and mgr2.steps() == [200, 500]

@@ -7,7 +7,10 @@ the Trainer callback and the accelerate plugin:
 * Only committed folders (see :func:`fastckpt.storage.commit.is_committed`) count and are ever
   deleted; a folder without a valid manifest is left alone.
 * The newest committed step is never deleted, so retention cannot remove the last good
-  checkpoint before a newer one is committed (run it after each commit).
+  checkpoint before a newer one is committed (run it after each commit). "Newest" is by step,
+  except for the Trainer callback, which follows the Trainer's own rule (by commit time,
+  :func:`commit_order` + :func:`select_victims_in_order`) and also protects the step it just
+  committed; ``CheckpointManager`` protects the step it just committed too.
 * A folder is deleted by :func:`delete_checkpoint`: one atomic ``rename`` to a hidden temporary
   name (``.{name}.fastckpt-tmp-{pid}@{host}-{hex}.del``) made durable by an fsync of the root,
   then ``rmtree``. From the rename on it is no checkpoint; if the process dies in the middle,
@@ -158,6 +161,77 @@ def select_victims(steps: Sequence[int], keep: int, protect: Iterable[int] = ())
     return [s for s in ordered if s not in kept]
 
 
+def commit_order(committed: Sequence[tuple[int, Path]], use_mtime: bool = True) -> list[int]:
+    """Committed steps ordered oldest first as ``transformers.trainer_utils.sort_checkpoints``
+    orders them for the Trainer's rotation (``use_mtime=True`` in ``Trainer._save_checkpoint``,
+    transformers 5.24.0): by the folder's modification time (for a fastckpt folder: when its last
+    file was written, i.e. its commit), falling back to step order when the newest and oldest
+    times lie less than 1.0 s apart (a filesystem whose mtimes are not trustworthy, or a burst of
+    saves). Ties are broken by step.
+
+    Args:
+        committed: ``(step, folder)`` pairs (e.g. :attr:`CheckpointScan.committed`).
+        use_mtime: False orders by step only.
+
+    Returns:
+        The steps, oldest first. A folder that vanished meanwhile sorts by step as time 0.
+    """
+    def mtime(p: Path) -> float:
+        try:
+            return p.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    by_step = sorted(s for s, _ in committed)
+    if not use_mtime or len(committed) < 2:
+        return by_step
+    timed = sorted((mtime(p), s) for s, p in committed)
+    if timed[-1][0] - timed[0][0] < 1.0:
+        return by_step
+    return [s for _, s in timed]
+
+
+def select_victims_in_order(order: Sequence[int], keep: int, protect: Iterable[int] = ()) -> list[int]:
+    """The Trainer's rotation rule (``transformers.trainer_utils.rotate_checkpoints``, 5.24.0)
+    over steps already ordered oldest first (pure, no I/O).
+
+    The last step of ``order`` (the most recent) and every step of ``protect`` (the best
+    checkpoint, the one just committed) are kept; the oldest others are deleted until
+    ``max(keep, number kept by protection)`` remain. Unlike :func:`select_victims`, protected
+    steps count among ``keep``.
+
+    Args:
+        order: committed steps, oldest first (e.g. from :func:`commit_order`).
+        keep: ``save_total_limit``, >= 1.
+        protect: steps never to delete.
+
+    Returns:
+        The steps to delete, in ``order``'s order.
+
+    Raises:
+        ValueError: ``keep`` is not an int >= 1.
+
+    Example::
+
+        >>> select_victims_in_order([500, 100, 200], keep=1, protect=[200])   # 500: an earlier run
+        [500, 100]
+    """
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise ValueError(f"keep must be >= 1 (an int), got {keep!r}")
+    order = list(dict.fromkeys(order))
+    if len(order) <= keep:
+        return []
+    protected = {order[-1]} | (set(protect) & set(order))
+    remaining, victims = len(order), []
+    for s in order:
+        if remaining <= max(keep, len(protected)):
+            break
+        if s not in protected:
+            victims.append(s)
+            remaining -= 1
+    return victims
+
+
 def delete_checkpoint(path: str | os.PathLike) -> bool:
     """Delete the checkpoint folder ``path`` so that no crash leaves a half-deleted checkpoint.
 
@@ -196,20 +270,24 @@ def delete_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def prune_checkpoints(root: str | os.PathLike, prefix: str, keep: int,
-                      protect: Iterable[int] = ()) -> list[int]:
+                      protect: Iterable[int] = (), by_commit_time: bool = False) -> list[int]:
     """Remove dead writers' temporaries in ``root``, then the committed steps beyond the newest ``keep``.
 
-    Selection is :func:`select_victims` over the committed steps of :func:`scan_checkpoints`;
-    each victim goes through :func:`delete_checkpoint`. Uncommitted folders are left alone.
+    Selection is :func:`select_victims` over the committed steps of :func:`scan_checkpoints`
+    (``by_commit_time=True``: :func:`select_victims_in_order` over :func:`commit_order`, the
+    Trainer's rule); each victim goes through :func:`delete_checkpoint`. Uncommitted folders are
+    left alone.
 
     Args:
         root: run root (a missing root removes nothing).
         prefix: step folder prefix (``"step-"``, ``"checkpoint-"``, ...).
         keep: newest committed steps to keep, >= 1.
-        protect: steps never to delete, kept in addition to the newest ``keep``.
+        protect: steps never to delete, kept in addition to the newest ``keep`` (with
+            ``by_commit_time``: counted among ``keep``, as the Trainer counts its best checkpoint).
+        by_commit_time: order by commit time as the Trainer does (default False: by step).
 
     Returns:
-        The deleted steps, ascending.
+        The deleted steps, ascending (``by_commit_time``: oldest commit first).
 
     Raises:
         ValueError: ``keep`` is not an int >= 1.
@@ -220,4 +298,8 @@ def prune_checkpoints(root: str | os.PathLike, prefix: str, keep: int,
     cm.clean_stale_temps(os.fspath(root))
     scan = scan_checkpoints(root, prefix)
     folders = dict(scan.committed)
-    return [s for s in select_victims(scan.steps, keep, protect) if delete_checkpoint(folders[s])]
+    if by_commit_time:
+        victims = select_victims_in_order(commit_order(scan.committed), keep, protect)
+    else:
+        victims = select_victims(scan.steps, keep, protect)
+    return [s for s in victims if delete_checkpoint(folders[s])]

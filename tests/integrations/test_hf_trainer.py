@@ -115,7 +115,7 @@ def test_callback_takes_over_saving(tmp_path):
     assert [r["step"] for r in cb.records] == [8, 16]
     assert [fastckpt.read_manifest(tmp_path / f"checkpoint-{n}")["step"] for n in (8, 16)] == [8, 16]
     assert all(r["bytes"] > 0 and r["blocking_s"] >= 0 for r in cb.records)
-    assert any("fastckpt_save_blocking_s" in h for h in tr.state.log_history)
+    assert not any(k.startswith("fastckpt") for h in tr.state.log_history for k in h)  # timings: records only
     st = json.loads((tmp_path / "checkpoint-8" / "trainer_state.json").read_text())
     assert st["global_step"] == 8
     # saved after the Trainer logged step 8, as its own save is: the step's log entry is kept

@@ -46,7 +46,7 @@ def start_save(cb, path: Path, step: int = 1, delay_s: float = 0.3):
                                io_backend=SlowFsync(delay_s))
     cb._inflight = fut
     now = time.perf_counter()
-    cb._pending = (fut, step, path, 0.0, now, now)
+    cb._pending = (fut, step, path, 0.0, now, now, None)  # None: no TrainerState (no on_save to fire)
     return fut
 
 

@@ -130,6 +130,52 @@ def test_rotate_checkpoints_counts_the_best_within_the_limit(tmp_path, limit, be
     assert [p.name for p in gone] == [f"checkpoint-{s}" for s in (4, 8, 12, 16) if s not in kept]
 
 
+def _set_mtimes(mgr, offsets: dict[int, float]) -> None:
+    import time
+
+    now = time.time()
+    for s, off in offsets.items():
+        os.utime(mgr.path(s), (now + off, now + off))
+
+
+def test_commit_order_is_the_trainers_mtime_order_with_its_one_second_fallback(tmp_path):
+    mgr = make_root(tmp_path, "checkpoint-", (100, 200, 500))
+    committed = scan_checkpoints(tmp_path, "checkpoint-").committed
+    _set_mtimes(mgr, {500: -3600, 100: -10, 200: 0})  # 500: an earlier run's
+    assert retention.commit_order(committed) == [500, 100, 200]
+    assert retention.commit_order(committed, use_mtime=False) == [100, 200, 500]
+    _set_mtimes(mgr, {500: -0.5, 100: -0.2, 200: 0})  # within 1 s: by step, as sort_checkpoints
+    assert retention.commit_order(committed) == [100, 200, 500]
+
+
+def test_select_victims_in_order_is_the_trainers_rule():
+    sel = retention.select_victims_in_order
+    assert sel([1, 2, 3, 4], keep=2) == [1, 2]
+    assert sel([1, 2, 3, 4], keep=2, protect=[1]) == [2, 3]  # the best counts among the limit
+    assert sel([1, 2, 3, 4], keep=1, protect=[1]) == [2, 3]  # limit 1 and an older best: two kept
+    assert sel([500, 100, 200], keep=1, protect=[200]) == [500, 100]
+    assert sel([100, 500], keep=1, protect=[100]) == []  # never the one just saved (the Trainer: [100])
+    assert sel([4, 8], keep=5) == []
+    with pytest.raises(ValueError, match="keep"):
+        sel([1], keep=0)
+
+
+@pytest.mark.parametrize("offset,kept", [(-3600, [4]), (+3600, [4, 500])])
+def test_rotate_checkpoints_never_deletes_the_checkpoint_just_saved(tmp_path, caplog, offset, kept):
+    """checkpoint-500 of an earlier run: committed an hour before (rotated by commit time, named in
+    a WARNING) or sorting as the most recent (kept, and so is the checkpoint just saved)."""
+    from fastckpt.integrations.hf_checkpoints import rotate_checkpoints
+
+    mgr = make_root(tmp_path, "checkpoint-", (500, 4))
+    _set_mtimes(mgr, {500: offset})
+    caplog.clear()  # the manager's own warning about step 500 while saving step 4
+    with caplog.at_level("WARNING"):
+        gone = rotate_checkpoints(tmp_path, 1, None, just_saved=str(mgr.path(4)))
+    assert mgr.steps() == kept and mgr.path(4).is_dir()
+    assert [p.name for p in gone] == ([] if 500 in kept else ["checkpoint-500"])
+    assert ("earlier run" in caplog.text) is (500 not in kept)
+
+
 # ---------------------------------------------------------------------------------------------
 # SIGKILL in the middle of a deletion
 # ---------------------------------------------------------------------------------------------
