@@ -10,9 +10,11 @@ from typing import Any
 from .storage import commit as cm
 from .storage import retention
 from .errors import CheckpointExistsError, CheckpointNotFoundError
+from .loading.into import load_into
 from .loading.reader import load
 from .storage.lock import RootLock
 from .saving.future import SaveFuture
+from .saving.dtensor import has_dtensor, leads_dtensor_save
 from .saving.saver import Saver
 
 LATEST = "latest"
@@ -36,9 +38,10 @@ class CheckpointManager:
             raising :class:`~fastckpt.errors.CheckpointLockedError` (default 0: fail at once).
             See :mod:`fastckpt.storage.lock`: one writing job per root, never interleaved files.
         process_group: ``torch.distributed`` group whose ranks save each checkpoint together
-            (default ``None``: this process saves alone, even when a group is initialized).
-            With a group, every rank calls ``save``; rank 0 holds the root lock, prunes and
-            updates ``latest``.
+            (default ``None``: this process saves alone, even when a group is initialized, except
+            for states holding DTensors (FSDP2, tensor parallel): those are always saved by every
+            rank of their device meshes together). With a group (or a DTensor state), every rank
+            calls ``save``; its rank 0 holds the root lock, prunes and updates ``latest``.
         link_unchanged: hard-link shard files whose bytes equal the newest committed step's
             instead of rewriting them (``link_from`` of :func:`fastckpt.async_save`; default
             ``False``). For runs whose large tensors rarely change (LoRA base weights).
@@ -120,7 +123,10 @@ class CheckpointManager:
                 user_hook(p)
 
         self.root.mkdir(parents=True, exist_ok=True)
-        if not self._writer:  # another rank of a multi-rank save: rank 0 does the root's bookkeeping
+        writer = self._writer
+        if self._saver.process_group is None and has_dtensor(state):
+            writer = leads_dtensor_save(state)  # the meshes' ranks save together: their rank 0 keeps the root
+        if not writer:  # another rank of a multi-rank save: rank 0 does the root's bookkeeping
             return self._saver.async_save(state, target, step=step, **options)
         self._lock.acquire(self.lock_timeout_s)  # held until this save committed or failed
         try:
@@ -157,6 +163,28 @@ class CheckpointManager:
         Raises:
             CheckpointNotFoundError: no committed checkpoint (or not that step).
         """
+        return load(self.path(self._pick(step)), **options)
+
+    def load_into(self, state: Any, step: int | None = None, **options: Any) -> Any:
+        """Fill ``state`` in place from ``step`` (default: the newest committed) with
+        :func:`fastckpt.load_into` (any world size to any; plain tensors or DTensors; each rank reads
+        only its own shards' bytes, so peak memory stays at the state's own size plus bounded buffers).
+
+        The resume path of sharded (FSDP2 / TP) training: every rank calls it with its live state,
+        e.g. ``get_state_dict(model, optim)``; no collective is made. Step choice and warnings as
+        :meth:`load`.
+
+        Returns:
+            ``state`` with non-tensor leaves replaced by the checkpoint's (see :func:`fastckpt.load_into`).
+
+        Raises:
+            CheckpointNotFoundError: no committed checkpoint (or not that step).
+            StateMismatchError: ``strict`` (default) and keys or shapes differ (names each key).
+        """
+        return load_into(state, self.path(self._pick(step)), **options)
+
+    def _pick(self, step: int | None) -> int:
+        """The step :meth:`load` / :meth:`load_into` read: waits for this manager's pending save."""
         pending = getattr(self._saver, "_pending", None)
         if pending is not None:
             pending._event.wait()
@@ -170,7 +198,7 @@ class CheckpointManager:
                                self.path(step), self._last_saved, self.path(step).name, self._last_saved)
         elif step not in self.steps():
             raise CheckpointNotFoundError(f"{self.root}: step {step} is not committed (have {self.steps()})")
-        return load(self.path(step), **options)
+        return step
 
     def _write_latest(self) -> None:
         step = self.latest()

@@ -133,6 +133,17 @@ def mesh_ranks(meshes: list) -> list[int]:
     return sorted({int(r) for m in meshes for r in m.mesh.flatten().tolist()})
 
 
+def leads_dtensor_save(state: Any) -> bool:
+    """True on the rank that is rank 0 of the save of DTensor ``state`` (the lowest global rank of
+    its device meshes: rank 0 of :func:`background_group` of those ranks), which commits it.
+
+    Raises:
+        UnsupportedValueError: a value DTensor saves refuse (see :func:`check_state`).
+    """
+    import torch.distributed as dist
+    return dist.get_rank() == mesh_ranks(check_state(state))[0]
+
+
 _GROUPS: dict[tuple[int, ...], Any] = {}
 _GROUPS_LOCK = threading.Lock()
 

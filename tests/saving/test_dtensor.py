@@ -155,15 +155,26 @@ def rank_refuse(folder: str) -> dict:
     return out
 
 
-def rank_manager(folder: str) -> dict:
+def rank_manager(folder: str, group: bool) -> dict:
+    """CheckpointManager with a DTensor state: with process_group=WORLD, and without one (the
+    meshes' ranks save together; their rank 0 alone locks the root, prunes and writes latest);
+    then the resume path: load_into a zeroed DTensor state of the same placements."""
     import torch.distributed as dist
     state = _distribute(_full_state())
-    mgr = fastckpt.CheckpointManager(os.path.join(folder, "run"), keep_last=1, process_group=dist.group.WORLD)
+    mgr = fastckpt.CheckpointManager(os.path.join(folder, "run"), keep_last=1,
+                                     process_group=dist.group.WORLD if group else None)
     mgr.save(1, state, timeout_s=60)
     state["step"] = 2
     mgr.save(2, state, timeout_s=60)
     dist.barrier()
-    return {"steps": mgr.steps(), "latest": mgr.latest()}
+    fresh = _distribute({**_full_state(), "step": 0})
+    for t in fresh["model"].values():
+        (t.to_local() if hasattr(t, "to_local") else t).zero_()
+    back = mgr.load_into(fresh)
+    bad = [k for k, v in _full_state()["model"].items()
+           if not torch.equal(fresh["model"][k].full_tensor() if hasattr(fresh["model"][k], "full_tensor")
+                              else fresh["model"][k], v)]
+    return {"steps": mgr.steps(), "latest": mgr.latest(), "bad": bad, "step": back["step"]}
 
 
 # -- tests --------------------------------------------------------------------------------------
@@ -247,9 +258,10 @@ def test_shard_is_deprecated_naming_dtensor():
         fastckpt.Shard(torch.ones(2), (4,), (0,))
 
 
-def test_checkpoint_manager_saves_dtensor_state(pool, tmp_path):
-    res = pool.run(rank_manager, folder=str(tmp_path), timeout_s=TIMEOUT_S)
-    assert res[0] == res[1] == {"steps": [2], "latest": 2}
+@pytest.mark.parametrize("group", [True, False])
+def test_checkpoint_manager_saves_dtensor_state(pool, tmp_path, group):
+    res = pool.run(rank_manager, folder=str(tmp_path), group=group, timeout_s=TIMEOUT_S)
+    assert res[0] == res[1] == {"steps": [2], "latest": 2, "bad": [], "step": 2}
     back = fastckpt.load(tmp_path / "run" / "step-2")
     full = _full_state()
     assert back["step"] == 2
