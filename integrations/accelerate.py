@@ -342,6 +342,13 @@ class FastCkptState:
                 raise AccelerateStateError(f"{folder} holds {len(snap[name])} {name}, the accelerator has "
                                            f"{len(live)}: load a checkpoint saved with the same prepared and "
                                            f"registered objects")
+        for i, (o, s) in enumerate(zip(acc._optimizers, snap["optimizers"])):
+            live_sizes = [len(g["params"]) for g in o.param_groups]
+            stored_sizes = [len(g["params"]) for g in s.get("param_groups", [])]
+            if live_sizes != stored_sizes:  # torch's own check, made before anything is loaded
+                raise AccelerateStateError(
+                    f"{folder}: optimizer {i} was saved with parameter groups of {stored_sizes} parameters, "
+                    f"this one has {live_sizes}: load a checkpoint saved from the same model and optimizer")
 
     def _apply(self, snap: dict, models: list, folder: Path) -> None:
         acc = self.acc
