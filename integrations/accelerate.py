@@ -405,6 +405,17 @@ def enable(accelerator, *, async_save: bool = False, **save_options) -> FastCkpt
     if isinstance(previous, FastCkptState):
         previous.wait()
     plugin = FastCkptState(accelerator, async_save=async_save, **save_options)
+    st.make_replayable(accelerator._dataloaders)
+    if not getattr(accelerator.prepare, "_fastckpt_prepare", False):
+        prepare = accelerator.prepare
+
+        def prepare_replayable(*args, **kwargs):
+            out = prepare(*args, **kwargs)
+            st.make_replayable(accelerator._dataloaders)  # before the first epoch starts
+            return out
+
+        prepare_replayable._fastckpt_prepare = True
+        accelerator.prepare = prepare_replayable
     accelerator.save_state = plugin.save_state
     accelerator.load_state = plugin.load_state
     accelerator.fastckpt = plugin

@@ -104,6 +104,72 @@ def check_hook_files(files: dict[str, bytes], stems: list[str]) -> None:
                     f"file is the one saved) or write under another name")
 
 
+class ReplayableRandomSampler(torch.utils.data.RandomSampler):
+    """``torch.utils.data.RandomSampler`` that remembers the RNG state each pass drew its order
+    from, and can draw the next pass's order from a remembered state.
+
+    A stateful dataloader resumed mid-epoch rebuilds the epoch's order by iterating its sampler
+    again and skipping what was consumed; a plain ``RandomSampler`` would draw that order from
+    the RNG as it is *after* ``load_state`` (the state at save time), a different order than the
+    epoch being resumed. :func:`make_replayable` swaps this class onto a prepared dataloader's
+    ``RandomSampler`` (same attributes, same orders); ``load_state`` sets ``fastckpt_replay`` so
+    the resumed pass draws from the epoch's start state, after which the RNG is put back as
+    ``load_state`` left it (the saved run's state).
+    """
+
+    fastckpt_epoch_rng: torch.Tensor | None = None  # RNG state the current pass drew from
+    fastckpt_replay: torch.Tensor | None = None  # RNG state the next pass must draw from
+
+    def _rng_state(self) -> torch.Tensor:
+        return self.generator.get_state() if self.generator is not None else torch.get_rng_state()
+
+    def _set_rng_state(self, state: torch.Tensor) -> None:
+        if self.generator is not None:
+            self.generator.set_state(state)
+        else:
+            torch.set_rng_state(state)
+
+    def __iter__(self):
+        replay, self.fastckpt_replay = self.fastckpt_replay, None
+        now = self._rng_state() if replay is not None else None
+        if replay is not None:
+            self._set_rng_state(replay)
+        self.fastckpt_epoch_rng = self._rng_state()
+        inner = super().__iter__()
+        try:
+            first = next(inner)  # the pass's order is drawn here
+        except StopIteration:
+            return
+        finally:
+            if now is not None:
+                self._set_rng_state(now)
+        yield first
+        yield from inner
+
+
+def _random_sampler(dl):
+    """The ``RandomSampler`` inside a prepared dataloader's batch sampler(s), or ``None``."""
+    bs = getattr(dl, "batch_sampler", None)
+    for _ in range(3):  # BatchSamplerShard -> BatchSampler -> sampler
+        sampler = getattr(bs, "sampler", None)
+        if isinstance(sampler, torch.utils.data.RandomSampler):
+            return sampler
+        bs = getattr(bs, "batch_sampler", None)
+    return None
+
+
+def make_replayable(dataloaders) -> None:
+    """Swap :class:`ReplayableRandomSampler` onto each stateful dataloader's plain
+    ``RandomSampler`` (exact type only: accelerate's ``SeedableRandomSampler`` is already
+    deterministic per epoch). Call before the epoch starts (``enable`` and ``prepare`` do)."""
+    for dl in dataloaders:
+        if not getattr(dl, "use_stateful_dataloader", False):
+            continue
+        sampler = _random_sampler(dl)
+        if sampler is not None and type(sampler) is torch.utils.data.RandomSampler:
+            sampler.__class__ = ReplayableRandomSampler
+
+
 def dataloader_state(dl) -> dict[str, Any] | None:
     """What resumes ``dl`` where it stopped: the sampler's epoch, accelerate's ``iteration``
     (``set_epoch``), the synchronized shuffle generator and, for a stateful dataloader
@@ -119,6 +185,11 @@ def dataloader_state(dl) -> dict[str, Any] | None:
         out["generator"] = gen.get_state()
     if getattr(dl, "use_stateful_dataloader", False):
         out["stateful"] = dl.state_dict()
+        sampler = _random_sampler(dl)
+        epoch_rng = getattr(sampler, "fastckpt_epoch_rng", None)
+        mid_epoch = not out["stateful"].get("_iterator_finished", False) and out["stateful"].get("_num_yielded")
+        if epoch_rng is not None and mid_epoch:
+            out["epoch_rng"] = epoch_rng.clone()
     return out or None
 
 
@@ -222,6 +293,9 @@ def restore_dataloader(dl, state: dict[str, Any] | None) -> None:
         dl.synchronized_generator.set_state(state["generator"].cpu())
     if "stateful" in state and getattr(dl, "use_stateful_dataloader", False):
         dl.load_state_dict(state["stateful"])
+        sampler = _random_sampler(dl)
+        if "epoch_rng" in state and isinstance(sampler, ReplayableRandomSampler):
+            sampler.fastckpt_replay = state["epoch_rng"].cpu()  # the resumed pass draws the saved epoch's order
 
 
 def loaded_iteration(snap: dict[str, Any], folder) -> int | None:
