@@ -167,7 +167,7 @@ class FastCkptState:
         hook_files = st.run_save_hooks(acc, weights, out.name)  # on every rank, as accelerate
         if self._writes():
             state, names, extra = self._snapshot(weights, originals)
-            st.check_hook_files(hook_files, list(names))
+            st.check_hook_files(hook_files, [*names, "state"])  # "state": the non-weight shards (docs/FORMAT.md)
             extra.update(hook_files)
             if rngs is not None:
                 state["rng_per_process"] = rngs

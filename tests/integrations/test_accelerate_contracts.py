@@ -145,6 +145,19 @@ def test_pre_hook_writing_a_subfolder_is_refused_before_anything_is_written(tmp_
     assert acc.project_configuration.iteration == 0
 
 
+def test_pre_hook_file_named_like_the_checkpoints_weights_is_refused(tmp_path):
+    acc, model, opt, dl, plugin = make()
+
+    def save_hook(models, weights_, output_dir):  # keeps the model in `weights` and writes its name
+        with open(os.path.join(output_dir, "model.safetensors"), "wb") as f:
+            f.write(b"x")
+
+    acc.register_save_state_pre_hook(save_hook)
+    with pytest.raises(AccelerateStateError, match="model.safetensors"):
+        acc.save_state(tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
 # -- stateful dataloader ------------------------------------------------------------------------------
 @pytest.mark.parametrize("async_save,shuffle", [(False, True), (True, True), (False, False)])
 def test_stateful_dataloader_resumes_mid_epoch(tmp_path, async_save, shuffle):
