@@ -115,6 +115,7 @@ def pytest_report_header(config):
     return f"fastckpt accelerate plugin: {MODE}"
 
 
+@pytest.hookimpl(tryfirst=True)  # before -k/-m deselection: every listed id must still be collected
 def pytest_collection_modifyitems(config, items):
     if MODE == "off":
         return
