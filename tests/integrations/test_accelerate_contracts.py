@@ -315,6 +315,40 @@ def test_failed_async_save_surfaces_only_in_its_own_accelerator(tmp_path, monkey
     assert not (tmp_path / "run_a" / "checkpoints" / "checkpoint_0").exists()
 
 
+def _exit_at_once():
+    pass
+
+
+def test_forked_dataloader_workers_do_not_wait_for_the_parents_pending_save(tmp_path, monkeypatch):
+    """A DataLoader worker forked while an async save is pending must exit at once: the save's
+    writer thread lives in the parent only (it used to block each worker's exit until the
+    DataLoader killed it, ~5 s per epoch)."""
+    import multiprocessing
+    import time
+
+    import fastckpt.saving.saver as saver_mod
+
+    real = saver_mod.commit_single
+
+    def slow(sv, report):
+        time.sleep(5)
+        return real(sv, report)
+
+    monkeypatch.setattr(saver_mod, "commit_single", slow)
+    acc, model, opt, dl, plugin = make(tmp_path, async_save=True)
+    out = Path(acc.save_state())
+    child = multiprocessing.get_context("fork").Process(target=_exit_at_once)
+    child.start()
+    child.join(60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive and child.exitcode == 0
+    assert not fastckpt.is_committed(out)  # the parent's save was pending all along
+    plugin.wait()
+    assert fastckpt.is_committed(out)
+
+
 # -- pending save at interpreter exit -------------------------------------------------------------------
 EXIT_SCRIPT = textwrap.dedent(r'''
     import sys, torch
