@@ -256,3 +256,36 @@ class ResumeMismatchError(FastCkptError, ValueError):
 class UnsupportedTrainerOptionError(FastCkptError, ValueError):
     """A ``TrainingArguments`` option the fastckpt callback does not support (``push_to_hub``);
     the message says what to do instead."""
+
+
+# -- accelerate plugin (integrations/accelerate.py): the types accelerate itself raises, plus ours --
+class AccelerateStateError(FastCkptError, ValueError):
+    """The accelerate plugin refuses a ``save_state``/``load_state`` call where accelerate raises
+    ``ValueError`` (so ``except ValueError`` code written for accelerate keeps working): the
+    automatic ``checkpoint_<iteration>`` folder already exists, no folder is given while automatic
+    naming is off, a folder to load does not exist, or the checkpoint holds fewer objects
+    (models, optimizers, schedulers, registered objects) than the accelerator."""
+
+
+class AccelerateCheckpointNotFoundError(CheckpointNotFoundError, ValueError):
+    """``load_state()`` found no committed fastckpt checkpoint at the folder given, or none under
+    ``project_dir/checkpoints`` (accelerate raises ``ValueError`` for a missing folder)."""
+
+
+class StateDictMismatchError(FastCkptError, RuntimeError):
+    """``load_state(strict=True)`` (accelerate's default): a stored model's keys or shapes do not
+    match the live model's (missing keys, unexpected keys, different shapes). A ``RuntimeError``
+    like torch's ``load_state_dict``; raised before any model, optimizer or RNG state changes.
+
+    Attributes:
+        missing: keys of the live model absent from the checkpoint.
+        unexpected: stored keys the live model does not have.
+        mismatched: ``{key: (stored shape, live shape)}``.
+    """
+
+    def __init__(self, message: str, *, missing: Iterable[str] = (), unexpected: Iterable[str] = (),
+                 mismatched: dict | None = None):
+        super().__init__(message)
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.mismatched = dict(mismatched or {})

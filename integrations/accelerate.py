@@ -11,16 +11,31 @@ Usage::
     accelerator.save_state()        # run/checkpoints/checkpoint_0, atomic, no pickle
     accelerator.load_state()        # newest *committed* checkpoint_N (or a given folder)
 
-``enable`` replaces the two bound methods on this accelerator instance (accelerate's
-``register_save_state_pre_hook`` runs before its own pickle writes and cannot replace them).
+``enable`` replaces the two bound methods on this accelerator instance and keeps accelerate's
+contracts (accelerate 1.15.0, ``Accelerator.save_state``/``load_state``):
+
+- pre-hooks (``register_save_state_pre_hook`` / ``register_load_state_pre_hook``) run with the
+  same arguments and at the same point; what a save hook writes into ``output_dir`` is committed
+  with the checkpoint (see :func:`~fastckpt.integrations.accelerate_state.run_save_hooks`);
+- a stateful dataloader (``DataLoaderConfiguration(use_stateful_dataloader=True)``) resumes at
+  its position inside the epoch;
+- models load with ``strict=True`` unless ``load_state(..., strict=False)``; ``map_location``
+  (``None``/``"cpu"``/``"on_device"``) and ``load_kwargs`` are honoured;
+- automatic naming ``project_dir/checkpoints/checkpoint_<iteration>`` continues after
+  ``load_state`` from the loaded iteration; ``total_limit`` keeps the newest committed folders and
+  never the one just saved; an existing target raises ``ValueError``
+  (:class:`~fastckpt.errors.AccelerateStateError`) like accelerate;
+- ``register_for_checkpointing`` objects, ``save_on_each_node`` (each node's local main process
+  writes its copy).
+
 A checkpoint holds every prepared model (HF layout for the first one: ``model-*.safetensors`` +
 index + ``config.json``; ``model_1`` ... for more), every optimizer and scheduler, the
-GradScaler, registered custom objects (``accelerator.register_for_checkpointing``), the
-Python/NumPy/torch/CUDA RNG states, ``accelerator.step``, the epoch of seedable samplers and each
-prepared dataloader's ``iteration`` and shuffle generator (``synchronized_generator``).
-With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` folders are
-``project_dir/checkpoints/checkpoint_<iteration>`` and ``total_limit`` keeps the newest committed
-ones (the newest committed is never deleted).
+GradScaler, registered custom objects, the Python/NumPy/torch/CUDA RNG states,
+``accelerator.step``, the automatic-naming iteration, and each prepared dataloader's position.
+
+Each plugin owns its :class:`fastckpt.Saver`: accelerator A's failed asynchronous save surfaces in
+A's next ``save_state``/``load_state``/``wait``, never in B's. A save still pending at interpreter
+exit is finished before the process ends (a failed one prints an error and exits with status 1).
 
 Several processes (DDP, ``accelerate launch``): every rank calls ``save_state``/``load_state``
 (they are collective). Only the main process writes, alone (no ``process_group``): rank-0
@@ -32,24 +47,30 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import fastckpt
+from fastckpt.errors import AccelerateCheckpointNotFoundError, AccelerateStateError
 from fastckpt.storage import prune_checkpoints, step_folders
 
+from . import accelerate_state as st
 from .hf_snapshot import capture_rng_state, dedup_tied, restore_rng_state
 
 logger = logging.getLogger(__name__)
 
 _AUTO_PREFIX = "checkpoint_"  # accelerate's automatic_checkpoint_naming: checkpoints/checkpoint_<iteration>
+#: Every live plugin of this process: a load waits for another plugin's pending save of the same
+#: folder (without taking its error, which stays with that plugin).
+_LIVE: "weakref.WeakSet[FastCkptState]" = weakref.WeakSet()
 
 
 class FastCkptState:
     """The fastckpt ``save_state``/``load_state`` pair bound to one accelerator.
 
     Args:
-        accelerator: a prepared ``accelerate.Accelerator``.
+        accelerator: an ``accelerate.Accelerator``.
         async_save: return right after staging and write in the background (default False);
             the pending save is awaited before the next save/load and by :meth:`wait`.
         **save_options: passed on to :func:`fastckpt.async_save`.
@@ -60,92 +81,126 @@ class FastCkptState:
         self.async_save = async_save
         self.save_options = save_options
         self._saver = fastckpt.Saver()  # this plugin's own: another accelerator's failure never surfaces here
-        self._pending = None
+        self._pending: tuple[Any, Path] | None = None
+        self._rotate_error: BaseException | None = None
         self.records: list[dict[str, Any]] = []
+        _LIVE.add(self)
 
-    # -- state ---------------------------------------------------------------------------------
-    def _snapshot(self) -> tuple[dict, dict, dict]:
+    # -- save ----------------------------------------------------------------------------------
+    def _root(self) -> Path:
+        return Path(os.path.abspath(os.path.join(self.acc.project_dir, "checkpoints")))
+
+    def _target(self, output_dir) -> Path:
+        cfg = self.acc.project_configuration
+        if cfg.automatic_checkpoint_naming:
+            out = self._root() / f"{_AUTO_PREFIX}{cfg.iteration}"
+            if out.exists():
+                raise AccelerateStateError(
+                    f"Checkpoint directory {out} ({cfg.iteration}) already exists. Set "
+                    f"accelerator.project_configuration.iteration to the next free number, or load_state() "
+                    f"that checkpoint first (numbering then continues after it)")
+            return out
+        if output_dir is None:
+            raise AccelerateStateError("save_state() needs output_dir unless "
+                                       "ProjectConfiguration(automatic_checkpoint_naming=True)")
+        return Path(os.path.abspath(os.path.expanduser(os.fspath(output_dir))))
+
+    def _writes(self) -> bool:
+        """The main process writes; with ``save_on_each_node`` each node's local main process."""
+        if self.acc.project_configuration.save_on_each_node:
+            return self.acc.is_local_main_process
+        return self.acc.is_main_process
+
+    def _snapshot(self, weights: list[dict], originals: list[dict]) -> tuple[dict, dict, dict]:
         acc = self.acc
         state: dict[str, Any] = {}
-        weights: dict[str, str] = {}
+        names: dict[str, str] = {}
         extra: dict[str, bytes] = {}
-        for i, model in enumerate(acc._models):
-            key = "model" if i == 0 else f"model_{i}"
-            sd = acc.unwrap_model(model).state_dict()
+        for i, sd in enumerate(weights):  # what the pre-hooks left, saved by position like accelerate
+            key = st.model_key(i)
             state[key] = dedup_tied(sd)
-            weights[key] = key
-            cfg = getattr(acc.unwrap_model(model), "config", None)
-            if i == 0 and cfg is not None and hasattr(cfg, "to_json_string"):
+            names[key] = key
+        if weights and originals and weights[0] is originals[0]:
+            cfg = getattr(acc.unwrap_model(acc._models[0]), "config", None)
+            if cfg is not None and hasattr(cfg, "to_json_string"):
                 extra["config.json"] = cfg.to_json_string().encode()
         state["optimizers"] = [o.state_dict() for o in acc._optimizers]
         state["schedulers"] = [s.state_dict() for s in acc._schedulers]
         state["custom"] = [o.state_dict() for o in acc._custom_objects]
         state["scaler"] = acc.scaler.state_dict() if acc.scaler is not None else None
-        state["samplers"] = [self._sampler_state(dl) for dl in acc._dataloaders]
+        state["samplers"] = [st.dataloader_state(dl) for dl in acc._dataloaders]
         state["rng"] = capture_rng_state()
         state["step"] = int(acc.step)
-        return state, weights, extra
-
-    @staticmethod
-    def _sampler_state(dl) -> dict | None:
-        out: dict[str, Any] = {}
-        sampler = getattr(getattr(dl, "batch_sampler", None), "sampler", None) or getattr(dl, "sampler", None)
-        if sampler is not None and hasattr(sampler, "epoch"):
-            out["epoch"] = int(sampler.epoch)
-        if isinstance(getattr(dl, "iteration", None), int):  # accelerate's epoch counter (set_epoch)
-            out["iteration"] = dl.iteration
-        gen = getattr(dl, "synchronized_generator", None)  # the shuffle generator accelerate syncs
-        if gen is not None:
-            out["generator"] = gen.get_state()
-        return out or None
-
-    # -- save ----------------------------------------------------------------------------------
-    def _target(self, output_dir) -> Path:
-        cfg = self.acc.project_configuration
-        if cfg.automatic_checkpoint_naming:
-            root = Path(self.acc.project_dir) / "checkpoints"
-            out = root / f"checkpoint_{cfg.iteration}"
-            if out.exists():
-                raise FileExistsError(
-                    f"{out} already exists; set accelerator.project_configuration.iteration to the next number")
-            return out
-        if output_dir is None:
-            raise ValueError("save_state() needs output_dir unless automatic_checkpoint_naming=True")
-        return Path(output_dir)
+        if acc.project_configuration.automatic_checkpoint_naming:
+            state["iteration"] = int(acc.project_configuration.iteration)
+        return state, names, extra
 
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
-                   **_unused) -> str:
-        """Save everything ``accelerator.save_state`` saves, through fastckpt.
+                   **save_model_func_kwargs) -> str:
+        """Save everything ``accelerator.save_state`` saves, through fastckpt (atomic commit).
+
+        Args:
+            output_dir: the checkpoint folder; ignored with automatic naming
+                (``project_dir/checkpoints/checkpoint_<iteration>``), like accelerate.
+            safe_serialization: accepted for accelerate's signature; weights are always
+                safetensors and nothing is pickled.
+            **save_model_func_kwargs: accelerate hands these to DeepSpeed only (not supported here).
 
         Returns:
             The checkpoint folder (committed unless ``async_save``; then after :meth:`wait`).
 
         Raises:
-            FileExistsError: the automatic folder already exists (accelerate's rule).
-            ValueError: no ``output_dir`` and automatic naming is off.
-            The previous asynchronous save's own exception, if it failed.
+            AccelerateStateError: (a ``ValueError``, like accelerate) the automatic folder already
+                exists, or no ``output_dir`` while automatic naming is off.
+            The previous asynchronous save's own exception, if it failed; a pre-hook's exception.
         """
         self.wait()
+        acc = self.acc
         multi = self._distributed()
         if multi:  # every rank checks the target before the main process creates it
-            self.acc.wait_for_everyone()
+            acc.wait_for_everyone()
         out = self._target(output_dir)
-        cfg = self.acc.project_configuration
+        cfg = acc.project_configuration
         rngs = self._gather_rng() if multi else None  # collective: before the main-only branch
-        if self.acc.is_main_process:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            state, weights, extra = self._snapshot()
+        weights = st.model_weights(acc)
+        originals = list(weights)
+        hook_files = st.run_save_hooks(acc, weights, out.name)  # on every rank, as accelerate
+        if self._writes():
+            state, names, extra = self._snapshot(weights, originals)
+            st.check_hook_files(hook_files, [*names, "state"])  # "state": the non-weight shards (docs/FORMAT.md)
+            extra.update(hook_files)
             if rngs is not None:
                 state["rng_per_process"] = rngs
-            # no process_group: the main process writes alone
+            out.parent.mkdir(parents=True, exist_ok=True)
+            step = cfg.iteration if cfg.automatic_checkpoint_naming else None
+            # no process_group: the writing process writes alone
+            opts = dict(self.save_options)
+            opts["on_commit"] = self._after_commit(step, opts.get("on_commit"))
             fut = self._saver.async_save(state, out, overwrite=not cfg.automatic_checkpoint_naming,
-                                         weights=weights, extra_files=extra, **self.save_options)
+                                         weights=names, extra_files=extra, **opts)
             self._pending = (fut, out)
             if not self.async_save:
                 self.wait()
-        self.acc.wait_for_everyone()
+        acc.wait_for_everyone()
         cfg.iteration += 1
         return str(out)
+
+    def _after_commit(self, step: int | None, user_hook: Callable[[Path], None] | None) -> Callable[[Path], None]:
+        """``on_commit`` of a save (writer thread, after the commit): apply ``total_limit``, also
+        when nobody waits for the save (one finished at interpreter exit); then the caller's own
+        ``on_commit`` if ``save_options`` had one. A rotation failure is logged and raised by the
+        next :meth:`wait` (the checkpoint itself is committed)."""
+        def committed(path: Path) -> None:
+            if step is not None:
+                try:
+                    self._rotate(protect=(step,))
+                except Exception as e:
+                    logger.error("fastckpt: total_limit rotation after %s failed: %s: %s", path,
+                                 type(e).__name__, e)
+                    self._rotate_error = e
+            if user_hook is not None:
+                user_hook(path)
+        return committed
 
     def _distributed(self) -> bool:
         import torch.distributed as dist
@@ -162,66 +217,143 @@ class FastCkptState:
         return rngs
 
     def wait(self) -> None:
-        """Block until the pending save is committed, then apply ``total_limit``.
+        """Block until the pending save is committed (``total_limit`` applied).
 
         Raises:
-            The background save's own exception (original type).
+            The background save's own exception (original type), or the rotation's.
         """
         pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        fut, out = pending
-        fut.result()
-        self.records.append({"path": str(out), "blocking_s": getattr(fut, "blocking_s", None),
-                             "total_s": getattr(fut, "total_s", None),
-                             "bytes": getattr(fut, "bytes_written", None)})
-        self._rotate()
+        if pending is not None:
+            fut, out = pending
+            fut.result()
+            self.records.append({"path": str(out), "blocking_s": getattr(fut, "blocking_s", None),
+                                 "total_s": getattr(fut, "total_s", None),
+                                 "bytes": getattr(fut, "bytes_written", None)})
+        err, self._rotate_error = self._rotate_error, None
+        if err is not None:
+            raise err
 
-    def _rotate(self) -> None:
-        """Apply ``total_limit``: keep the newest committed ``checkpoint_N`` folders (the newest
-        always), deleting the others through :func:`fastckpt.storage.prune_checkpoints` (which
-        first removes dead writers' leftovers, e.g. a deletion interrupted by a crash)."""
+    def _rotate(self, protect: tuple[int, ...] = ()) -> None:
+        """Apply ``total_limit``: keep the newest committed ``checkpoint_N`` folders plus
+        ``protect`` (the one just saved, even when an earlier run left higher numbers),
+        deleting the others through :func:`fastckpt.storage.prune_checkpoints` (which first
+        removes dead writers' leftovers, e.g. a deletion interrupted by a crash)."""
         cfg = self.acc.project_configuration
         if not (cfg.automatic_checkpoint_naming and cfg.total_limit):
             return
-        root = Path(self.acc.project_dir) / "checkpoints"
-        for step in prune_checkpoints(root, _AUTO_PREFIX, cfg.total_limit):
+        root = self._root()
+        for step in prune_checkpoints(root, _AUTO_PREFIX, cfg.total_limit, protect=protect):
             logger.info("fastckpt: deleted %s (total_limit=%d)", root / f"{_AUTO_PREFIX}{step}", cfg.total_limit)
 
     # -- load ----------------------------------------------------------------------------------
     def latest(self) -> Path | None:
         """Newest committed ``checkpoint_N`` under ``project_dir/checkpoints`` (others are logged)."""
-        for n, p in reversed(step_folders(Path(self.acc.project_dir) / "checkpoints", _AUTO_PREFIX)):
+        for n, p in reversed(step_folders(self._root(), _AUTO_PREFIX)):
             if fastckpt.is_committed(p):
                 return p
             logger.info("fastckpt: skipping %s: no committed fastckpt manifest", p)
         return None
 
-    def load_state(self, input_dir: str | os.PathLike | None = None, **_unused) -> None:
+    def _wait_others(self, wanted: Callable[[Path], bool]) -> None:
+        """Wait for other plugins' pending saves of folders this load may read (their errors
+        stay theirs: ``exception()`` does not collect them)."""
+        for other in list(_LIVE):
+            pending = other._pending if other is not self else None
+            if pending is not None and wanted(Path(pending[1])):
+                pending[0].exception()
+
+    def _source(self, input_dir) -> Path:
+        acc = self.acc
+        if input_dir is not None:
+            folder = Path(os.path.abspath(os.path.expanduser(os.fspath(input_dir))))
+            self._wait_others(lambda p: p == folder)
+            if not folder.is_dir():
+                raise AccelerateCheckpointNotFoundError(f"Tried to find {folder} but folder does not exist")
+            if not fastckpt.is_committed(folder):
+                raise AccelerateCheckpointNotFoundError(
+                    f"{folder} holds no committed fastckpt checkpoint (no manifest.json): it was written by "
+                    f"accelerate's own save_state, or a save into it was interrupted. Load it without "
+                    f"fastckpt, or give a folder fastckpt committed")
+            return folder
+        if not acc.project_configuration.automatic_checkpoint_naming:
+            raise AccelerateStateError("No input_dir provided and automatic checkpoint naming is disabled.")
+        root = self._root()
+        self._wait_others(lambda p: p.parent == root)
+        folder = self.latest()
+        if folder is None:
+            raise AccelerateCheckpointNotFoundError(
+                f"no committed fastckpt checkpoint_N under {root}; save_state() first or pass input_dir")
+        return folder
+
+    def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
+                   **load_model_func_kwargs) -> None:
         """Restore everything :meth:`save_state` wrote (bit-exact), in place.
 
+        Args:
+            input_dir: a committed checkpoint folder; ``None`` with automatic naming: the newest
+                committed ``checkpoint_N`` (uncommitted ones are skipped).
+            load_kwargs: :func:`fastckpt.load` options (``verify``, ``threads``, ``chunk_bytes``,
+                ``io_backend``); torch.load's ``weights_only``/``mmap`` are accepted and moot.
+            **load_model_func_kwargs: ``map_location`` (``None``, ``"cpu"``, ``"on_device"``:
+                where tensors are read to, accelerate's rule for ``None``) and ``strict``
+                (default True, like accelerate: keys must match).
+
         Raises:
-            fastckpt.errors.CheckpointNotFoundError: no committed checkpoint to load.
-            ValueError: the checkpoint holds a different number of models/optimizers/...
+            AccelerateCheckpointNotFoundError: (``FileNotFoundError`` and ``ValueError``) no such
+                folder, or nothing committed there.
+            AccelerateStateError: the checkpoint holds fewer models/optimizers/... than the
+                accelerator, or automatic naming is off and no ``input_dir`` was given.
+            StateDictMismatchError: stored weights do not match a model (before anything changes).
+            TypeError: an unknown ``map_location``, ``load_kwargs`` key or keyword.
+            fastckpt's read errors (``CorruptCheckpointError``, ``ChecksumMismatchError``, ...).
         """
+        kwargs = dict(load_model_func_kwargs)
+        device = st.resolve_map_location(self.acc, kwargs.pop("map_location", None))
+        strict = bool(kwargs.pop("strict", True))
+        if kwargs:
+            raise TypeError(f"load_state() got unexpected keyword(s) {sorted(kwargs)}; the fastckpt plugin "
+                            f"takes map_location, strict and load_kwargs")
+        read_opts = st.load_options(load_kwargs)
         self.wait()
         acc = self.acc
         if self._distributed():  # the main process's pending save is committed for every rank
             acc.wait_for_everyone()
-        if input_dir is None:
-            if not acc.project_configuration.automatic_checkpoint_naming:
-                raise ValueError("load_state() needs input_dir unless automatic_checkpoint_naming=True")
-            input_dir = self.latest()
-            if input_dir is None:
-                raise fastckpt.CheckpointNotFoundError(
-                    f"no committed checkpoint under {Path(acc.project_dir) / 'checkpoints'}")
-        snap = fastckpt.load(input_dir)
+        folder = self._source(input_dir)
+        snap = fastckpt.load(folder, device=device, **read_opts)
+        models = list(acc._models)
+        for hook in list(getattr(acc, "_load_model_state_pre_hook", {}).values()):
+            hook(models, str(folder))  # as accelerate: may remove models it loads itself
+        self._check(snap, models, folder, strict)
+        self._apply(snap, models, folder)
+        logger.info("fastckpt: loaded state from %s", folder)
+
+    def _check(self, snap: dict, models: list, folder: Path, strict: bool) -> None:
+        """Everything that can refuse the checkpoint, before anything is changed."""
+        acc = self.acc
+        for i, model in enumerate(models):
+            if st.model_key(i) not in snap:
+                raise AccelerateStateError(f"{folder} holds {sum(1 for k in snap if k.startswith('model'))} "
+                                           f"model(s), the accelerator has {len(models)} to load")
+            st.check_model(acc.unwrap_model(model), snap[st.model_key(i)], strict=strict,
+                           what=st.model_key(i), folder=folder)
         for name, live in (("optimizers", acc._optimizers), ("schedulers", acc._schedulers),
                            ("custom", acc._custom_objects)):
             if len(snap[name]) != len(live):
-                raise ValueError(f"{input_dir} holds {len(snap[name])} {name}, the accelerator has {len(live)}")
-        for i, model in enumerate(acc._models):
-            acc.unwrap_model(model).load_state_dict(snap["model" if i == 0 else f"model_{i}"], strict=False)
+                raise AccelerateStateError(f"{folder} holds {len(snap[name])} {name}, the accelerator has "
+                                           f"{len(live)}: load a checkpoint saved with the same prepared and "
+                                           f"registered objects")
+        for i, (o, s) in enumerate(zip(acc._optimizers, snap["optimizers"])):
+            live_sizes = [len(g["params"]) for g in o.param_groups]
+            stored_sizes = [len(g["params"]) for g in s.get("param_groups", [])]
+            if live_sizes != stored_sizes:  # torch's own check, made before anything is loaded
+                raise AccelerateStateError(
+                    f"{folder}: optimizer {i} was saved with parameter groups of {stored_sizes} parameters, "
+                    f"this one has {live_sizes}: load a checkpoint saved from the same model and optimizer")
+
+    def _apply(self, snap: dict, models: list, folder: Path) -> None:
+        acc = self.acc
+        for i, model in enumerate(models):
+            acc.unwrap_model(model).load_state_dict(snap[st.model_key(i)], strict=False)  # keys checked
         for o, s in zip(acc._optimizers, snap["optimizers"]):
             o.load_state_dict(s)
         for o, s in zip(acc._schedulers, snap["schedulers"]):
@@ -231,14 +363,12 @@ class FastCkptState:
         if acc.scaler is not None and snap.get("scaler") is not None:
             acc.scaler.load_state_dict(snap["scaler"])
         for dl, s in zip(acc._dataloaders, snap.get("samplers", [])):
-            sampler = getattr(getattr(dl, "batch_sampler", None), "sampler", None) or getattr(dl, "sampler", None)
-            if s and "epoch" in s and sampler is not None and hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(s["epoch"])
-            if s and "iteration" in s and hasattr(dl, "set_epoch"):
-                dl.set_epoch(s["iteration"])
-            if s and "generator" in s and getattr(dl, "synchronized_generator", None) is not None:
-                dl.synchronized_generator.set_state(s["generator"].cpu())
+            st.restore_dataloader(dl, s)
         acc.step = int(snap["step"])
+        cfg = acc.project_configuration
+        it = st.loaded_iteration(snap, folder)
+        if cfg.automatic_checkpoint_naming and it is not None and cfg.iteration <= it:
+            cfg.iteration = it + 1  # the next save_state continues after the loaded checkpoint
         per_rank = snap.get("rng_per_process")
         if per_rank is not None and len(per_rank) == acc.num_processes:
             restore_rng_state(per_rank[acc.process_index])
@@ -246,10 +376,8 @@ class FastCkptState:
             if per_rank is not None or acc.num_processes > 1:
                 logger.warning("fastckpt: %s holds RNG states of %s processes, this run has %d: "
                                "every rank gets the main process's RNG state (resume not exact)",
-                               input_dir, len(per_rank) if per_rank is not None else 1,
-                               acc.num_processes)
+                               folder, len(per_rank) if per_rank is not None else 1, acc.num_processes)
             restore_rng_state(snap["rng"])
-        logger.info("fastckpt: loaded state from %s", input_dir)
 
 
 def enable(accelerator, *, async_save: bool = False, **save_options) -> FastCkptState:
@@ -257,13 +385,14 @@ def enable(accelerator, *, async_save: bool = False, **save_options) -> FastCkpt
 
     Args:
         accelerator: an ``accelerate.Accelerator`` (call after ``prepare`` or before; the lists
-            of prepared objects are read at save time).
+            of prepared objects and hooks are read at save time).
         async_save: stage and return; write in the background (default False).
         **save_options: ``max_shard_bytes``, ``threads``, ``staging_bytes``, ``o_direct``.
 
     Returns:
-        The :class:`FastCkptState` now bound as ``accelerator.save_state``/``load_state``; call
-        its ``wait()`` before exiting when ``async_save=True``.
+        The :class:`FastCkptState` now bound as ``accelerator.save_state``/``load_state`` (and
+        ``accelerator.fastckpt``); its ``wait()`` blocks until the pending save committed.
+        Enabling again first waits for the previous plugin's pending save.
 
     Raises:
         NotImplementedError: DeepSpeed, FSDP or Megatron-LM accelerators (their engines own
@@ -272,7 +401,21 @@ def enable(accelerator, *, async_save: bool = False, **save_options) -> FastCkpt
     kind = str(getattr(accelerator, "distributed_type", ""))
     if any(k in kind for k in ("DEEPSPEED", "FSDP", "MEGATRON")):
         raise NotImplementedError(f"fastckpt accelerate plugin does not handle {kind}")
+    previous = getattr(accelerator, "fastckpt", None)
+    if isinstance(previous, FastCkptState):
+        previous.wait()
     plugin = FastCkptState(accelerator, async_save=async_save, **save_options)
+    st.make_replayable(accelerator._dataloaders)
+    if not getattr(accelerator.prepare, "_fastckpt_prepare", False):
+        prepare = accelerator.prepare
+
+        def prepare_replayable(*args, **kwargs):
+            out = prepare(*args, **kwargs)
+            st.make_replayable(accelerator._dataloaders)  # before the first epoch starts
+            return out
+
+        prepare_replayable._fastckpt_prepare = True
+        accelerator.prepare = prepare_replayable
     accelerator.save_state = plugin.save_state
     accelerator.load_state = plugin.load_state
     accelerator.fastckpt = plugin

