@@ -28,14 +28,16 @@ def dtensor_type() -> type | None:
     return DTensor
 
 
-def _walk(v: Any, path: str, fn) -> None:
+def walk(v: Any, path: str, fn) -> None:
+    """Call ``fn(key path, value)`` on ``v`` and every value nested in its dicts, lists and tuples
+    (pre-order; key paths as :func:`fastckpt.format.tree.join` builds them)."""
     fn(path, v)
     if isinstance(v, dict):
         for k, x in v.items():
-            _walk(x, join(path, k) if isinstance(k, (str, int)) else path, fn)
+            walk(x, join(path, k) if isinstance(k, (str, int)) else path, fn)
     elif isinstance(v, (list, tuple)):
         for i, x in enumerate(v):
-            _walk(x, join(path, i), fn)
+            walk(x, join(path, i), fn)
 
 
 def has_dtensor(state: Any) -> bool:
@@ -44,7 +46,7 @@ def has_dtensor(state: Any) -> bool:
     if dt is None:
         return False
     found = []
-    _walk(state, "", lambda p, v: found.append(p) if isinstance(v, dt) else None)
+    walk(state, "", lambda p, v: found.append(p) if isinstance(v, dt) else None)
     return bool(found)
 
 
@@ -84,7 +86,7 @@ def check_state(state: Any) -> list:
             raise UnsupportedValueError(
                 f"value at key path {where!r} is a tensor subclass {type(v).__module__}.{type(v).__qualname__}; "
                 "fastckpt stores plain tensors and DTensors: convert it first. Nothing was written")
-    _walk(state, "", check)
+    walk(state, "", check)
     return meshes
 
 

@@ -22,13 +22,12 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from ..coordination import LOCAL
 from ..errors import CheckpointExistsError, DistributedSaveError
-from ..format.tree import join
 from ..storage.memory import host_buffer, pin_if_possible
 from ..storage.staging import copy_into
 from .collect import collect
 from .committer import fmt, remove_uncommitted
 from .dcp_writer import FastCkptSavePlanner, FastCkptWriter, read_manifest_bytes
-from .dtensor import background_group, check_state, mesh_ranks, view_key, with_stand_ins
+from .dtensor import background_group, check_state, mesh_ranks, view_key, walk, with_stand_ins
 from .future import SaveFuture
 from .options import SaveOptions
 
@@ -67,7 +66,7 @@ class FastCkptStager(AsyncStager):
             if isinstance(v, torch.Tensor) and ident(v) not in seen:
                 seen[ident(v)] = len(leaves)
                 leaves.append(v)
-        _each(state_dict, "", find)
+        walk(state_dict, "", find)
         offs, total = [], 0
         for v in leaves:
             t = local(v)
@@ -119,16 +118,6 @@ def _host_dtensor(local: torch.Tensor, like: Any) -> Any:
     except (ImportError, TypeError):  # torch moved the spec: the public constructor (CPU meshes stay on the host)
         return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
                                   stride=like.stride())
-
-
-def _each(v: Any, path: str, fn) -> None:
-    fn(path, v)
-    if isinstance(v, dict):
-        for k, x in v.items():
-            _each(x, join(path, k) if isinstance(k, (str, int)) else path, fn)
-    elif isinstance(v, (list, tuple)):
-        for i, x in enumerate(v):
-            _each(x, join(path, i), fn)
 
 
 def _refuse_options(opts: SaveOptions) -> None:
