@@ -41,6 +41,9 @@ Several processes (DDP, ``accelerate launch``): every rank calls ``save_state``/
 (they are collective). Only the main process writes, alone (no ``process_group``): rank-0
 model/optimizer state (DDP replicas are identical) plus every rank's RNG state, gathered to it
 (``rng_per_process``); on load each rank reads the folder and restores its own RNG state.
+FSDP2 (models with DTensor parameters): every rank writes its shards of one HF-layout
+checkpoint and reads back only its own regions, at any world size
+(:mod:`~fastckpt.integrations.accelerate_dtensor`); FSDP1 raises ``AccelerateFSDP1Error``.
 """
 
 from __future__ import annotations
@@ -180,7 +183,7 @@ class FastCkptState:
             acc.wait_for_everyone()
             cfg.iteration += 1
             return str(out)
-        rngs = self._gather_rng() if multi else None  # collective: before the main-only branch
+        rngs = dt.gather(capture_rng_state()) if multi else None  # collective: before the main-only branch
         weights = st.model_weights(acc)
         originals = list(weights)
         hook_files = st.run_save_hooks(acc, weights, out.name)  # on every rank, as accelerate
@@ -249,15 +252,6 @@ class FastCkptState:
         import torch.distributed as dist
 
         return self.acc.num_processes > 1 and dist.is_available() and dist.is_initialized()
-
-    @staticmethod
-    def _gather_rng() -> list[dict[str, Any]]:
-        """Every rank's :func:`capture_rng_state`, in rank order (collective)."""
-        import torch.distributed as dist
-
-        rngs: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(rngs, capture_rng_state())
-        return rngs
 
     def wait(self) -> None:
         """Block until the pending save is committed (``total_limit`` applied).
@@ -346,7 +340,8 @@ class FastCkptState:
                 folder, or nothing committed there.
             AccelerateStateError: the checkpoint holds fewer models/optimizers/... than the
                 accelerator, or automatic naming is off and no ``input_dir`` was given.
-            StateDictMismatchError: stored weights do not match a model (before anything changes).
+            StateDictMismatchError: stored weights do not match a model (before anything changes);
+                FSDP2 models: ``StateMismatchError`` of :func:`fastckpt.load_into` (also before).
             TypeError: an unknown ``map_location``, ``load_kwargs`` key or keyword.
             fastckpt's read errors (``CorruptCheckpointError``, ``ChecksumMismatchError``, ...).
         """
@@ -398,10 +393,9 @@ class FastCkptState:
                     f"this one has {live_sizes}: load a checkpoint saved from the same model and optimizer")
 
     def _load_sharded(self, folder: Path, device: str, strict: bool, read_opts: dict) -> None:
-        """Every rank: accelerate's FSDP load contract (pre-hooks get no models: the FSDP path
-        loads them; GradScaler before the optimizers), each rank reading only the regions of its
-        own shards with :func:`fastckpt.load_into` (any saved world size), then ``set_state_dict``.
-        Per-rank RNG/dataloader state: this rank's, see :func:`accelerate_dtensor.per_rank`."""
+        """Every rank, accelerate's FSDP load contract (pre-hooks get no models; GradScaler before
+        the optimizers): :func:`fastckpt.load_into` reads this rank's regions only (any saved world
+        size), then ``set_state_dict``; per-rank state: :func:`accelerate_dtensor.per_rank`."""
         acc = self.acc
         for hook in list(getattr(acc, "_load_model_state_pre_hook", {}).values()):
             hook([], str(folder))

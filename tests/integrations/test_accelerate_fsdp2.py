@@ -145,6 +145,11 @@ def rank_train(project: str) -> dict:
     res["local"] = _local(model, opt)
     res["full"] = _full(model, opt)
     res["epoch1"] = _epoch(acc, model, opt, sched, dl)
+    res["full1"] = _full(model, opt)
+    plugin.async_save = True
+    res["saved"] = [res["saved"], acc.save_state()]  # returns after staging
+    _epoch(acc, model, opt, sched, dl)  # trains on while the save is written: must not leak into it
+    plugin.wait()  # every rank
     return res
 
 
@@ -218,9 +223,10 @@ def trained(pool, tmp_path_factory):
 def test_save_state_writes_one_hf_checkpoint(trained):
     project, ref = trained
     folder = project / "checkpoints" / "checkpoint_0"
-    assert ref[0]["saved"] == ref[1]["saved"] == str(folder)
-    assert [p.name for p in (project / "checkpoints").iterdir()] == ["checkpoint_0"]  # no temp folders left
-    assert fastckpt.is_committed(folder)
+    assert ref[0]["saved"] == ref[1]["saved"] == [str(folder), str(folder.with_name("checkpoint_1"))]
+    # one committed folder per save, no temp folders left
+    assert sorted(p.name for p in (project / "checkpoints").iterdir()) == ["checkpoint_0", "checkpoint_1"]
+    assert fastckpt.is_committed(folder) and fastckpt.is_committed(folder.with_name("checkpoint_1"))
     assert not list(folder.glob("*.pt")) and not list(folder.glob("*.bin")) and not list(folder.glob("*.pkl"))
     assert ref[0]["epoch0"] != ref[1]["epoch0"]  # ranks see different data and dropout
     assert ref[0]["local"]["model"] != ref[1]["local"]["model"]  # each rank holds another shard
@@ -234,6 +240,9 @@ def test_save_state_writes_one_hf_checkpoint(trained):
     for f in folder.glob("model*.safetensors"):
         raw.update(load_file(f))
     assert raw["model.embed_tokens.weight"].shape == (131, 32)  # full tensors, not shards
+    # the asynchronous save holds the values at the call, not the epoch trained while it was written
+    hf1 = LlamaForCausalLM.from_pretrained(folder.with_name("checkpoint_1"), dtype=torch.float32)
+    assert _digest(hf1.state_dict()) == ref[0]["full1"]["model"] != ref[0]["full"]["model"]
     snap = fastckpt.load(folder, keys=["rng_per_process", "step"])
     assert len(snap["rng_per_process"]) == 2 and snap["step"] == 5
 
@@ -257,6 +266,7 @@ def test_load_state_resumes_each_rank_exactly(pool, trained, tmp_path):
 def test_resume_at_world_size_1(trained, tmp_path):
     project, ref = trained
     folder = project / "checkpoints" / "checkpoint_0"
+    (tmp_path / "pool1").mkdir()
     one = RankPool(str(tmp_path / "pool1"), world_size=1)  # another world size: its own pool
     try:
         got = one.run(rank_resume_world1, project=str(tmp_path / "run1"), folder=str(folder), timeout_s=TIMEOUT_S)[0]
@@ -275,3 +285,29 @@ def test_fsdp1_is_refused_typed(pool):
     for r in range(2):
         assert got[r]["type"] == "AccelerateFSDP1Error", got[r]
         assert "FSDP2" in got[r]["message"] and "fully_shard" in got[r]["message"]
+
+
+def rank_load_refused(project: str, folder: str) -> dict:
+    """load_state of a checkpoint saved from non-sharded (DDP) models into FSDP2 models."""
+    acc, model, opt, sched, dl, plugin = _setup(project, seed=1)
+    before = _local(model, opt)
+    try:
+        acc.load_state(folder)
+    except Exception as e:
+        return {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e),
+                "unchanged": _local(model, opt) == before}
+    return {"type": None}
+
+
+def test_ddp_checkpoint_refused_for_fsdp2_models(pool, tmp_path):
+    sys.path.insert(0, str(REPO))
+    from integrations.models import tiny_llama
+    folder = tmp_path / "ddp_ckpt"  # the layout the plugin writes for DDP models (rank 0 alone)
+    fastckpt.save({"model": tiny_llama(seed=0, vocab_size=131).state_dict(), "optimizers": [{}], "schedulers": [{}],
+                   "custom": [], "scaler": None, "samplers": [None], "rng": {"cpu": torch.get_rng_state()},
+                   "step": 0}, folder, weights={"model": "model"})
+    got = pool.run(rank_load_refused, project=str(tmp_path / "run3"), folder=str(folder), timeout_s=TIMEOUT_S)
+    for r in range(2):
+        assert got[r]["type"] == "AccelerateStateError", got[r]
+        assert "ValueError" in got[r]["mro"] and str(folder) in got[r]["message"], got[r]
+        assert got[r]["unchanged"], r  # nothing was loaded
