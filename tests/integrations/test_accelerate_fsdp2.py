@@ -140,7 +140,15 @@ def rank_train(project: str) -> dict:
     res = {"epoch0": _epoch(acc, model, opt, sched, dl)}
     res["rng"] = _rng()
     acc.step = 5  # accelerate counts it in accumulate(); a value load_state must bring back
+    seen = []
+
+    def hook(models, weights, output_dir):  # accelerate's FSDP path: models listed, weights empty
+        seen.append((len(models), len(weights)))
+        Path(output_dir, "note.txt").write_text("written by a save pre-hook")
+    handle = acc.register_save_state_pre_hook(hook)
     res["saved"] = acc.save_state()
+    handle.remove()
+    res["hook"] = seen
     assert _rng() == res["rng"]  # saving draws nothing from the RNG
     res["local"] = _local(model, opt)
     res["full"] = _full(model, opt)
@@ -158,7 +166,8 @@ def rank_resume(project: str, folder: str) -> dict:
     acc, model, opt, sched, dl, plugin = _setup(project, seed=1)
     torch.manual_seed(1234 + acc.process_index)
     _epoch(acc, model, opt, sched, dl)  # diverge: params, optimizer, scheduler, RNG all move
-    res = {"before": _local(model, opt)}
+    res = {"before": _local(model, opt), "hook": []}
+    acc.register_load_state_pre_hook(lambda models, input_dir: res["hook"].append((len(models), input_dir)))
     acc.load_state(folder)
     res["rng"] = _rng()
     res["local"] = _local(model, opt)
@@ -228,6 +237,8 @@ def test_save_state_writes_one_hf_checkpoint(trained):
     assert sorted(p.name for p in (project / "checkpoints").iterdir()) == ["checkpoint_0", "checkpoint_1"]
     assert fastckpt.is_committed(folder) and fastckpt.is_committed(folder.with_name("checkpoint_1"))
     assert not list(folder.glob("*.pt")) and not list(folder.glob("*.bin")) and not list(folder.glob("*.pkl"))
+    assert ref[0]["hook"] == ref[1]["hook"] == [(1, 0)]
+    assert (folder / "note.txt").read_text() == "written by a save pre-hook"  # committed with the checkpoint
     assert ref[0]["epoch0"] != ref[1]["epoch0"]  # ranks see different data and dropout
     assert ref[0]["local"]["model"] != ref[1]["local"]["model"]  # each rank holds another shard
     assert ref[0]["full"] == ref[1]["full"]
@@ -260,6 +271,7 @@ def test_load_state_resumes_each_rank_exactly(pool, trained, tmp_path):
         assert g["epoch1"] == w["epoch1"], r  # the next losses equal the uninterrupted run's
         assert g["iteration"] == 1, r  # automatic naming continues after the loaded checkpoint
         assert g["step"] == 5, r
+        assert g["hook"] == [(0, str(folder))], r  # accelerate's FSDP path: models are not the hooks' to load
     assert got[0]["rng"] != got[1]["rng"]
 
 
