@@ -289,3 +289,10 @@ class StateDictMismatchError(FastCkptError, RuntimeError):
         self.missing = list(missing)
         self.unexpected = list(unexpected)
         self.mismatched = dict(mismatched or {})
+
+
+# -- accelerate plugin, FSDP (integrations/accelerate_dtensor.py) --
+class AccelerateFSDP1Error(FastCkptError, NotImplementedError):
+    """The accelerate plugin was enabled on, or asked to save, an FSDP1 model
+    (``FullyShardedDataParallel``, ``FullyShardedDataParallelPlugin(fsdp_version=1)``). A
+    ``NotImplementedError`` as before; FSDP2 (``fsdp_version=2`` / ``fully_shard``) is supported."""

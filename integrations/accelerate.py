@@ -41,6 +41,9 @@ Several processes (DDP, ``accelerate launch``): every rank calls ``save_state``/
 (they are collective). Only the main process writes, alone (no ``process_group``): rank-0
 model/optimizer state (DDP replicas are identical) plus every rank's RNG state, gathered to it
 (``rng_per_process``); on load each rank reads the folder and restores its own RNG state.
+FSDP2 (models with DTensor parameters): every rank writes its shards of one HF-layout
+checkpoint and reads back only its own regions, at any world size
+(:mod:`~fastckpt.integrations.accelerate_dtensor`); FSDP1 raises ``AccelerateFSDP1Error``.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ import fastckpt
 from fastckpt.errors import AccelerateCheckpointNotFoundError, AccelerateStateError
 from fastckpt.storage import prune_checkpoints, step_folders
 
+from . import accelerate_dtensor as dt
 from . import accelerate_state as st
 from .hf_snapshot import capture_rng_state, dedup_tied, restore_rng_state
 
@@ -121,19 +125,32 @@ class FastCkptState:
             state[key] = dedup_tied(sd)
             names[key] = key
         if weights and originals and weights[0] is originals[0]:
-            cfg = getattr(acc.unwrap_model(acc._models[0]), "config", None)
-            if cfg is not None and hasattr(cfg, "to_json_string"):
-                extra["config.json"] = cfg.to_json_string().encode()
+            extra.update(self._config_file())
         state["optimizers"] = [o.state_dict() for o in acc._optimizers]
-        state["schedulers"] = [s.state_dict() for s in acc._schedulers]
-        state["custom"] = [o.state_dict() for o in acc._custom_objects]
-        state["scaler"] = acc.scaler.state_dict() if acc.scaler is not None else None
+        state.update(self._objects())
         state["samplers"] = [st.dataloader_state(dl) for dl in acc._dataloaders]
         state["rng"] = capture_rng_state()
-        state["step"] = int(acc.step)
-        if acc.project_configuration.automatic_checkpoint_naming:
-            state["iteration"] = int(acc.project_configuration.iteration)
+        if not acc.project_configuration.automatic_checkpoint_naming:
+            del state["iteration"]
         return state, names, extra
+
+    def _objects(self) -> dict[str, Any]:
+        """Schedulers, registered objects, GradScaler, ``step`` and the automatic-naming iteration
+        (``None`` when automatic naming is off): equal on every rank."""
+        acc = self.acc
+        cfg = acc.project_configuration
+        return {"schedulers": [s.state_dict() for s in acc._schedulers],
+                "custom": [o.state_dict() for o in acc._custom_objects],
+                "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
+                "step": int(acc.step),
+                "iteration": int(cfg.iteration) if cfg.automatic_checkpoint_naming else None}
+
+    def _config_file(self) -> dict[str, bytes]:
+        """``config.json`` of the first model when it has an HF config (from_pretrained reads the folder)."""
+        cfg = getattr(self.acc.unwrap_model(self.acc._models[0]), "config", None) if self.acc._models else None
+        if cfg is not None and hasattr(cfg, "to_json_string"):
+            return {"config.json": cfg.to_json_string().encode()}
+        return {}
 
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs) -> str:
@@ -161,7 +178,12 @@ class FastCkptState:
             acc.wait_for_everyone()
         out = self._target(output_dir)
         cfg = acc.project_configuration
-        rngs = self._gather_rng() if multi else None  # collective: before the main-only branch
+        if dt.sharded(acc):  # FSDP2: every rank saves its shards (integrations/accelerate_dtensor.py)
+            self._save_sharded(out, multi)
+            acc.wait_for_everyone()
+            cfg.iteration += 1
+            return str(out)
+        rngs = dt.gather(capture_rng_state()) if multi else None  # collective: before the main-only branch
         weights = st.model_weights(acc)
         originals = list(weights)
         hook_files = st.run_save_hooks(acc, weights, out.name)  # on every rank, as accelerate
@@ -171,19 +193,43 @@ class FastCkptState:
             extra.update(hook_files)
             if rngs is not None:
                 state["rng_per_process"] = rngs
-            out.parent.mkdir(parents=True, exist_ok=True)
-            step = cfg.iteration if cfg.automatic_checkpoint_naming else None
-            # no process_group: the writing process writes alone
-            opts = dict(self.save_options)
-            opts["on_commit"] = self._after_commit(step, opts.get("on_commit"))
-            fut = self._saver.async_save(state, out, overwrite=not cfg.automatic_checkpoint_naming,
-                                         weights=names, extra_files=extra, **opts)
-            self._pending = (fut, out)
-            if not self.async_save:
-                self.wait()
+            self._start(state, out, names, extra)  # no process_group: the writing process writes alone
         acc.wait_for_everyone()
         cfg.iteration += 1
         return str(out)
+
+    def _start(self, state: dict, out: Path, names: dict, extra: dict) -> None:
+        """Start the save of ``state`` to ``out`` (waited for unless ``async_save``)."""
+        cfg = self.acc.project_configuration
+        out.parent.mkdir(parents=True, exist_ok=True)
+        step = cfg.iteration if cfg.automatic_checkpoint_naming else None
+        opts = dict(self.save_options)
+        opts["on_commit"] = self._after_commit(step, opts.get("on_commit"))
+        fut = self._saver.async_save(state, out, overwrite=not cfg.automatic_checkpoint_naming,
+                                     weights=names, extra_files=extra, **opts)
+        self._pending = (fut, out)
+        if not self.async_save:
+            self.wait()
+
+    def _save_sharded(self, out: Path, multi: bool) -> None:
+        """Every rank: accelerate's FSDP contract (``save_fsdp_model``/``save_fsdp_optimizer`` on
+        every rank, pre-hooks with an empty ``weights``), bytes through fastckpt's DTensor route:
+        one HF-layout folder, each rank writing its chunks; the commit is rank 0's. Per-rank
+        state (RNG, dataloader position) is gathered so every rank passes the same values."""
+        acc = self.acc
+        msds, osds = dt.state_dicts(acc)
+        hook_files = st.run_save_hooks(acc, [], out.name)
+        state: dict[str, Any] = {st.model_key(i): sd for i, sd in enumerate(msds)}
+        names = {k: k for k in state}
+        st.check_hook_files(hook_files, [*names, "state"])
+        state["optimizers"] = osds
+        state.update(self._objects())
+        mine = {"rng": capture_rng_state(), "samplers": [st.dataloader_state(dl) for dl in acc._dataloaders]}
+        every = dt.gather(mine) if multi else [mine]
+        state["rng"], state["samplers"] = every[0]["rng"], every[0]["samplers"]  # as a DDP checkpoint
+        state["rng_per_process"] = [e["rng"] for e in every]
+        state["samplers_per_process"] = [e["samplers"] for e in every]
+        self._start(state, out, names, {**self._config_file(), **hook_files})
 
     def _after_commit(self, step: int | None, user_hook: Callable[[Path], None] | None) -> Callable[[Path], None]:
         """``on_commit`` of a save (writer thread, after the commit): apply ``total_limit``, also
@@ -206,15 +252,6 @@ class FastCkptState:
         import torch.distributed as dist
 
         return self.acc.num_processes > 1 and dist.is_available() and dist.is_initialized()
-
-    @staticmethod
-    def _gather_rng() -> list[dict[str, Any]]:
-        """Every rank's :func:`capture_rng_state`, in rank order (collective)."""
-        import torch.distributed as dist
-
-        rngs: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(rngs, capture_rng_state())
-        return rngs
 
     def wait(self) -> None:
         """Block until the pending save is committed (``total_limit`` applied).
@@ -303,7 +340,8 @@ class FastCkptState:
                 folder, or nothing committed there.
             AccelerateStateError: the checkpoint holds fewer models/optimizers/... than the
                 accelerator, or automatic naming is off and no ``input_dir`` was given.
-            StateDictMismatchError: stored weights do not match a model (before anything changes).
+            StateDictMismatchError: stored weights do not match a model (before anything changes);
+                FSDP2 models: ``StateMismatchError`` of :func:`fastckpt.load_into` (also before).
             TypeError: an unknown ``map_location``, ``load_kwargs`` key or keyword.
             fastckpt's read errors (``CorruptCheckpointError``, ``ChecksumMismatchError``, ...).
         """
@@ -319,6 +357,10 @@ class FastCkptState:
         if self._distributed():  # the main process's pending save is committed for every rank
             acc.wait_for_everyone()
         folder = self._source(input_dir)
+        if dt.sharded(acc):  # FSDP2: every rank fills its own shards
+            self._load_sharded(folder, device, strict, read_opts)
+            logger.info("fastckpt: loaded state from %s", folder)
+            return
         snap = fastckpt.load(folder, device=device, **read_opts)
         models = list(acc._models)
         for hook in list(getattr(acc, "_load_model_state_pre_hook", {}).values()):
@@ -350,19 +392,48 @@ class FastCkptState:
                     f"{folder}: optimizer {i} was saved with parameter groups of {stored_sizes} parameters, "
                     f"this one has {live_sizes}: load a checkpoint saved from the same model and optimizer")
 
+    def _load_sharded(self, folder: Path, device: str, strict: bool, read_opts: dict) -> None:
+        """Every rank, accelerate's FSDP load contract (pre-hooks get no models; GradScaler before
+        the optimizers): :func:`fastckpt.load_into` reads this rank's regions only (any saved world
+        size), then ``set_state_dict``; per-rank state: :func:`accelerate_dtensor.per_rank`."""
+        acc = self.acc
+        for hook in list(getattr(acc, "_load_model_state_pre_hook", {}).values()):
+            hook([], str(folder))
+        try:
+            rest = fastckpt.load(folder, keys=list(dt.OBJECT_KEYS), device=device, **read_opts)
+        except KeyError as e:
+            raise AccelerateStateError(
+                f"{folder} was not saved from FSDP2 (DTensor) models by this plugin ({e}); the accelerator's "
+                f"models are FSDP2: load a checkpoint saved with FSDP2 models") from e
+        msds, osds = dt.state_dicts(acc)
+        target = {**rest, **{st.model_key(i): sd for i, sd in enumerate(msds)}, "optimizers": osds}
+        got = fastckpt.load_into(target, folder, strict=strict, **read_opts)  # raises before writing
+        if acc.scaler is not None and got.get("scaler") is not None:
+            acc.scaler.load_state_dict(got["scaler"])
+        dt.set_state_dicts(acc, [got[st.model_key(i)] for i in range(len(msds))], got["optimizers"], strict)
+        self._apply_objects(got, folder, sharded=True)
+
     def _apply(self, snap: dict, models: list, folder: Path) -> None:
         acc = self.acc
         for i, model in enumerate(models):
             acc.unwrap_model(model).load_state_dict(snap[st.model_key(i)], strict=False)  # keys checked
         for o, s in zip(acc._optimizers, snap["optimizers"]):
             o.load_state_dict(s)
+        if acc.scaler is not None and snap.get("scaler") is not None:
+            acc.scaler.load_state_dict(snap["scaler"])
+        self._apply_objects(snap, folder, sharded=False)
+
+    def _apply_objects(self, snap: dict, folder: Path, *, sharded: bool) -> None:
+        """Schedulers, registered objects, dataloaders, ``step``, iteration and RNG."""
+        acc = self.acc
         for o, s in zip(acc._schedulers, snap["schedulers"]):
             o.load_state_dict(s)
         for o, s in zip(acc._custom_objects, snap["custom"]):
             o.load_state_dict(s)
-        if acc.scaler is not None and snap.get("scaler") is not None:
-            acc.scaler.load_state_dict(snap["scaler"])
-        for dl, s in zip(acc._dataloaders, snap.get("samplers", [])):
+        rank, world = acc.process_index, acc.num_processes
+        samplers = (dt.per_rank(snap["samplers_per_process"], rank, world, "dataloader positions", folder)
+                    if sharded else snap.get("samplers", []))
+        for dl, s in zip(acc._dataloaders, samplers or []):
             st.restore_dataloader(dl, s)
         acc.step = int(snap["step"])
         cfg = acc.project_configuration
@@ -370,7 +441,11 @@ class FastCkptState:
         if cfg.automatic_checkpoint_naming and it is not None and cfg.iteration <= it:
             cfg.iteration = it + 1  # the next save_state continues after the loaded checkpoint
         per_rank = snap.get("rng_per_process")
-        if per_rank is not None and len(per_rank) == acc.num_processes:
+        if sharded:
+            rng = dt.per_rank(per_rank, rank, world, "RNG states", folder)
+            if rng is not None:
+                restore_rng_state(rng)
+        elif per_rank is not None and len(per_rank) == acc.num_processes:
             restore_rng_state(per_rank[acc.process_index])
         else:
             if per_rank is not None or acc.num_processes > 1:
@@ -395,12 +470,15 @@ def enable(accelerator, *, async_save: bool = False, **save_options) -> FastCkpt
         Enabling again first waits for the previous plugin's pending save.
 
     Raises:
-        NotImplementedError: DeepSpeed, FSDP or Megatron-LM accelerators (their engines own
+        NotImplementedError: DeepSpeed or Megatron-LM accelerators (their engines own
             checkpointing; use fastckpt's DeepSpeed integration instead).
+        AccelerateFSDP1Error: (a ``NotImplementedError``) FSDP1 (``fsdp_version=1`` or a
+            ``FullyShardedDataParallel`` model); FSDP2 is supported.
     """
     kind = str(getattr(accelerator, "distributed_type", ""))
-    if any(k in kind for k in ("DEEPSPEED", "FSDP", "MEGATRON")):
+    if any(k in kind for k in ("DEEPSPEED", "MEGATRON")):
         raise NotImplementedError(f"fastckpt accelerate plugin does not handle {kind}")
+    dt.check_not_fsdp1(accelerator)
     previous = getattr(accelerator, "fastckpt", None)
     if isinstance(previous, FastCkptState):
         previous.wait()
