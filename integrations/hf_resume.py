@@ -7,7 +7,7 @@ fastckpt checkpoint instead, through :class:`TrainerResume`:
 
 * at train begin: the optimizer and scheduler states (and a check that the checkpoint holds the
   step the Trainer resumed at);
-* the RNG states exactly where the Trainer would restore ``rng_state.pth``: at the first epoch
+* the RNG states (each rank its own, :mod:`~fastckpt.integrations.hf_ranks`) exactly where the Trainer would restore ``rng_state.pth``: at the first epoch
   begin when the checkpoint lies on an epoch boundary; otherwise the RNG state of the start of
   that epoch first (so the sampler draws the same shuffle and the Trainer skips the same
   batches), then the saved RNG state at the first step of the resumed run.
@@ -26,6 +26,7 @@ import fastckpt
 from fastckpt.errors import ResumeMismatchError, TrainerCheckpointNotFoundError
 
 from .hf_checkpoints import get_last_checkpoint, newer_runs_warning
+from .hf_ranks import group_rank, load_rank_rng, load_replicated, trainer_group
 from .hf_snapshot import restore_rng_state
 
 logger = logging.getLogger("fastckpt.integrations.hf_trainer")
@@ -127,13 +128,14 @@ class TrainerResume:
                 "exact (pass FastCkptCallback(resume_from=...))",
                 state.global_step, ckpt)
             return False
-        snap = fastckpt.load(ckpt, keys=None)
+        rank, world = group_rank(trainer_group(args))
+        snap = load_replicated(ckpt)  # multi-rank: the RNG states are per rank (hf_ranks)
         if snap.get("trainer", {}).get("global_step") != state.global_step:
             raise ResumeMismatchError(
                 f"{ckpt} holds step {snap.get('trainer', {}).get('global_step')} (manifest key trainer/global_step), "
                 f"but the Trainer resumed at step {state.global_step} from its trainer_state.json: resume "
                 "from an unmodified fastckpt checkpoint folder")
-        if snap.get("optimizer") is None or snap.get("rng") is None:
+        if snap.get("optimizer") is None or snap.get("trainer", {}).get("save_only_model"):
             logger.warning("fastckpt: %s has no optimizer/RNG state (save_only_model?): resume is not exact",
                            ckpt)
             return False
@@ -141,14 +143,18 @@ class TrainerResume:
             optimizer.load_state_dict(snap["optimizer"])
         if lr_scheduler is not None and snap.get("scheduler") is not None:
             lr_scheduler.load_state_dict(snap["scheduler"])
+        rng, epoch_rng = load_rank_rng(ckpt, snap, rank, world)
+        if rng is None:  # this rank has no saved RNG state (a WARNING said so): it keeps its own
+            logger.info("fastckpt: restored optimizer and scheduler from %s (rank %d: RNG not restored)", ckpt, rank)
+            return True
         epoch = float(snap["trainer"]["epoch"] or 0.0)
         at_boundary = math.isclose(epoch, round(epoch)) or args.ignore_data_skip
-        if at_boundary or snap.get("epoch_rng") is None:
-            self._rng = ("epoch", snap["rng"])
+        if at_boundary or epoch_rng is None:
+            self._rng = ("epoch", rng)
         else:  # mid-epoch: replay the sampler's shuffle, then continue from the saved RNG
-            self._rng = ("epoch+step", snap["epoch_rng"])
-            self._step_rng = snap["rng"]
-        logger.info("fastckpt: restored optimizer, scheduler and RNG from %s", ckpt)
+            self._rng = ("epoch+step", epoch_rng)
+            self._step_rng = rng
+        logger.info("fastckpt: restored optimizer, scheduler and RNG (rank %d) from %s", rank, ckpt)
         return True
 
     def at_epoch_begin(self) -> None:

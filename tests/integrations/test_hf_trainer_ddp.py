@@ -1,0 +1,272 @@
+"""The Trainer callback in multi-process training: the real transformers Trainer under DDP (2 spawned
+ranks, gloo, CPU, as torchrun would start them) and FSDP2 ``fully_shard`` (2 ranks).
+
+DDP: every rank takes part in each save (the model written once, each rank's RNG state its own),
+resume from a path and from ``True`` is bit-exact with an uninterrupted 2-rank run, a failure on one
+rank fails every rank and commits nothing, and resuming at another world size restores what it can
+and warns about the rest. Each rank seeds its torch RNG differently at train begin (attention
+dropout on), so a rank restored with another rank's RNG state would train to other weights.
+
+FSDP2: accelerate enables FSDP only on accelerator devices (``AcceleratorState`` turns an
+``fsdp_plugin`` into ``DistributedType.FSDP`` only for ``MULTI_GPU``/``MULTI_NPU``/... types, never
+``MULTI_CPU``), so the Trainer cannot run FSDP here: the test shards a tiny Llama with
+``fully_shard`` and drives the callback events the Trainer would call (see docs/TRAINER.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "saving"))
+
+transformers = pytest.importorskip("transformers")
+
+import fastckpt  # noqa: E402
+
+WORLD = 2
+STEPS = 16  # 64 items / (4 per device * 2 ranks) = 8 steps per epoch, 2 epochs
+TIMEOUT = 150.0
+
+
+# ------------------------------------------------------------------------------------------------
+# rank functions (run in the pool's spawned processes)
+# ------------------------------------------------------------------------------------------------
+def _torchrun_env() -> int:
+    """Set what torchrun sets; the pool already joined the gloo group (accelerate reuses it)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    return rank
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _rank_seed_callback():
+    class RankSeed(transformers.TrainerCallback):
+        """Each rank's own torch RNG stream (a fresh run only; a resumed run restores it)."""
+
+        def on_train_begin(self, args, state, control, **kw):
+            if state.global_step == 0:
+                torch.manual_seed(1000 + args.process_index)
+    return RankSeed()
+
+
+def ddp_train(out: str, resume=None, fail_rank: int | None = None, fail: str = "", **over) -> dict:
+    """One rank of a DDP Trainer run with ``FastCkptCallback``; returns what the test compares."""
+    rank = _torchrun_env()
+    from test_hf_trainer import hf_trainer, make_trainer
+
+    log = logging.getLogger("fastckpt.integrations.hf_trainer")
+    h = _Warnings()
+    log.addHandler(h)
+    undo = []
+    try:
+        if rank == fail_rank and fail == "collect":  # a value the saver refuses, on this rank only
+            undo.append((hf_trainer, "capture_rng_state", hf_trainer.capture_rng_state))
+            hf_trainer.capture_rng_state = lambda: {"python": object()}
+        if rank == fail_rank and fail == "write":  # an I/O error in this rank's background writes
+            from fastckpt.saving import job
+
+            def write_all(self):
+                raise OSError(5, "injected EIO on rank %d" % rank)
+            undo.append((job.SaveJob, "write_all", job.SaveJob.write_all))
+            job.SaveJob.write_all = write_all
+        args = {"ddp_backend": "gloo", "save_steps": 5, "num_train_epochs": 2, **over}
+        cb = hf_trainer.FastCkptCallback()
+        tr = make_trainer(out, mixin=False, callbacks=[cb, _rank_seed_callback()], **args)
+        assert tr.args.world_size == WORLD and tr.args.process_index == rank
+        t0 = time.monotonic()
+        try:
+            tr.train(resume_from_checkpoint=resume)
+        except BaseException as e:  # reported with its time: every rank must fail, and soon
+            return {"error": f"{type(e).__name__}: {e}", "mro": [c.__name__ for c in type(e).__mro__],
+                    "after_s": time.monotonic() - t0}
+        return {"weights": {k: v.detach().clone() for k, v in tr.model.state_dict().items()},
+                "log": tr.state.log_history, "records": cb.records, "warnings": h.lines,
+                "rng_now": torch.get_rng_state()}
+    finally:
+        log.removeHandler(h)
+        for obj, name, val in undo:
+            setattr(obj, name, val)
+
+
+# ------------------------------------------------------------------------------------------------
+# fixtures and helpers
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    from ranks import RankPool
+
+    p = RankPool(str(tmp_path_factory.mktemp("ddp-pool")), world_size=WORLD, start_timeout_s=TIMEOUT)
+    yield p
+    p.close()
+
+
+def run_ok(pool, **kw) -> dict:
+    from ranks import RankError
+
+    res = pool.call(ddp_train, timeout_s=TIMEOUT, **kw)
+    for r, v in res.items():
+        assert not isinstance(v, RankError), f"rank {r}: {v}\n{v.traceback}"
+        assert "error" not in v, f"rank {r}: {v}"
+    return res
+
+
+_VOLATILE = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss",
+             "total_flos"}
+
+
+def steady(log) -> list[dict]:
+    return [{k: v for k, v in h.items() if k not in _VOLATILE} for h in log]
+
+
+def assert_bit_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+
+
+@pytest.fixture(scope="module")
+def reference(pool, tmp_path_factory):
+    """An uninterrupted 2-rank run saving at steps 5, 10, 15 and 16 (the last)."""
+    out = tmp_path_factory.mktemp("ddp-ref")
+    return out, run_ok(pool, out=str(out))
+
+
+# ------------------------------------------------------------------------------------------------
+# DDP
+# ------------------------------------------------------------------------------------------------
+def test_ddp_every_rank_saves_model_once_rng_per_rank(reference):
+    out, res = reference
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-15", "checkpoint-16", "checkpoint-5"]
+    assert_bit_equal(res[0]["weights"], res[1]["weights"])  # DDP kept the replicas equal
+    assert [r["step"] for r in res[0]["records"]] == [r["step"] for r in res[1]["records"]] == [5, 10, 15, 16]
+    ck = out / "checkpoint-10"
+    assert fastckpt.is_committed(ck)
+    assert not list(ck.glob("*.pt*")) and not list(ck.glob("*.bin"))  # nothing pickled
+    man = fastckpt.read_manifest(ck)
+    assert man["world_size"] == WORLD
+    assert set(man["distributed"]["rank_local"]["keys"]) == {"rng", "epoch_rng"}
+    # the model is written once: one HF weights file, bytes written by both ranks, readable by HF
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model_files = sorted(p.name for p in ck.glob("model*.safetensors"))
+    assert len(model_files) == 1, model_files
+    assert all(v > 0 for v in man["distributed"]["bytes_by_rank"].values())
+    hf = AutoModelForCausalLM.from_pretrained(ck)
+    raw = load_file(ck / model_files[0])
+    assert set(raw) <= set(hf.state_dict())
+    # per-rank RNG states: one per rank, and different (each rank its own stream)
+    states = [fastckpt.load_into({"rng": {"cpu": torch.empty(0, dtype=torch.uint8)}}, ck, strict=False,
+                                 local_rank=r) for r in range(WORLD)]
+    from fastckpt.integrations.hf_snapshot import capture_rng_state
+    tmpl = lambda: {"rng": capture_rng_state()}  # noqa: E731
+    got = [fastckpt.load_into(tmpl(), ck, strict=False, local_rank=r)["rng"]["cpu"] for r in range(WORLD)]
+    assert not torch.equal(got[0], got[1])
+    del states
+
+
+def test_ddp_resume_from_path_is_bit_exact(pool, reference, tmp_path):
+    out, ref = reference
+    res = run_ok(pool, out=str(tmp_path), resume=str(out / "checkpoint-10"))
+    for r in range(WORLD):
+        assert_bit_equal(res[r]["weights"], ref[r]["weights"])
+        assert steady(res[r]["log"]) == steady(ref[r]["log"])
+        assert torch.equal(res[r]["rng_now"], ref[r]["rng_now"])
+        assert not res[r]["warnings"], res[r]["warnings"]
+    assert [r["step"] for r in res[0]["records"]] == [15, 16]
+
+
+def test_ddp_resume_from_true_is_bit_exact(pool, reference, tmp_path):
+    out, ref = reference
+    shutil.copytree(out / "checkpoint-5", tmp_path / "checkpoint-5")  # mid-epoch 1
+    res = run_ok(pool, out=str(tmp_path), resume=True)
+    for r in range(WORLD):
+        assert_bit_equal(res[r]["weights"], ref[r]["weights"])
+        assert steady(res[r]["log"]) == steady(ref[r]["log"])
+    assert [r["step"] for r in res[1]["records"]] == [10, 15, 16]
+
+
+def _single_process_train(out, resume=None, **over):
+    """The same Trainer in the pytest process (no process group): world size 1."""
+    from test_hf_trainer import hf_trainer, make_trainer
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        assert k not in os.environ
+    cb = hf_trainer.FastCkptCallback()
+    tr = make_trainer(out, mixin=False, callbacks=[cb], **over)
+    tr.train(resume_from_checkpoint=resume)
+    return tr
+
+
+def test_ddp_resume_on_one_rank_restores_rank0_and_warns(reference, tmp_path, caplog):
+    out, _ = reference
+    ck = out / "checkpoint-10"
+    caplog.set_level(logging.WARNING, logger="fastckpt.integrations.hf_trainer")
+    tr = _single_process_train(tmp_path, resume=str(ck), save_steps=5, num_train_epochs=2,
+                               per_device_train_batch_size=8)  # same global batch
+    msgs = [r.getMessage() for r in caplog.records if "RNG" in r.getMessage()]
+    assert any("saved by 2 ranks, resumed on 1" in m and "[1]" in m for m in msgs), msgs
+    # model, optimizer and scheduler restored: the resumed run starts from checkpoint-10's state
+    snap = fastckpt.load(ck, keys=["optimizer", "scheduler"])
+    assert tr.state.log_history[9]["step"] == 10
+    assert tr.state.global_step == STEPS
+    assert snap["scheduler"]["last_epoch"] == 10
+    # rank 0's RNG restored: check it on a fresh callback resume without training further
+    from fastckpt.integrations.hf_resume import TrainerResume
+    from fastckpt.integrations.hf_snapshot import capture_rng_state
+
+    opt = torch.optim.AdamW(tr.model.parameters())
+    tr_res = TrainerResume()
+    state = transformers.TrainerState(global_step=10)
+    assert tr_res.restore(str(ck), tr.args, state, None, None)
+    torch.manual_seed(0)
+    tr_res.at_epoch_begin()
+    tr_res.at_step_begin()
+    rank0 = fastckpt.load_into({"rng": capture_rng_state()}, ck, strict=False, local_rank=0)["rng"]["cpu"]
+    assert torch.equal(torch.get_rng_state(), rank0)
+    del opt
+
+
+def test_resume_on_two_ranks_from_one_rank_checkpoint_warns(pool, tmp_path):
+    one = tmp_path / "one"
+    _single_process_train(one, save_steps=5, num_train_epochs=1, per_device_train_batch_size=8)
+    ck = one / "checkpoint-5"
+    assert fastckpt.read_manifest(ck).get("world_size", 1) == 1
+    res = run_ok(pool, out=str(tmp_path / "two"), resume=str(ck), num_train_epochs=1)
+    assert not any("RNG" in m for m in res[0]["warnings"]), res[0]["warnings"]
+    assert any("no RNG state for rank 1" in m for m in res[1]["warnings"]), res[1]["warnings"]
+    assert_bit_equal(res[0]["weights"], res[1]["weights"])
+
+
+@pytest.mark.parametrize("fail", ["collect", "write"])
+def test_ddp_failure_on_one_rank_fails_every_rank_nothing_committed(pool, tmp_path, fail):
+    res = pool.call(ddp_train, timeout_s=TIMEOUT, out=str(tmp_path), fail_rank=1, fail=fail)
+    for r in range(WORLD):
+        v = res[r]
+        assert isinstance(v, dict) and "error" in v, f"rank {r}: {v}"
+        assert "DistributedSaveError" in v["mro"], v
+        assert "rank 1" in v["error"], v
+        assert v["after_s"] < 90, v
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("checkpoint-")]
+    assert not list(tmp_path.glob(".*"))  # no temporary folder left
