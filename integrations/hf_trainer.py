@@ -48,7 +48,7 @@ from .hf_checkpoints import (  # noqa: F401  (re-exported: public helpers, tests
     PREFIX_CHECKPOINT_DIR, get_last_checkpoint, is_trainers_last, logged_this_step, newer_runs_warning,
     rotate_checkpoints, update_best_metric, update_stateful_callbacks)
 from .hf_on_save import OnSaveRelay, state_as_of_now
-from .hf_ranks import rank_save_options, trainer_group
+from .hf_ranks import is_sharded, optimizer_state, rank_save_options, trainer_group
 from .hf_resume import TrainerResume, find_trainer, resume_checkpoint
 from .hf_snapshot import (  # noqa: F401  (re-exported: accelerate plugin, scripts)
     ModelSnapshotter, capture_rng_state, dedup_tied, is_peft_model, model_snapshot, peft_base_weights,
@@ -177,10 +177,11 @@ class FastCkptCallback(_trainer_callback_base()):
                 ckpt = str(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
             elif self.resume_from is None and is_trainers_last(args.output_dir, ckpt):
                 newer_runs_warning(args.output_dir, ckpt)  # resume_from_checkpoint=True may have picked it
-            self._resume.restore(ckpt, args, state, optimizer, lr_scheduler)
+            self._resume.restore(ckpt, args, state, optimizer, lr_scheduler, model,
+                                 self._snapshot(model)[0].get("model") if model is not None else None)
         if self.defer_params and not args.save_only_model:
             self._gate.install(optimizer)
-        if model is not None and self.save_options.get("link_check") == "version" \
+        if model is not None and not is_sharded(model) and self.save_options.get("link_check") == "version" \
                 and (self.link_unchanged or self.save_options.get("defer_frozen")):
             # hash the frozen base weights in the background now: the first save then links them
             # (after --resume) or copies them in the background (defer_frozen), not while training waits
@@ -198,8 +199,7 @@ class FastCkptCallback(_trainer_callback_base()):
         self._flush_deferred(args, state, control)
         self._resume.at_step_begin()
 
-    on_substep_end = on_pre_optimizer_step = on_optimizer_step = on_prediction_step = \
-        lambda self, args, state, control, **kw: self._tick(args, control)  # noqa: E731
+    on_substep_end = on_pre_optimizer_step = on_optimizer_step = on_prediction_step = lambda self, args, state, control, **kw: self._tick(args, control)  # noqa: E501,E731
 
     def on_step_end(self, args, state, control, **kw):
         self._refs(args, state, kw)
@@ -295,7 +295,7 @@ class FastCkptCallback(_trainer_callback_base()):
             extra.setdefault(name, data)
         if not args.save_only_model:
             opt, sched = getattr(self, "_optimizer", None), getattr(self, "_lr_scheduler", None)
-            snap["optimizer"] = opt.state_dict() if opt is not None else None
+            snap["optimizer"] = optimizer_state(self._model, opt)  # FSDP2: DCP's, DTensor values
             snap["scheduler"] = sched.state_dict() if sched is not None else None
             snap["rng"] = capture_rng_state()
             snap["epoch_rng"] = self._epoch_rng
@@ -420,8 +420,8 @@ class FastCkptCallback(_trainer_callback_base()):
     def _poll(self) -> None:
         with self._lock:
             pending = self._pending
-        if pending is not None and pending[0].done():
-            self.wait(self._args)
+        if pending is not None and pending[0].done() and trainer_group(self._args) is None:  # multi-rank: at the
+            self.wait(self._args)  # next save or train end, so every rank raises a failure at the same event
 
     def _install_sigterm(self) -> None:
         if threading.current_thread() is not threading.main_thread():

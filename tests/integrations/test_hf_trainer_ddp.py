@@ -270,3 +270,84 @@ def test_ddp_failure_on_one_rank_fails_every_rank_nothing_committed(pool, tmp_pa
         assert v["after_s"] < 90, v
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("checkpoint-")]
     assert not list(tmp_path.glob(".*"))  # no temporary folder left
+
+
+# ------------------------------------------------------------------------------------------------
+# FSDP2: fully_shard + the callback events the Trainer calls (the Trainer refuses FSDP on CPU)
+# ------------------------------------------------------------------------------------------------
+def fsdp2_train(out: str, steps: int, save_steps: int, resume: str | None = None, start: int = 0) -> dict:
+    """One rank: a tiny Llama sharded with ``fully_shard`` (each decoder layer, then the root), AdamW and
+    a LambdaLR, trained ``steps`` steps by hand; ``FastCkptCallback`` gets the events
+    ``Trainer._inner_training_loop`` sends (train begin, step begin/end with ``should_save`` set as
+    ``DefaultFlowCallback`` sets it, train end) with a ``TrainerState``/``TrainerControl`` built here."""
+    rank = _torchrun_env()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from fastckpt.integrations import hf_trainer
+    from fastckpt.integrations.models import tiny_llama
+
+    model = tiny_llama(seed=0)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 40)
+    args = TrainingArguments(output_dir=out, save_strategy="steps", save_steps=save_steps, report_to="none",
+                             use_cpu=True, ddp_backend="gloo", max_steps=steps, disable_tqdm=True)
+    assert args.world_size == WORLD
+    cb = hf_trainer.FastCkptCallback(resume_from=resume)
+    state, control = TrainerState(max_steps=steps, global_step=start), TrainerControl()
+    kw = {"model": model, "optimizer": opt, "lr_scheduler": sched}
+    cb.on_train_begin(args, state, control, **kw)
+    for step in range(start, steps):
+        cb.on_step_begin(args, state, control, **kw)
+        torch.manual_seed(100 * step + rank)  # this rank's batch and dropout (RNG restore is the DDP tests')
+        ids = torch.randint(0, 128, (4, 8))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        state.global_step, state.epoch = step + 1, (step + 1) / steps
+        control.should_save = state.global_step % save_steps == 0 or state.global_step == steps
+        cb.on_step_end(args, state, control, **kw)
+    cb.on_train_end(args, state, control, **kw)
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    osd = get_optimizer_state_dict(model, opt)
+    moments = {k: v["exp_avg"].full_tensor().clone() for k, v in osd["state"].items()}
+    return {"weights": full, "moments": moments, "records": cb.records, "lr": sched.get_last_lr()}
+
+
+def test_fsdp2_callback_saves_one_hf_folder_and_resumes_bit_exact(pool, tmp_path):
+    from ranks import RankError
+
+    def ok(res):
+        for r, v in res.items():
+            assert not isinstance(v, RankError), f"rank {r}: {v}\n{v.traceback}"
+        return res
+
+    ref = ok(pool.call(fsdp2_train, timeout_s=TIMEOUT, out=str(tmp_path / "ref"), steps=6, save_steps=3))
+    ck = tmp_path / "ref" / "checkpoint-3"
+    assert fastckpt.is_committed(ck) and fastckpt.is_committed(tmp_path / "ref" / "checkpoint-6")
+    assert [r["step"] for r in ref[0]["records"]] == [r["step"] for r in ref[1]["records"]] == [3, 6]
+    # one HF folder of full tensors: transformers reads it (the step-6 weights of the live model)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ref" / "checkpoint-6")
+    for k, v in hf.state_dict().items():
+        assert torch.equal(v.view(torch.uint8), ref[0]["weights"][k].view(torch.uint8)), k
+    # resume 2 -> 2 from step 3: model and optimizer filled in place by load_into, bit-exact at step 6
+    res = ok(pool.call(fsdp2_train, timeout_s=TIMEOUT, out=str(tmp_path / "res"), steps=6, save_steps=3,
+                       resume=str(ck), start=3))
+    for r in range(WORLD):
+        assert_bit_equal(res[r]["weights"], ref[r]["weights"])
+        assert res[r]["moments"].keys() == ref[r]["moments"].keys()
+        for k in ref[r]["moments"]:
+            assert torch.equal(res[r]["moments"][k], ref[r]["moments"][k]), k
+        assert res[r]["lr"] == ref[r]["lr"]
