@@ -303,11 +303,13 @@ def fsdp2_train(out: str, steps: int, save_steps: int, resume: str | None = None
     cb = hf_trainer.FastCkptCallback(resume_from=resume)
     state, control = TrainerState(max_steps=steps, global_step=start), TrainerControl()
     kw = {"model": model, "optimizer": opt, "lr_scheduler": sched}
+    if resume is None:
+        torch.manual_seed(1000 + rank)  # each rank its own dropout stream: restored per rank at resume
     cb.on_train_begin(args, state, control, **kw)
+    cb.on_epoch_begin(args, state, control, **kw)
     for step in range(start, steps):
         cb.on_step_begin(args, state, control, **kw)
-        torch.manual_seed(100 * step + rank)  # this rank's batch and dropout (RNG restore is the DDP tests')
-        ids = torch.randint(0, 128, (4, 8))
+        ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(100 * step + rank))
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         sched.step()
@@ -321,7 +323,8 @@ def fsdp2_train(out: str, steps: int, save_steps: int, resume: str | None = None
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     osd = get_optimizer_state_dict(model, opt)
     moments = {k: v["exp_avg"].full_tensor().clone() for k, v in osd["state"].items()}
-    return {"weights": full, "moments": moments, "records": cb.records, "lr": sched.get_last_lr()}
+    return {"weights": full, "moments": moments, "records": cb.records, "lr": sched.get_last_lr(),
+            "rng_now": torch.get_rng_state()}
 
 
 def test_fsdp2_callback_saves_one_hf_folder_and_resumes_bit_exact(pool, tmp_path):
@@ -334,6 +337,8 @@ def test_fsdp2_callback_saves_one_hf_folder_and_resumes_bit_exact(pool, tmp_path
 
     ref = ok(pool.call(fsdp2_train, timeout_s=TIMEOUT, out=str(tmp_path / "ref"), steps=6, save_steps=3))
     ck = tmp_path / "ref" / "checkpoint-3"
+    rows = fastckpt.load(ck, keys=["rng_by_rank"])["rng_by_rank"]  # one packed RNG state per rank
+    assert rows.dtype == torch.uint8 and rows.shape[0] == WORLD and not torch.equal(rows[0], rows[1])
     assert fastckpt.is_committed(ck) and fastckpt.is_committed(tmp_path / "ref" / "checkpoint-6")
     assert [r["step"] for r in ref[0]["records"]] == [r["step"] for r in ref[1]["records"]] == [3, 6]
     # one HF folder of full tensors: transformers reads it (the step-6 weights of the live model)
@@ -351,3 +356,25 @@ def test_fsdp2_callback_saves_one_hf_folder_and_resumes_bit_exact(pool, tmp_path
         for k in ref[r]["moments"]:
             assert torch.equal(res[r]["moments"][k], ref[r]["moments"][k]), k
         assert res[r]["lr"] == ref[r]["lr"]
+        assert torch.equal(res[r]["rng_now"], ref[r]["rng_now"])
+
+
+def test_pack_rng_round_trip_restores_every_generator():
+    import random
+
+    import numpy as np
+
+    from fastckpt.integrations.hf_ranks import pack_rng, unpack_rng
+    from fastckpt.integrations.hf_snapshot import capture_rng_state, restore_rng_state
+
+    random.seed(3), np.random.seed(4), torch.manual_seed(5)
+    np.random.standard_normal()  # a cached gaussian in NumPy's state
+    rng = capture_rng_state()
+    rng["cuda"] = [torch.arange(16, dtype=torch.uint8), torch.arange(16, dtype=torch.uint8) + 1]  # layout only
+    row = pack_rng(rng)
+    back = unpack_rng(row.clone())
+    assert torch.equal(back["cpu"], rng["cpu"]) and all(torch.equal(a, b) for a, b in zip(back["cuda"], rng["cuda"]))
+    want = (random.random(), np.random.standard_normal(), torch.rand(3))
+    back.pop("cuda")
+    restore_rng_state(back)
+    assert (random.random(), np.random.standard_normal()) == want[:2] and torch.equal(torch.rand(3), want[2])
