@@ -310,9 +310,9 @@ def restore_sharded(ckpt: str, model, optimizer, model_state: dict) -> None:
     if missing:  # strict=False below skips the checkpoint's other keys (trainer, scheduler, RNG), not these
         from fastckpt.errors import StateMismatchError
 
-        raise StateMismatchError(path=str(ckpt), missing=missing, message=f"{ckpt}: the live FSDP2 model/optimizer has {len(missing)} tensor(s) the checkpoint "
-                                 f"lacks, e.g. {missing[:3]}: resume from a checkpoint of the same model and "
-                                 "optimizer")
+        raise StateMismatchError(path=str(ckpt), missing=missing, message=(
+            f"{ckpt}: the live FSDP2 model/optimizer has {len(missing)} tensor(s) the checkpoint lacks, "
+            f"e.g. {missing[:3]}: resume from a checkpoint of the same model and optimizer"))
     with torch.no_grad():
         state = fastckpt.load_into(state, ckpt, strict=False)
     if opt is not None:

@@ -7,8 +7,8 @@ fastckpt checkpoint instead, through :class:`TrainerResume`:
 
 * at train begin: the optimizer and scheduler states (and a check that the checkpoint holds the
   step the Trainer resumed at);
-* the RNG states (each rank its own, :mod:`~fastckpt.integrations.hf_ranks`) exactly where the Trainer would restore ``rng_state.pth``: at the first epoch
-  begin when the checkpoint lies on an epoch boundary; otherwise the RNG state of the start of
+* the RNG states (each rank its own, :mod:`~fastckpt.integrations.hf_ranks`) exactly where the
+  Trainer would restore ``rng_state.pth``: at the first epoch begin when the checkpoint lies on an epoch boundary; otherwise the RNG state of the start of
   that epoch first (so the sampler draws the same shuffle and the Trainer skips the same
   batches), then the saved RNG state at the first step of the resumed run.
 

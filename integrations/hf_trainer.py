@@ -199,7 +199,8 @@ class FastCkptCallback(_trainer_callback_base()):
         self._flush_deferred(args, state, control)
         self._resume.at_step_begin()
 
-    on_substep_end = on_pre_optimizer_step = on_optimizer_step = on_prediction_step = lambda self, args, state, control, **kw: self._tick(args, control)  # noqa: E501,E731
+    on_substep_end = on_pre_optimizer_step = on_optimizer_step = on_prediction_step = \
+        lambda self, args, state, control, **kw: self._tick(args, control)  # noqa: E731
 
     def on_step_end(self, args, state, control, **kw):
         self._refs(args, state, kw)
@@ -340,9 +341,7 @@ class FastCkptCallback(_trainer_callback_base()):
         for name in ("model", "optimizer", "lr_scheduler"):
             if kw.get(name) is not None:
                 setattr(self, f"_{name}", kw[name])
-        tok = kw.get("processing_class")
-        if tok is None:
-            tok = kw.get("tokenizer")
+        tok = kw.get("processing_class") if kw.get("processing_class") is not None else kw.get("tokenizer")
         if tok is not None:
             self._processing_class = tok
 

@@ -275,7 +275,8 @@ def test_ddp_failure_on_one_rank_fails_every_rank_nothing_committed(pool, tmp_pa
 # ------------------------------------------------------------------------------------------------
 # FSDP2: fully_shard + the callback events the Trainer calls (the Trainer refuses FSDP on CPU)
 # ------------------------------------------------------------------------------------------------
-def fsdp2_train(out: str, steps: int, save_steps: int, resume: str | None = None, start: int = 0) -> dict:
+def fsdp2_train(out: str, steps: int, save_steps: int, resume: str | None = None, start: int = 0,
+                vocab: int = 128) -> dict:
     """One rank: a tiny Llama sharded with ``fully_shard`` (each decoder layer, then the root), AdamW and
     a LambdaLR, trained ``steps`` steps by hand; ``FastCkptCallback`` gets the events
     ``Trainer._inner_training_loop`` sends (train begin, step begin/end with ``should_save`` set as
@@ -289,7 +290,7 @@ def fsdp2_train(out: str, steps: int, save_steps: int, resume: str | None = None
     from fastckpt.integrations import hf_trainer
     from fastckpt.integrations.models import tiny_llama
 
-    model = tiny_llama(seed=0)
+    model = tiny_llama(seed=0, vocab_size=vocab)
     mesh = init_device_mesh("cpu", (WORLD,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -305,7 +306,12 @@ def fsdp2_train(out: str, steps: int, save_steps: int, resume: str | None = None
     kw = {"model": model, "optimizer": opt, "lr_scheduler": sched}
     if resume is None:
         torch.manual_seed(1000 + rank)  # each rank its own dropout stream: restored per rank at resume
-    cb.on_train_begin(args, state, control, **kw)
+    before = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    try:
+        cb.on_train_begin(args, state, control, **kw)
+    except Exception as e:  # the live model must be untouched
+        same = all(torch.equal(v.full_tensor(), before[k]) for k, v in model.state_dict().items())
+        return {"error": f"{type(e).__name__}: {e}", "mro": [c.__name__ for c in type(e).__mro__], "untouched": same}
     cb.on_epoch_begin(args, state, control, **kw)
     for step in range(start, steps):
         cb.on_step_begin(args, state, control, **kw)
@@ -357,6 +363,12 @@ def test_fsdp2_callback_saves_one_hf_folder_and_resumes_bit_exact(pool, tmp_path
             assert torch.equal(res[r]["moments"][k], ref[r]["moments"][k]), k
         assert res[r]["lr"] == ref[r]["lr"]
         assert torch.equal(res[r]["rng_now"], ref[r]["rng_now"])
+    # a model of another shape (vocabulary 256): StateMismatchError on both ranks, nothing written
+    bad = ok(pool.call(fsdp2_train, timeout_s=TIMEOUT, out=str(tmp_path / "bad"), steps=6, save_steps=3,
+                       resume=str(ck), start=3, vocab=256))
+    for r in range(WORLD):
+        assert "StateMismatchError" in bad[r]["mro"] and "model.embed_tokens.weight" in bad[r]["error"], bad[r]
+        assert bad[r]["untouched"]
 
 
 def test_pack_rng_round_trip_restores_every_generator():
