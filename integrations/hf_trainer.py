@@ -118,7 +118,8 @@ class FastCkptCallback(_trainer_callback_base()):
         UnsupportedTrainerOptionError: ``push_to_hub=True`` (a ``ValueError``; at train begin).
         ResumeMismatchError: the resumed folder holds another step (a ``ValueError``).
         FastCkptError / OSError: a background save failed (re-raised with its type at the next
-            save, the next step end, train end or SIGTERM).
+            save, the next step end, train end or SIGTERM). Multi-process: ``DistributedSaveError``
+            naming the failed rank, on every rank at the same event (the next save or train end).
     """
 
     def __init__(self, resume_from: str | os.PathLike | None = None, **save_options):
