@@ -7,8 +7,8 @@ fastckpt checkpoint instead, through :class:`TrainerResume`:
 
 * at train begin: the optimizer and scheduler states (and a check that the checkpoint holds the
   step the Trainer resumed at);
-* the RNG states exactly where the Trainer would restore ``rng_state.pth``: at the first epoch
-  begin when the checkpoint lies on an epoch boundary; otherwise the RNG state of the start of
+* the RNG states (each rank its own, :mod:`~fastckpt.integrations.hf_ranks`) exactly where the
+  Trainer would restore ``rng_state.pth``: at the first epoch begin when the checkpoint lies on an epoch boundary; otherwise the RNG state of the start of
   that epoch first (so the sampler draws the same shuffle and the Trainer skips the same
   batches), then the saved RNG state at the first step of the resumed run.
 
@@ -26,6 +26,7 @@ import fastckpt
 from fastckpt.errors import ResumeMismatchError, TrainerCheckpointNotFoundError
 
 from .hf_checkpoints import get_last_checkpoint, newer_runs_warning
+from .hf_ranks import group_rank, is_sharded, load_rank_rng, load_replicated, restore_sharded, trainer_group
 from .hf_snapshot import restore_rng_state
 
 logger = logging.getLogger("fastckpt.integrations.hf_trainer")
@@ -102,7 +103,7 @@ class TrainerResume:
         self._rng: tuple[str, dict[str, Any]] | None = None  # (when: "epoch" | "epoch+step" | "step", rng)
         self._step_rng: dict[str, Any] | None = None
 
-    def restore(self, ckpt: str, args, state, optimizer, lr_scheduler) -> bool:
+    def restore(self, ckpt: str, args, state, optimizer, lr_scheduler, model=None, model_state=None) -> bool:
         """Load the optimizer and scheduler states of checkpoint folder ``ckpt`` now and schedule
         its RNG states for the next epoch/step begin.
 
@@ -111,6 +112,10 @@ class TrainerResume:
             args: the ``TrainingArguments`` (``ignore_data_skip``).
             state: the ``TrainerState`` (``global_step`` the Trainer resumed at).
             optimizer, lr_scheduler: the Trainer's (``None`` when absent).
+            model, model_state: the live model and the callback's snapshot of it (``state["model"]``
+                of :func:`~fastckpt.integrations.hf_snapshot.model_snapshot`); used only when its
+                parameters are DTensors (FSDP2): then the model and the optimizer are filled in place
+                with :func:`~fastckpt.integrations.hf_ranks.restore_sharded` (every rank together).
 
         Returns:
             False, with a WARNING, when ``ckpt`` is not a committed fastckpt checkpoint or holds
@@ -127,28 +132,36 @@ class TrainerResume:
                 "exact (pass FastCkptCallback(resume_from=...))",
                 state.global_step, ckpt)
             return False
-        snap = fastckpt.load(ckpt, keys=None)
+        rank, world = group_rank(trainer_group(args))
+        sharded = is_sharded(model)  # FSDP2: the model and optimizer are read shard by shard below
+        snap = load_replicated(ckpt, skip=("model", "adapter", "optimizer") if sharded else ())
         if snap.get("trainer", {}).get("global_step") != state.global_step:
             raise ResumeMismatchError(
                 f"{ckpt} holds step {snap.get('trainer', {}).get('global_step')} (manifest key trainer/global_step), "
                 f"but the Trainer resumed at step {state.global_step} from its trainer_state.json: resume "
                 "from an unmodified fastckpt checkpoint folder")
-        if snap.get("optimizer") is None or snap.get("rng") is None:
+        if snap.get("trainer", {}).get("save_only_model") or (not sharded and snap.get("optimizer") is None):
             logger.warning("fastckpt: %s has no optimizer/RNG state (save_only_model?): resume is not exact",
                            ckpt)
             return False
-        if optimizer is not None:
+        if sharded:
+            restore_sharded(ckpt, model, optimizer, model_state)
+        elif optimizer is not None:
             optimizer.load_state_dict(snap["optimizer"])
         if lr_scheduler is not None and snap.get("scheduler") is not None:
             lr_scheduler.load_state_dict(snap["scheduler"])
+        rng, epoch_rng = load_rank_rng(ckpt, snap, rank, world)
+        if rng is None:  # this rank has no saved RNG state (a WARNING said so): it keeps its own
+            logger.info("fastckpt: restored optimizer and scheduler from %s (rank %d: RNG not restored)", ckpt, rank)
+            return True
         epoch = float(snap["trainer"]["epoch"] or 0.0)
         at_boundary = math.isclose(epoch, round(epoch)) or args.ignore_data_skip
-        if at_boundary or snap.get("epoch_rng") is None:
-            self._rng = ("epoch", snap["rng"])
+        if at_boundary or epoch_rng is None:
+            self._rng = ("epoch", rng)
         else:  # mid-epoch: replay the sampler's shuffle, then continue from the saved RNG
-            self._rng = ("epoch+step", snap["epoch_rng"])
-            self._step_rng = snap["rng"]
-        logger.info("fastckpt: restored optimizer, scheduler and RNG from %s", ckpt)
+            self._rng = ("epoch+step", epoch_rng)
+            self._step_rng = rng
+        logger.info("fastckpt: restored optimizer, scheduler and RNG (rank %d) from %s", rank, ckpt)
         return True
 
     def at_epoch_begin(self) -> None:

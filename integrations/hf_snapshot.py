@@ -72,7 +72,8 @@ def dedup_tied(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     seen: set[tuple[int, int, tuple]] = set()
     out = {}
     for k, t in sd.items():
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
+        loc = _local(t)
+        ident = (loc.untyped_storage().data_ptr(), loc.storage_offset(), tuple(t.shape)) if loc.numel() else None
         if ident is not None and ident in seen:
             continue
         if ident is not None:
@@ -254,8 +255,14 @@ class ModelSnapshotter:
         return state, _weights_map(model), _model_files(model)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2: storage identity lives there), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+
+
 def _view_id(t: torch.Tensor) -> tuple:
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), tuple(t.stride()))
+    loc = _local(t)
+    return (t.device, loc.untyped_storage().data_ptr(), loc.storage_offset(), t.dtype, tuple(t.shape), tuple(t.stride()))
 
 
 def _backing_objects(model, state) -> list[tuple[str, str, torch.Tensor]] | None:

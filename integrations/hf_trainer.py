@@ -22,8 +22,9 @@ optional: it makes ``resume_from_checkpoint=True`` skip uncommitted ``checkpoint
 
 Helpers live in :mod:`~fastckpt.integrations.hf_checkpoints` (folders, rotation),
 :mod:`~fastckpt.integrations.hf_snapshot`, :mod:`~fastckpt.integrations.hf_resume` and
-:mod:`~fastckpt.integrations.hf_step_gate`. Multi-process training: the main process saves
-model/optimizer/RNG of rank 0 only.
+:mod:`~fastckpt.integrations.hf_step_gate`. Multi-process training (DDP, FSDP2): every rank takes
+part in each save, the model is written once, each rank's RNG state is its own
+(:mod:`~fastckpt.integrations.hf_ranks`; docs/TRAINER.md "Multi-process").
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from .hf_checkpoints import (  # noqa: F401  (re-exported: public helpers, tests
     PREFIX_CHECKPOINT_DIR, get_last_checkpoint, is_trainers_last, logged_this_step, newer_runs_warning,
     rotate_checkpoints, update_best_metric, update_stateful_callbacks)
 from .hf_on_save import OnSaveRelay, state_as_of_now
+from .hf_ranks import is_sharded, optimizer_state, rank_save_options, trainer_group
 from .hf_resume import TrainerResume, find_trainer, resume_checkpoint
 from .hf_snapshot import (  # noqa: F401  (re-exported: accelerate plugin, scripts)
     ModelSnapshotter, capture_rng_state, dedup_tied, is_peft_model, model_snapshot, peft_base_weights,
@@ -116,7 +118,8 @@ class FastCkptCallback(_trainer_callback_base()):
         UnsupportedTrainerOptionError: ``push_to_hub=True`` (a ``ValueError``; at train begin).
         ResumeMismatchError: the resumed folder holds another step (a ``ValueError``).
         FastCkptError / OSError: a background save failed (re-raised with its type at the next
-            save, the next step end, train end or SIGTERM).
+            save, the next step end, train end or SIGTERM). Multi-process: ``DistributedSaveError``
+            naming the failed rank, on every rank at the same event (the next save or train end).
     """
 
     def __init__(self, resume_from: str | os.PathLike | None = None, **save_options):
@@ -175,10 +178,11 @@ class FastCkptCallback(_trainer_callback_base()):
                 ckpt = str(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
             elif self.resume_from is None and is_trainers_last(args.output_dir, ckpt):
                 newer_runs_warning(args.output_dir, ckpt)  # resume_from_checkpoint=True may have picked it
-            self._resume.restore(ckpt, args, state, optimizer, lr_scheduler)
+            self._resume.restore(ckpt, args, state, optimizer, lr_scheduler, model,
+                                 self._snapshot(model)[0].get("model") if model is not None else None)
         if self.defer_params and not args.save_only_model:
             self._gate.install(optimizer)
-        if model is not None and self.save_options.get("link_check") == "version" \
+        if model is not None and not is_sharded(model) and self.save_options.get("link_check") == "version" \
                 and (self.link_unchanged or self.save_options.get("defer_frozen")):
             # hash the frozen base weights in the background now: the first save then links them
             # (after --resume) or copies them in the background (defer_frozen), not while training waits
@@ -277,7 +281,7 @@ class FastCkptCallback(_trainer_callback_base()):
         self._relay.fire(args, control)
 
     def _save(self, args, state, control) -> None:
-        if not args.should_save:
+        if not args.should_save and trainer_group(args) is None:  # multi-rank: every rank saves together
             return
         with no_gc():  # building the snapshot allocates thousands of objects (see fastckpt.saving.saver.no_gc)
             self._save_now(args, state, control)
@@ -292,8 +296,8 @@ class FastCkptCallback(_trainer_callback_base()):
         for name, data in self._tokenizer_files().items():
             extra.setdefault(name, data)
         if not args.save_only_model:
-            opt, sched = self._opt_sched
-            snap["optimizer"] = opt.state_dict() if opt is not None else None
+            opt, sched = getattr(self, "_optimizer", None), getattr(self, "_lr_scheduler", None)
+            snap["optimizer"] = optimizer_state(self._model, opt)  # FSDP2: DCP's, DTensor values
             snap["scheduler"] = sched.state_dict() if sched is not None else None
             snap["rng"] = capture_rng_state()
             snap["epoch_rng"] = self._epoch_rng
@@ -309,7 +313,8 @@ class FastCkptCallback(_trainer_callback_base()):
         update_stateful_callbacks(state, others or (), control)
         extra["trainer_state.json"] = (
             json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n").encode()
-        clean_stale_temps(args.output_dir)  # leftovers of a killed earlier save (dead writers only)
+        if args.should_save:
+            clean_stale_temps(args.output_dir)  # leftovers of a killed earlier save (dead writers only)
         opts = dict(self.save_options)
         if self.link_unchanged:
             prev = get_last_checkpoint(args.output_dir)
@@ -317,6 +322,7 @@ class FastCkptCallback(_trainer_callback_base()):
                 opts["link_from"] = prev
         if self._gate.active:
             opts["defer"] = param_or_optimizer_state  # copied while the next step computes
+        opts = rank_save_options(trainer_group(args), snap, opts)
         t_call = time.perf_counter()
         fut = self._saver.async_save(snap, out, overwrite=True, weights=weights, extra_files=extra,
                                      step=state.global_step, metadata={"producer": "fastckpt.integrations.hf_trainer"}, **opts)
@@ -336,9 +342,7 @@ class FastCkptCallback(_trainer_callback_base()):
         for name in ("model", "optimizer", "lr_scheduler"):
             if kw.get(name) is not None:
                 setattr(self, f"_{name}", kw[name])
-        tok = kw.get("processing_class")
-        if tok is None:
-            tok = kw.get("tokenizer")
+        tok = kw.get("processing_class") if kw.get("processing_class") is not None else kw.get("tokenizer")
         if tok is not None:
             self._processing_class = tok
 
@@ -356,10 +360,6 @@ class FastCkptCallback(_trainer_callback_base()):
                 files = {}
             self._tok_cache = (id(tok), files)
         return self._tok_cache[1]
-
-    @property
-    def _opt_sched(self):
-        return getattr(self, "_optimizer", None), getattr(self, "_lr_scheduler", None)
 
     def wait(self, args=None) -> bool:
         """Block until the pending save is committed, record its timings, apply rotation.
@@ -410,7 +410,7 @@ class FastCkptCallback(_trainer_callback_base()):
         logger.info("fastckpt: checkpoint-%d committed: %.3f s blocking (%.3f s of it at the next optimizer "
                     "step), %.3f s total, %d bytes, %.3f GB/s", step, rec["blocking_s"], gate, rec["total_s"],
                     rec["bytes"], gbps)
-        if args is not None:
+        if args is not None and args.should_save:  # the main process rotates
             rotate_checkpoints(args.output_dir, args.save_total_limit, getattr(self._state, "best_model_checkpoint", None),
                                just_saved=path)
         if state_then is not None:
@@ -420,8 +420,8 @@ class FastCkptCallback(_trainer_callback_base()):
     def _poll(self) -> None:
         with self._lock:
             pending = self._pending
-        if pending is not None and pending[0].done():
-            self.wait(self._args)
+        if pending is not None and pending[0].done() and trainer_group(self._args) is None:  # multi-rank: at the
+            self.wait(self._args)  # next save or train end, so every rank raises a failure at the same event
 
     def _install_sigterm(self) -> None:
         if threading.current_thread() is not threading.main_thread():
