@@ -35,6 +35,7 @@ import errno
 import glob
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -163,7 +164,7 @@ def _copy_all_meta(src: Source, dst: str, args: argparse.Namespace, checked: _Ch
         where = ", ".join([src.meta_dir] + _meta_fallbacks(src, args))
         print(f"fastckpt load: WARNING: no tokenizer files found (looked in {where}); the output folder has "
               f"no tokenizer and vllm serve / AutoTokenizer will fail on it. Save one into it "
-              f"(tokenizer.save_pretrained(DIR)), pass --base BASE_MODEL_DIR, or give vllm serve --tokenizer.",
+              f"(tokenizer.save_pretrained(DIR)), pass --config HF_DIR (or --base BASE_MODEL_DIR), or give vllm serve --tokenizer.",
               file=sys.stderr)
     return copied
 
@@ -418,10 +419,10 @@ def _unservable(model_dir: str) -> str | None:
     """Why ``vllm serve model_dir`` cannot work (vLLM reads the architecture from its config.json), or None."""
     if not os.path.isdir(model_dir):
         return ("it is a file and vLLM needs a model folder with a config.json (write one with --to DIR "
-                "--base BASE_MODEL_DIR, the base model folder providing config.json)")
+                "--config HF_DIR, a folder providing config.json and tokenizer, or --base BASE_MODEL_DIR)")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         return ("it has no config.json, from which vLLM reads the model's architecture. Copy the base model's "
-                "config.json into it, or export with --to DIR --base BASE_MODEL_DIR to take it from there")
+                "config.json into it, or export with --to DIR --config HF_DIR (or --base BASE_MODEL_DIR) to take it from there")
     return None
 
 
@@ -477,7 +478,7 @@ def _warm(files: list[str], args: argparse.Namespace, checks: dict | None = None
 def add_load_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``fastckpt load`` to the ``fastckpt`` subcommands (called by :mod:`fastckpt.cli.main`)."""
     p = subparsers.add_parser("load", help="prepare a checkpoint for vllm serve: verify, merge LoRA, export or warm",
-                              description=__doc__.replace("``", "`"), formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=re.sub(r":[a-z]+:`", "`", __doc__.replace("``", "`")), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="run root, checkpoint folder, HF model folder or peft adapter folder")
     p.add_argument("--to", default=None, help="write a servable HF folder here (a fast local disk)")
     p.add_argument("--merge-lora", action="store_true", help="merge the LoRA adapter into the weights (peft)")

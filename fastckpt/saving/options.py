@@ -182,6 +182,11 @@ class SaveOptions:
             raise ValueError(f"defer must be a callable (key path, trainable) -> bool, got {c.defer!r}")
         if c.link_check not in ("hash", "version"):
             raise ValueError(f"link_check must be 'hash' or 'version', got {c.link_check!r}")
+        w = self.weights
+        if w is not None and not (isinstance(w, dict) and all(isinstance(k, str) and isinstance(v, str) and v
+                                                               and "/" not in v for k, v in w.items())):
+            raise ValueError(f"weights must be a dict of top-level state key -> HF file stem, e.g. "
+                             f"{{'model': 'model'}} (files model-0000k-of-0000n.safetensors), got {w!r}")
         if self.commit not in COMMIT_MODES:
             raise ValueError(f"commit must be one of {COMMIT_MODES}, got {self.commit!r}")
         if self.timeout_s is not None and (not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0):

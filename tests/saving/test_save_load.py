@@ -374,7 +374,8 @@ def test_flipped_byte_detected_by_verify_and_load_verify(tmp_path):
 
 def test_options_validated_before_any_file(tmp_path):
     for opts in ({"chunk_bytes": 1000}, {"max_shard_bytes": 0}, {"threads": 0}, {"staging_bytes": -1},
-                 {"extra_files": {"manifest.json": b""}}, {"metadata": {"a": 1}}):
+                 {"extra_files": {"manifest.json": b""}}, {"metadata": {"a": 1}},
+                 {"weights": ["model"]}, {"weights": {"model": "a/b"}}):
         with pytest.raises((ValueError, UnsupportedValueError)):
             fastckpt.save(small_state(), tmp_path / "ck", **opts)
     with pytest.raises(TypeError):
