@@ -289,6 +289,7 @@ def fsdp2_main(a) -> None:
     import common as C
     nbytes = _rows(a.mib) * COLS * 4 * N_TENSORS
     where = a.dir or tempfile.gettempdir()
+    os.makedirs(where, exist_ok=True)
     raw_w = C.raw_device(where, nbytes, a.reps, write=True)
     raw_r = C.raw_device(where, nbytes, a.reps, write=False)
     C.rm(os.path.join(where, "raw.bin"))
@@ -410,6 +411,8 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import common as C
     nbytes = a.mib << 20
+    if a.dir:
+        os.makedirs(a.dir, exist_ok=True)
     raw = C.raw_device(a.dir or tempfile.gettempdir(), nbytes, a.reps, write=True)
     print(f"raw device write: {raw['gbps']:.3f} GB/s (best depth {raw['best_depth']})", flush=True)
     variants = ["this checkout"] + (["baseline"] if a.baseline else [])
