@@ -26,7 +26,7 @@ import xxhash
 
 from ..coordination import Session
 from ..format.layout import SavePlan
-from ..storage.io import FileWriter, default_threads, get_backend
+from ..storage.io import FileWriter, default_threads, get_backend, group_by_bytes
 from ..storage.staging import StagingPool
 from .chunks import Chunk, RankLayout, layout
 from .options import SaveOptions
@@ -115,14 +115,7 @@ class ChunkJob:
                                          self.plan.files[fi].size, self.opts.io.o_direct is not False, create=False)
             pieces = [(fi, a + d, off + d, min(step, b - a - d)) for fi, a, b, off in lay.spans
                       for d in range(0, b - a, step)]
-            tasks: list[list] = [[]]  # about chunk_bytes per task: a Shard(1) chunk is thousands of row spans
-            held = 0
-            for p in pieces:
-                if tasks[-1] and held + p[3] > step:
-                    tasks.append([])
-                    held = 0
-                tasks[-1].append(p)
-                held += p[3]
+            tasks = group_by_bytes(pieces, step)  # about chunk_bytes per task: a Shard(1) chunk is thousands of row spans
 
             def run(task: list) -> None:
                 for fi, x, o, n in task:

@@ -28,7 +28,7 @@ from ..errors import ChecksumMismatchError, CorruptCheckpointError
 
 from ..format.safetensors import encode_header, write_index
 from ..storage.commit import write_small_file
-from ..storage.io import DEFAULT_CHUNK_BYTES, FileWriter, default_threads, get_backend, read_exact
+from ..storage.io import DEFAULT_CHUNK_BYTES, FileWriter, default_threads, get_backend, group_by_bytes, read_exact
 from ..storage.memory import bytes_view
 
 #: ``(name, safetensors dtype string, shape, nbytes)`` of one tensor to write.
@@ -68,28 +68,14 @@ def plan_shards(entries: list[Entry], max_shard_bytes: int, stem: str = "model")
     """
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
-    groups = _group_by_bytes(entries, max_shard_bytes)
+    groups = group_by_bytes(entries, max_shard_bytes)
     n = len(groups)
     names = [f"{stem}.safetensors"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     return ShardPlan(tuple((nm, tuple(g)) for nm, g in zip(names, groups)), stem)
 
 
-def _group_by_bytes(entries, limit: int) -> list[list[Entry]]:
-    """Consecutive groups of ``entries`` of at most ``limit`` data bytes each (a larger entry gets a
-    group of its own); ``[[]]`` for no entries."""
-    out: list[list[Entry]] = [[]]
-    size = 0
-    for e in entries:
-        if out[-1] and size + e[3] > limit:
-            out.append([])
-            size = 0
-        out[-1].append(e)
-        size += e[3]
-    return out
-
-
 def _batches(entries: tuple[Entry, ...], batch_bytes: int) -> list[list[Entry]]:
-    return [b for b in _group_by_bytes(entries, batch_bytes) if b]
+    return [b for b in group_by_bytes(entries, batch_bytes) if b]
 
 
 def write_shards(plan: ShardPlan, fetch: Callable[[list[str]], dict[str, torch.Tensor]], folder: str, *,

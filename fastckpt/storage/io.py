@@ -83,6 +83,21 @@ class PosixBackend:
 BACKENDS: dict[str, type[PosixBackend]] = {"posix": PosixBackend}
 
 
+def group_by_bytes(items, limit: int) -> list[list]:
+    """Consecutive groups of ``items`` (tuples whose element 3 is a byte count) of at most ``limit``
+    bytes each (a larger item gets a group of its own); ``[[]]`` for no items. Used to batch writes
+    and reads into requests of about ``limit`` bytes."""
+    out: list[list] = [[]]
+    size = 0
+    for e in items:
+        if out[-1] and size + e[3] > limit:
+            out.append([])
+            size = 0
+        out[-1].append(e)
+        size += e[3]
+    return out
+
+
 def get_backend(backend: str | PosixBackend | None) -> PosixBackend:
     """Return a backend instance for a name in :data:`BACKENDS`, or ``backend`` itself."""
     if backend is None:
