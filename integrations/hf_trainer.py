@@ -288,6 +288,7 @@ class FastCkptCallback(_trainer_callback_base()):
 
     def _save_now(self, args, state, control) -> None:
         self.wait(args)
+        self._relay.fire(args, control)  # before this save's rotation can delete the folder it announces
         out = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         t0 = time.perf_counter()
         if self._model is None:

@@ -76,11 +76,24 @@ class Recorder(transformers.TrainerCallback):
 
     def __init__(self):
         self.events = []
+        self.futures = []  # (step, SaveFuture) of each save, when watch() was called
+
+    def watch(self, cb) -> None:
+        """Record, at every event, which saves of ``cb`` (a FastCkptCallback) are finished: committed
+        durably (renamed into place, parent folder fsynced) or failed."""
+        real = cb._saver.async_save
+
+        def async_save(state, path, **kw):
+            fut = real(state, path, **kw)
+            self.futures.append((kw.get("step"), fut))
+            return fut
+        cb._saver.async_save = async_save
 
     def _rec(self, name, args, state, **extra):
         committed = {p.name for p in Path(args.output_dir).glob("checkpoint-*") if fastckpt.is_committed(p)}
+        done = {f"checkpoint-{step}" for step, fut in self.futures if fut.done()}
         self.events.append({"event": name, "thread": threading.get_ident(), "step": state.global_step,
-                            "committed": committed, "state_id": id(state), **extra})
+                            "committed": committed, "done": done, "state_id": id(state), **extra})
 
     def on_save(self, args, state, control, **kw):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"  # what W&B & co. upload
@@ -98,7 +111,9 @@ def test_on_save_fires_after_each_commit_on_the_training_thread(tmp_path):
     plain(tmp_path / "plain", callbacks=[ref_rec], save_steps=4, num_train_epochs=1).train()
     rec = Recorder()
     tr = fast(tmp_path / "fast", callbacks=[rec], save_steps=4, num_train_epochs=1)
+    rec.watch(next(c for c in tr.callback_handler.callbacks if isinstance(c, hf_trainer.FastCkptCallback)))
     tr.train()
+    assert [step for step, _ in rec.futures] == [4, 8, 12, 16]
     saves = [e for e in rec.events if e["event"] == "on_save"]
     # one on_save per checkpoint, as the Trainer's own save: same steps
     assert [e["step"] for e in saves] == [e["step"] for e in ref_rec.events if e["event"] == "on_save"] \
@@ -114,10 +129,13 @@ def test_on_save_fires_after_each_commit_on_the_training_thread(tmp_path):
         # not at the save call: the save of step N is made in on_log(N), before this callback's on_log(N)
         log_n = next(j for j, x in enumerate(rec.events) if x["event"] == "on_log" and x["step"] == e["step"])
         assert i > log_n
-        # at the first event after the commit: no event of this recorder before the one in which it fires
-        # saw the folder committed, except possibly the one right before (commit between two callbacks)
+        # at the first event after the commit (the save finished: renamed and the parent folder fsynced; a
+        # folder can be visible a while before that): no event of this recorder before the one in which
+        # it fires saw the save finished, except the one right before (done between two callbacks)
+        first_done = next(j for j, x in enumerate(rec.events) if name in x["done"])
+        assert i - first_done <= 1, rec.events[first_done:i + 1]
         first_seen = next(j for j, x in enumerate(rec.events) if name in x["committed"])
-        assert i - first_seen <= 1, rec.events[first_seen:i + 1]
+        assert first_seen <= first_done  # visible no later than finished
     # the last save's on_save comes before train() returns and before this recorder's on_train_end
     assert rec.events.index(saves[-1]) < next(j for j, x in enumerate(rec.events) if x["event"] == "on_train_end")
 
