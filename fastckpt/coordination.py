@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -64,6 +65,30 @@ def group_timeout_s(process_group: Any = None) -> float:
 def path_tag(path: str | os.PathLike) -> str:
     """16 hex digits naming an absolute path in store keys."""
     return hashlib.sha256(os.path.abspath(os.fspath(path)).encode()).hexdigest()[:16]
+
+
+#: (group key, kind, tag) -> operations of that kind on that target made so far by this process.
+_NUMBERED: dict[tuple[str, str, str], int] = {}
+_NUMBERED_LOCK = threading.Lock()
+
+
+def numbered_session(coord: "Coordinator", kind: str, tag: str) -> str:
+    """Session name ``"{kind}/{tag}/{n}"`` for the n-th operation of ``kind`` on ``tag`` (e.g. a
+    :func:`path_tag`) in ``coord``'s group. Every rank of the group makes the same calls in the same
+    order, so every rank names the same session, whatever other groups and targets did meanwhile;
+    a fresh name per operation means a retry never meets the keys of an earlier attempt."""
+    key = (coord.group_key, kind, tag)
+    with _NUMBERED_LOCK:
+        n = _NUMBERED[key] = _NUMBERED.get(key, 0) + 1
+    return f"{kind}/{tag}/{n}"
+
+
+def forget_session(coord: "Coordinator", kind: str, tag: str) -> None:
+    """Undo :func:`numbered_session` after an operation some rank never joined: the ranks that did not
+    call it never counted it, so every rank's retry names the same session again."""
+    key = (coord.group_key, kind, tag)
+    with _NUMBERED_LOCK:
+        _NUMBERED[key] = max(0, _NUMBERED.get(key, 0) - 1)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from ..coordination import LOCAL
+from ..coordination import LOCAL, Coordinator, forget_session, group_timeout_s, numbered_session, path_tag
 from ..errors import CheckpointExistsError, DistributedSaveError
 from ..storage.memory import host_buffer, pin_if_possible
 from ..storage.staging import copy_into
@@ -136,6 +136,38 @@ def _failure_text(v: Any) -> str:
     return fmt(exc) if isinstance(exc, BaseException) else str(exc)
 
 
+def _vote_call(group: Any, path: Path, opts: SaveOptions, own: BaseException | None) -> None:
+    """Every rank of ``group`` learns whether every rank's call succeeded (validation, staging),
+    through the store with a bounded wait, before any rank enters DCP's collectives: a rank whose
+    call failed would otherwise leave the others waiting in them until the group's timeout.
+
+    Raises:
+        ``own`` itself on the rank whose call failed (its type, as in one process);
+        DistributedSaveError: on the other ranks, naming each failed rank and its error; also when a
+            rank did not arrive within ``timeout_s`` (it failed before, or made another call).
+    """
+    coord = Coordinator.for_group(group)
+    timeout = opts.timeout_s if opts.timeout_s is not None else group_timeout_s(None)
+    tag = path_tag(path)
+    sess = coord.session(numbered_session(coord, "dtensor-call", tag), timeout)
+    try:
+        got = sess.all_gather("call", None if own is None else fmt(own), f"starting the DTensor save of {path}")
+    except DistributedSaveError:
+        sess.abandon()
+        forget_session(coord, "dtensor-call", tag)
+        if own is not None:
+            raise own from None
+        raise
+    sess.close()
+    if own is not None:
+        raise own
+    failures = {r: text for r, text in enumerate(got) if text is not None}
+    if failures:
+        lines = "; ".join(f"rank {r}: {t}" for r, t in sorted(failures.items()))
+        raise DistributedSaveError(f"multi-rank save of {path} not started: {lines}. Nothing was written; the "
+                                   "failed rank raised its own error (fix that cause and save again)", failures)
+
+
 def start_dtensor_save(saver: Any, state: Any, path: Path, opts: SaveOptions, pg: Any) -> SaveFuture:
     """The DCP route of :meth:`fastckpt.Saver.async_save` for a state holding DTensors (module docstring).
 
@@ -150,20 +182,27 @@ def start_dtensor_save(saver: Any, state: Any, path: Path, opts: SaveOptions, pg
         UnsupportedValueError: a value that cannot be saved (key path and type), before any file exists.
         CheckpointExistsError: ``path`` exists and ``overwrite`` is false.
         ValueError: an option not supported for DTensor states.
+        DistributedSaveError: another rank's call failed (its rank and error named); nothing written.
+        Any error of this rank's validation or staging (e.g. ``MemoryError``), after every rank learned of it.
     """
     import torch.distributed as dist
     t0 = time.perf_counter()
-    meshes = check_state(state)
-    _refuse_options(opts)
-    collect(with_stand_ins(state)[0], opts.stems)  # every other value error, at the call
-    if path.exists() and not opts.overwrite:
-        raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it atomically")
+    meshes = check_state(state)  # the state's structure: alike on every rank
     ranks = (dist.get_process_group_ranks(pg) if pg is not None and not (isinstance(pg, str) and pg == LOCAL)
              else mesh_ranks(meshes))
     group = background_group(ranks)
-    if not hasattr(saver, "stager"):
-        saver.stager = FastCkptStager()
-    staged = saver.stager.stage(state)
+    own: BaseException | None = None
+    try:
+        _refuse_options(opts)
+        collect(with_stand_ins(state)[0], opts.stems)  # every other value error, at the call
+        if path.exists() and not opts.overwrite:
+            raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it atomically")
+        if not hasattr(saver, "stager"):
+            saver.stager = FastCkptStager()
+        staged = saver.stager.stage(state)
+    except Exception as e:  # still vote: the other ranks must not enter DCP's collectives alone
+        own = e
+    _vote_call(group, path, opts, own)
     fut = SaveFuture(path)
     fut._staged.set()
     fut.blocking_s = time.perf_counter() - t0

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..coordination import LOCAL, Coordinator, PathClaim, group_timeout_s, path_tag
+from ..coordination import LOCAL, Coordinator, PathClaim, forget_session, group_timeout_s, numbered_session, path_tag
 from ..errors import CheckpointExistsError, DistributedSaveError
 from ..format.layout import SavePlan, plan_save
 from ..format.tree import join
@@ -61,29 +61,8 @@ from .ranks import (RANK_KEY, Ownership, global_plan, has_split, rank_specs, spe
 #: Sentinel: "the saver's own process group".
 _OWN = object()
 
-#: (group, path tag) -> saves made so far by this process: names each save's store keys
-#: alike on every rank of the group, whatever other groups and paths saved meanwhile.
-_SESSIONS: dict[tuple[str, str], int] = {}
-_SESSIONS_LOCK = threading.Lock()
-
-
-def _session_key(coord: Coordinator, path: Path, opts: SaveOptions) -> tuple[str, str]:
-    return coord.group_key, path_tag(path) if opts.commit == "rename" else "marker"  # marker: a path per node
-
-
-def _session_name(coord: Coordinator, path: Path, opts: SaveOptions) -> str:
-    key = _session_key(coord, path, opts)
-    with _SESSIONS_LOCK:
-        n = _SESSIONS[key] = _SESSIONS.get(key, 0) + 1
-    return f"save/{key[1]}/{n}"
-
-
-def _forget_session(coord: Coordinator, path: Path, opts: SaveOptions) -> None:
-    """Undo :func:`_session_name` after a save some rank never joined: the ranks that did not call
-    it never counted it, so every rank's retry of the same path names the same session again."""
-    key = _session_key(coord, path, opts)
-    with _SESSIONS_LOCK:
-        _SESSIONS[key] = max(0, _SESSIONS.get(key, 0) - 1)
+def _session_tag(path: Path, opts: SaveOptions) -> str:
+    return path_tag(path) if opts.commit == "rename" else "marker"  # marker: a path per node
 
 
 def _check_all(infos: list[dict], what: str, exc: BaseException | None) -> None:
@@ -249,7 +228,7 @@ class Saver:
         single = pg is None or (isinstance(pg, str) and pg == LOCAL)
         coord = Coordinator.single() if single else Coordinator.for_group(pg)
         timeout = opts.timeout_s if opts.timeout_s is not None else group_timeout_s(pg)
-        name = "save" if coord.is_single else _session_name(coord, path, opts)
+        name = "save" if coord.is_single else numbered_session(coord, "save", _session_tag(path, opts))
         sv = InFlight(coord, coord.session(name, timeout), path, opts, SaveFuture(path), t0)
         try:
             self._prepare(sv, state)
@@ -278,7 +257,7 @@ class Saver:
             sv.claim.release()
         if sv.sess.incomplete:  # some rank never joined: a retry of the same path must start clean
             sv.sess.abandon()
-            _forget_session(sv.coord, sv.path, sv.opts)
+            forget_session(sv.coord, "save", _session_tag(sv.path, sv.opts))
         else:
             sv.sess.close()
 

@@ -132,6 +132,36 @@ def rank_stage_failing(folder: str) -> dict:
     return out
 
 
+def rank_call_failing(folder: str) -> dict:
+    """Rank 1's staging fails at the call (host memory): rank 0 must not enter DCP's collectives alone."""
+    import time
+
+    import torch.distributed as dist
+    from fastckpt.saving import dtensor_save
+    state = _distribute(_full_state())
+    path = os.path.join(folder, "bad-call")
+    orig = dtensor_save.FastCkptStager.stage
+    if dist.get_rank() == 1:
+        def bad(self, sd):
+            raise MemoryError("injected host-buffer failure")
+        dtensor_save.FastCkptStager.stage = bad
+    t = time.monotonic()
+    try:
+        fastckpt.async_save(state, path, timeout_s=60).result(60)
+        out = {"error": None}
+    except Exception as e:
+        out = {"error": type(e).__name__, "failures": sorted(getattr(e, "failures", {}) or {}), "message": str(e)}
+    finally:
+        dtensor_save.FastCkptStager.stage = orig
+    out["seconds"] = time.monotonic() - t
+    dist.barrier()
+    out["exists"] = os.path.exists(path)
+    out["leftovers"] = sorted(n for n in os.listdir(folder) if TMP_MARK in n)
+    fastckpt.save(state, path, timeout_s=60)  # the same call again on every rank: no stale store keys
+    out["ok_after"] = fastckpt.is_committed(path)
+    return out
+
+
 def rank_refuse(folder: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial
@@ -277,3 +307,16 @@ def test_rank_failing_before_its_edge_bytes_fails_every_rank_at_once(pool, tmp_p
         assert "injected staging failure" in res[r]["message"]
         assert res[r]["seconds"] < 30, res[r]  # not the 60 s timeout_s: the failure marker reached rank 0
         assert not res[r]["exists"] and res[r]["leftovers"] == []
+
+
+def test_rank_failing_at_the_call_fails_every_rank_at_once(pool, tmp_path):
+    """Without a vote at the call, rank 0 would wait in DCP's collectives for the group's timeout."""
+    res = pool.run(rank_call_failing, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    assert res[1]["error"] == "MemoryError" and "injected host-buffer failure" in res[1]["message"], res[1]
+    assert res[0]["error"] == "DistributedSaveError" and res[0]["failures"] == [1], res[0]
+    assert "injected host-buffer failure" in res[0]["message"] and "rank 1" in res[0]["message"]
+    for r in (0, 1):
+        assert res[r]["seconds"] < 30, res[r]  # not the 60 s timeout_s
+        assert not res[r]["exists"] and res[r]["leftovers"] == [], res[r]
+        assert res[r]["ok_after"], res[r]
+    assert torch.equal(fastckpt.load(tmp_path / "bad-call")["model"]["b.weight"], _full_state()["model"]["b.weight"])
