@@ -27,7 +27,9 @@ tensors, ``Shard(0)`` over a 1-D CPU mesh, each rank holding half), saved by ``f
 ``enable_consolidation=True``: full-tensor safetensors like ours), each fsynced (durable), and by a
 one-rank ``fastckpt.save`` of the same bytes as full tensors; then ``fastckpt.load_into`` vs
 ``dcp.load`` (``FileSystemReader``) and ``dcp.load`` with ``FastCkptReader`` into fresh DTensors,
-page cache dropped before each when root. Per variant: wall time (slowest rank), GB/s of the state
+page cache dropped before each when root. Each rank runs one intra-op thread unless
+``OMP_NUM_THREADS`` is set, as under ``torchrun --nproc_per_node 2`` (the one-process save keeps
+torch's default). Per variant: wall time (slowest rank), GB/s of the state
 against the raw device measured in the same run, MiB written per rank (``wchar`` of /proc/self/io:
 bytes the rank's write calls passed, all threads) and peak RSS growth per rank (sampled every 2 ms).
 Variant order rotates each round; medians over rounds.
@@ -202,6 +204,8 @@ def _fsdp2_rank(rank: int, world: int, mib: int, folder: str, out: str, rnd: int
     from torch.distributed.device_mesh import init_device_mesh
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import common as C
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does for several ranks per node: one intra-op
+        torch.set_num_threads(1)             # thread per rank (2 ranks x 2 threads on 2 cores straggle)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     rows = _rows(mib)

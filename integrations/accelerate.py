@@ -407,7 +407,7 @@ class FastCkptState:
                 f"models are FSDP2: load a checkpoint saved with FSDP2 models") from e
         msds, osds = dt.state_dicts(acc)
         target = {**rest, **{st.model_key(i): sd for i, sd in enumerate(msds)}, "optimizers": osds}
-        got = fastckpt.load_into(target, folder, strict=strict, **read_opts)  # raises before writing
+        got = dt.load_regions(target, folder, strict, read_opts)  # raises before writing
         if acc.scaler is not None and got.get("scaler") is not None:
             acc.scaler.load_state_dict(got["scaler"])
         dt.set_state_dicts(acc, [got[st.model_key(i)] for i in range(len(msds))], got["optimizers"], strict)

@@ -131,6 +131,25 @@ def state_dicts(acc) -> tuple[list[dict], list[dict]]:
     return msds, osds
 
 
+def load_regions(target: dict, folder, strict: bool, read_opts: dict) -> dict:
+    """:func:`fastckpt.load_into` of ``target`` with ``torch.nn.Module.load_state_dict``'s rule for
+    ``strict``: ``False`` skips missing and unexpected keys, but a tensor of another shape or dtype is
+    still an error (accelerate's FSDP path, which loads through DCP, raises for it too).
+
+    Raises:
+        StateMismatchError: with ``strict``, any key/shape/dtype disagreement; without, shapes or
+            dtypes only. Raised before any tensor of ``target`` is written.
+    """
+    import fastckpt
+    from fastckpt.errors import StateMismatchError
+    try:
+        return fastckpt.load_into(target, folder, strict=True, **read_opts)
+    except StateMismatchError as e:
+        if strict or e.mismatched:
+            raise
+    return fastckpt.load_into(target, folder, strict=False, **read_opts)
+
+
 def set_state_dicts(acc, msds: list[dict], osds: list[dict], strict: bool) -> None:
     """``set_state_dict`` of every (model, optimizer) pair with the filled dicts (collective)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict

@@ -57,7 +57,7 @@ def _accelerator(project: str):
     return acc
 
 
-def _setup(project: str, seed: int):
+def _setup(project: str, seed: int, vocab: int = 131):
     """Accelerator + fully_shard'ed tiny Llama (fp32, dropout on) + AdamW + StepLR + shuffled dataloader."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -67,7 +67,7 @@ def _setup(project: str, seed: int):
     from integrations import accelerate as fca
     from integrations.models import tiny_llama
     acc = _accelerator(project)
-    model = tiny_llama(seed=seed, vocab_size=131)  # odd vocab: uneven Shard(0) of embed/lm_head (66/65)
+    model = tiny_llama(seed=seed, vocab_size=vocab)  # odd vocab: uneven Shard(0) of embed/lm_head (66/65)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -323,3 +323,30 @@ def test_ddp_checkpoint_refused_for_fsdp2_models(pool, tmp_path):
         assert got[r]["type"] == "AccelerateStateError", got[r]
         assert "ValueError" in got[r]["mro"] and str(folder) in got[r]["message"], got[r]
         assert got[r]["unchanged"], r  # nothing was loaded
+
+
+def rank_load_other_shape(project: str, folder: str) -> dict:
+    """load_state into FSDP2 models whose embeddings have another vocabulary size, strict and not."""
+    acc, model, opt, sched, dl, plugin = _setup(project, seed=1, vocab=133)
+    before = _local(model, opt)
+    out = {}
+    for strict in (True, False):
+        try:
+            acc.load_state(folder, strict=strict)
+            out[strict] = None
+        except Exception as e:
+            out[strict] = {"type": type(e).__name__, "message": str(e), "unchanged": _local(model, opt) == before}
+    return out
+
+
+def test_other_shapes_refused_even_without_strict(pool, trained, tmp_path):
+    """As torch's load_state_dict(strict=False) and accelerate's FSDP (DCP) load: shapes must match."""
+    project, _ = trained
+    folder = project / "checkpoints" / "checkpoint_0"
+    got = pool.run(rank_load_other_shape, project=str(tmp_path / "run4"), folder=str(folder), timeout_s=TIMEOUT_S)
+    for r in range(2):
+        for strict in (True, False):
+            g = got[r][strict]
+            assert g is not None and g["type"] == "StateMismatchError", (r, strict, g)
+            assert "embed_tokens" in g["message"] and "133" in g["message"] and "131" in g["message"], g["message"]
+            assert g["unchanged"], (r, strict)
