@@ -13,8 +13,9 @@ docs/FORMAT.md "Multi-rank"). A failure on one rank fails the save on every rank
 States holding DTensors (FSDP2 ``fully_shard``) take the DCP route of :func:`fastckpt.async_save`,
 which refuses ``local_keys`` and wants the same state on every rank: there each RNG state is packed
 into a fixed-layout ``uint8`` row (:func:`pack_rng`) and the rows of all ranks form one DTensor
-``Shard(0)`` over the model's 1-D device mesh (``rng_by_rank``/``epoch_rng_by_rank``, shape
-``[world_size, n]``, stored as a full safetensors tensor).
+``Shard(0)`` over the ranks of the model's device mesh (``rng_by_rank``/``epoch_rng_by_rank``, shape
+``[world_size, n]``, row ``r`` saved by rank ``r``, stored as a full safetensors tensor; a 2-D mesh such
+as HSDP's gets a flat 1-D mesh over the same ranks for these rows).
 
 At resume each rank restores the RNG state saved by the rank of its own index
 (:func:`load_rank_rng`); a rank the checkpoint has no RNG state for keeps its own and warns, and
@@ -110,19 +111,30 @@ def rank_save_options(group, snap: dict, opts: dict) -> dict:
 
 
 def _mesh_of(state: Any) -> Any:
-    """The device mesh of the first DTensor of ``state`` (1-D meshes only)."""
+    """A 1-D device mesh over the ranks of the first DTensor's mesh, in rank order (that mesh
+    itself when 1-D; for a 2-D one, e.g. HSDP, a flat mesh over the same ranks, made once per set
+    of ranks: every rank of the mesh calls this at the same save, as it saves together)."""
     from torch.distributed.tensor import DTensor
 
     stack = [state]
     while stack:
         v = stack.pop()
         if isinstance(v, DTensor):
-            if v.device_mesh.ndim != 1:
-                raise ValueError(f"FastCkptCallback saves per-rank RNG states of FSDP2 models on a 1-D device mesh; "
-                                 f"this model's is {v.device_mesh.ndim}-D ({v.device_mesh})")
-            return v.device_mesh
+            mesh = v.device_mesh
+            ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+            if mesh.ndim == 1 and mesh.mesh.tolist() == ranks:
+                return mesh
+            key = (mesh.device_type, tuple(ranks))
+            if key not in _FLAT_MESHES:
+                from torch.distributed.device_mesh import DeviceMesh
+                _FLAT_MESHES[key] = DeviceMesh(mesh.device_type, ranks)
+            return _FLAT_MESHES[key]
         stack.extend(v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else ())
     raise ValueError("no DTensor in the state")
+
+
+#: (device type, ranks) -> the flat 1-D mesh the RNG rows of a multi-dimensional mesh's ranks live on.
+_FLAT_MESHES: dict[tuple, Any] = {}
 
 
 _U32, _I64, _F64 = "<u4", "<i8", "<f8"

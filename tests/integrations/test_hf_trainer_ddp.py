@@ -275,7 +275,7 @@ def test_ddp_failure_on_one_rank_fails_every_rank_nothing_committed(pool, tmp_pa
 # FSDP2: fully_shard + the callback events the Trainer calls (the Trainer refuses FSDP on CPU)
 # ------------------------------------------------------------------------------------------------
 def fsdp2_train(out: str, steps: int, save_steps: int, resume: str | None = None, start: int = 0,
-                vocab: int = 128) -> dict:
+                vocab: int = 128, hsdp: bool = False) -> dict:
     """One rank: a tiny Llama sharded with ``fully_shard`` (each decoder layer, then the root), AdamW and
     a LambdaLR, trained ``steps`` steps by hand; ``FastCkptCallback`` gets the events
     ``Trainer._inner_training_loop`` sends (train begin, step begin/end with ``should_save`` set as
@@ -290,11 +290,12 @@ def fsdp2_train(out: str, steps: int, save_steps: int, resume: str | None = None
     from fastckpt.integrations.models import tiny_llama
 
     model = tiny_llama(seed=0, vocab_size=vocab)
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = (init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("replicate", "shard")) if hsdp  # HSDP: 2-D
+            else init_device_mesh("cpu", (WORLD,)))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    assert all(isinstance(p, DTensor) for p in model.parameters())
+    assert all(isinstance(p, DTensor) and p.device_mesh.ndim == (2 if hsdp else 1) for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 40)
     args = TrainingArguments(output_dir=out, save_strategy="steps", save_steps=save_steps, report_to="none",
@@ -389,3 +390,25 @@ def test_pack_rng_round_trip_restores_every_generator():
     back.pop("cuda")
     restore_rng_state(back)
     assert (random.random(), np.random.standard_normal()) == want[:2] and torch.equal(torch.rand(3), want[2])
+
+
+def test_fsdp2_on_a_2d_mesh_resumes_bit_exact(pool, tmp_path):
+    """HSDP (a 2-D mesh: replicate x shard): the RNG rows live on a flat mesh over the same ranks."""
+    from ranks import RankError
+
+    def ok(res):
+        for r, v in res.items():
+            assert not isinstance(v, RankError), f"rank {r}: {v}\n{v.traceback}"
+        return res
+
+    ref = ok(pool.call(fsdp2_train, timeout_s=TIMEOUT, out=str(tmp_path / "ref"), steps=4, save_steps=2, hsdp=True))
+    ck = tmp_path / "ref" / "checkpoint-2"
+    rows = fastckpt.load(ck, keys=["rng_by_rank"])["rng_by_rank"]
+    assert rows.shape[0] == WORLD and not torch.equal(rows[0], rows[1])
+    res = ok(pool.call(fsdp2_train, timeout_s=TIMEOUT, out=str(tmp_path / "res"), steps=4, save_steps=2,
+                       resume=str(ck), start=2, hsdp=True))
+    for r in range(WORLD):
+        assert_bit_equal(res[r]["weights"], ref[r]["weights"])
+        for k in ref[r]["moments"]:
+            assert torch.equal(res[r]["moments"][k], ref[r]["moments"][k]), k
+        assert torch.equal(res[r]["rng_now"], ref[r]["rng_now"])
