@@ -104,47 +104,25 @@ def rank_save_failing(folder: str) -> dict:
     return out
 
 
-def rank_stage_failing(folder: str) -> dict:
-    """Rank 1 fails before handing over its edge bytes: rank 0, waiting for them, fails at once."""
+def rank_failing_on_rank1(folder: str, where: str) -> dict:
+    """Rank 1 fails where ``where`` says; rank 0 must fail at once, not after ``timeout_s``:
+
+    - ``"edge"``: in the background, before handing over its edge bytes (rank 0 waits for them);
+    - ``"call"``: at the call, copying to host memory (rank 0 must not enter DCP's collectives alone).
+    Then every rank saves the same path again: the process stays usable, no stale store keys."""
     import time
 
     import torch.distributed as dist
-    from fastckpt.saving import chunk_job
+    from fastckpt.saving import chunk_job, dtensor_save
+    owner, name, exc = ((chunk_job.ChunkJob, "stage", RuntimeError("injected staging failure")) if where == "edge"
+                        else (dtensor_save.FastCkptStager, "stage", MemoryError("injected host-buffer failure")))
     state = _distribute(_full_state())
-    path = os.path.join(folder, "bad-stage")
-    orig = chunk_job.ChunkJob.stage
+    path = os.path.join(folder, f"bad-{where}")
+    orig = getattr(owner, name)
     if dist.get_rank() == 1:
-        def bad(self, sources):
-            raise RuntimeError("injected staging failure")
-        chunk_job.ChunkJob.stage = bad
-    t = time.monotonic()
-    try:
-        fastckpt.save(state, path, timeout_s=60)
-        out = {"error": None}
-    except Exception as e:
-        out = {"error": type(e).__name__, "failures": sorted(getattr(e, "failures", {}) or {}), "message": str(e)}
-    finally:
-        chunk_job.ChunkJob.stage = orig
-    out["seconds"] = time.monotonic() - t
-    dist.barrier()
-    out["exists"] = os.path.exists(path)
-    out["leftovers"] = sorted(n for n in os.listdir(folder) if TMP_MARK in n)
-    return out
-
-
-def rank_call_failing(folder: str) -> dict:
-    """Rank 1's staging fails at the call (host memory): rank 0 must not enter DCP's collectives alone."""
-    import time
-
-    import torch.distributed as dist
-    from fastckpt.saving import dtensor_save
-    state = _distribute(_full_state())
-    path = os.path.join(folder, "bad-call")
-    orig = dtensor_save.FastCkptStager.stage
-    if dist.get_rank() == 1:
-        def bad(self, sd):
-            raise MemoryError("injected host-buffer failure")
-        dtensor_save.FastCkptStager.stage = bad
+        def bad(self, *a):
+            raise exc
+        setattr(owner, name, bad)
     t = time.monotonic()
     try:
         fastckpt.async_save(state, path, timeout_s=60).result(60)
@@ -152,12 +130,12 @@ def rank_call_failing(folder: str) -> dict:
     except Exception as e:
         out = {"error": type(e).__name__, "failures": sorted(getattr(e, "failures", {}) or {}), "message": str(e)}
     finally:
-        dtensor_save.FastCkptStager.stage = orig
+        setattr(owner, name, orig)
     out["seconds"] = time.monotonic() - t
     dist.barrier()
     out["exists"] = os.path.exists(path)
     out["leftovers"] = sorted(n for n in os.listdir(folder) if TMP_MARK in n)
-    fastckpt.save(state, path, timeout_s=60)  # the same call again on every rank: no stale store keys
+    fastckpt.save(state, path, timeout_s=60)
     out["ok_after"] = fastckpt.is_committed(path)
     return out
 
@@ -301,17 +279,18 @@ def test_checkpoint_manager_saves_dtensor_state(pool, tmp_path, group):
 
 
 def test_rank_failing_before_its_edge_bytes_fails_every_rank_at_once(pool, tmp_path):
-    res = pool.run(rank_stage_failing, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    res = pool.run(rank_failing_on_rank1, folder=str(tmp_path), where="edge", timeout_s=TIMEOUT_S)
     for r in (0, 1):
         assert res[r]["error"] == "DistributedSaveError" and 1 in res[r]["failures"], res[r]
         assert "injected staging failure" in res[r]["message"]
         assert res[r]["seconds"] < 30, res[r]  # not the 60 s timeout_s: the failure marker reached rank 0
         assert not res[r]["exists"] and res[r]["leftovers"] == []
+        assert res[r]["ok_after"], res[r]
 
 
 def test_rank_failing_at_the_call_fails_every_rank_at_once(pool, tmp_path):
     """Without a vote at the call, rank 0 would wait in DCP's collectives for the group's timeout."""
-    res = pool.run(rank_call_failing, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    res = pool.run(rank_failing_on_rank1, folder=str(tmp_path), where="call", timeout_s=TIMEOUT_S)
     assert res[1]["error"] == "MemoryError" and "injected host-buffer failure" in res[1]["message"], res[1]
     assert res[0]["error"] == "DistributedSaveError" and res[0]["failures"] == [1], res[0]
     assert "injected host-buffer failure" in res[0]["message"] and "rank 1" in res[0]["message"]
