@@ -4,12 +4,13 @@ Runs inside :meth:`fastckpt.saving.dcp_writer.FastCkptWriter.write_data` on ever
 the :class:`~fastckpt.saving.chunks.RankLayout` of the rank (pure). Call order:
 
 1. ``stage``: acquire the staging buffer (the engine's :class:`~fastckpt.storage.staging.StagingPool`),
-   copy the rank's own bytes into its pages (``Shard(0)``: one range; ``Shard(1)``: a range per row),
    publish the head bytes that belong to other ranks' pages (``edge/{src}/{dst}`` in the save's store
    session; a failed rank publishes a failure marker instead, so nobody waits for it);
-2. ``write``: take the edge bytes of the other ranks, then ``pwrite`` every page span with the
-   engine's :class:`~fastckpt.storage.io.FileWriter` (O_DIRECT where asked: spans are page aligned
-   in the file and in memory), ``fsync``;
+2. ``write``: take the edge bytes of the other ranks, then copy the rank's own bytes into its pages
+   (``Shard(0)``: one range; ``Shard(1)``: a range per row) in buffer order while the pool threads
+   ``pwrite`` each page span as soon as its bytes are there, with the engine's
+   :class:`~fastckpt.storage.io.FileWriter` (O_DIRECT where asked: spans are page aligned in the
+   file and in memory), ``fsync``;
 3. ``hashes``: xxh3-64 of each chunk's elements in row-major order (the bytes of
    ``full[region].contiguous()``: the manifest's per-chunk checksum).
 """
@@ -65,6 +66,7 @@ class ChunkJob:
         self.held = False
         self.sent: set[int] = set()
         self.bytes_written = 0
+        self._hashes: dict[int, str] | None = None
 
     def stage(self, sources: dict[str, torch.Tensor]) -> None:
         """Copy this rank's chunks (``sources``: key path -> its local tensor) into its pages; send edges."""
@@ -77,9 +79,7 @@ class ChunkJob:
             self.src[ci] = host_bytes(t)
         self.buf, _ = self.pool.acquire(lay.buffer_bytes)
         self.held = True
-        for ci, s, n, off in lay.copies:
-            self.buf[off:off + n].copy_(self.src[ci][s:s + n])
-        for dst, items in lay.sends.items():
+        for dst, items in lay.sends.items():  # first: other ranks wait for these
             blob = torch.cat([self.src[ci][s:s + n] for ci, s, n in items]) if items else torch.empty(0, dtype=torch.uint8)
             self.sess.publish_bytes(f"edge/{self.rank}/{dst}", _OK + blob.numpy().tobytes())
             self.sent.add(dst)
@@ -94,7 +94,8 @@ class ChunkJob:
                     pass
 
     def write(self) -> None:
-        """Take the other ranks' edge bytes, write every page span of this rank, fsync its files."""
+        """Take the other ranks' edge bytes, copy this rank's own bytes into its pages while the
+        pages already complete are written (about ``chunk_bytes`` per task, in buffer order), fsync."""
         lay, buf = self.lay, self.buf
         for src, items in sorted(lay.recvs.items()):
             data = self.sess.wait_bytes(f"edge/{src}/{self.rank}", f"waiting for rank {src}'s edge bytes")
@@ -116,13 +117,29 @@ class ChunkJob:
             pieces = [(fi, a + d, off + d, min(step, b - a - d)) for fi, a, b, off in lay.spans
                       for d in range(0, b - a, step)]
             tasks = group_by_bytes(pieces, step)  # about chunk_bytes per task: a Shard(1) chunk is thousands of row spans
+            tasks = sorted((t for t in tasks if t), key=lambda t: max(o + n for _, _, o, n in t))
+            # own bytes in buffer order, cut at chunk_bytes: a task is written once every copy that starts
+            # before its last buffer byte is done (copies run in this thread, writes in the pool)
+            copies = sorted((off + d, ci, s + d, min(step, n - d)) for ci, s, n, off in lay.copies
+                            for d in range(0, n, step))
 
             def run(task: list) -> None:
                 for fi, x, o, n in task:
                     writers[fi].write(view[o:o + n], x)
             with ThreadPoolExecutor(self.opts.io.threads or default_threads(),
                                     thread_name_prefix="fastckpt-io") as ex:
-                for f in [ex.submit(run, t) for t in tasks if t]:
+                futs, i = [], 0
+                for t in tasks:
+                    end = max(o + n for _, _, o, n in t)
+                    while i < len(copies) and copies[i][0] < end:
+                        off, ci, s, n = copies[i]
+                        buf[off:off + n].copy_(self.src[ci][s:s + n])
+                        i += 1
+                    futs.append(ex.submit(run, t))
+                for off, ci, s, n in copies[i:]:  # bytes outside every span: none in a valid layout
+                    buf[off:off + n].copy_(self.src[ci][s:s + n])
+                self.hashes()  # while the last writes are in flight
+                for f in futs:
                     f.result()
                 for f in [ex.submit(w.sync) for w in writers.values()]:
                     f.result()
@@ -132,8 +149,10 @@ class ChunkJob:
                 w.close()
 
     def hashes(self) -> dict[int, str]:
-        """xxh3-64 hex digest of each of this rank's chunks (chunk index -> digest)."""
-        return {ci: xxhash.xxh3_64(self.src[ci].numpy()).hexdigest() for ci in self.lay.chunks}
+        """xxh3-64 hex digest of each of this rank's chunks (chunk index -> digest; computed once)."""
+        if self._hashes is None:
+            self._hashes = {ci: xxhash.xxh3_64(self.src[ci].numpy()).hexdigest() for ci in self.lay.chunks}
+        return self._hashes
 
     def release(self) -> None:
         """Hand the staging buffer back (once); drop the source views."""
