@@ -32,6 +32,7 @@ accelerate = pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed  # noqa: E402
+from test_accelerate import Counter  # noqa: E402  (a registered custom object with state)
 
 
 @pytest.fixture(autouse=True)
@@ -263,16 +264,6 @@ def test_total_limit_never_deletes_the_save_just_made(tmp_path):
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_register_for_checkpointing_and_save_on_each_node(tmp_path, async_save):
-    class Counter:
-        def __init__(self):
-            self.n = 0
-
-        def state_dict(self):
-            return {"n": self.n}
-
-        def load_state_dict(self, sd):
-            self.n = sd["n"]
-
     acc, model, opt, dl, plugin = make(tmp_path, total_limit=2, async_save=async_save, save_on_each_node=True)
     c = Counter()
     acc.register_for_checkpointing(c)
