@@ -108,7 +108,7 @@ def _free_port() -> int:
 
 def _launch(tmp_path: Path, script: Path, mode: str, proj: Path) -> list[dict]:
     out = tmp_path / f"{mode}.json"
-    env = dict(os.environ, FASTCKPT_REPO=str(REPO), OMP_NUM_THREADS="1",
+    env = dict(os.environ, FASTCKPT_REPO=str(REPO), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.pop("CUDA_VISIBLE_DEVICES", None)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
@@ -123,7 +123,9 @@ def _launch(tmp_path: Path, script: Path, mode: str, proj: Path) -> list[dict]:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         pytest.fail(f"{mode}: 2-process job hung (>75 s):\n{stderr[-6000:]}")
-    assert proc.returncode == 0, f"{mode} failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    done = [i for i in range(2) if out.with_name(f"{out.name}.{i}").exists()]  # ranks that finished their work
+    assert proc.returncode == 0, (f"{mode} failed ({proc.returncode}); ranks with results written: {done}\n"
+                                  f"{stdout[-3000:]}\n{stderr[-6000:]}")
     return [json.loads(out.with_name(f"{out.name}.{i}").read_text()) for i in range(2)]
 
 

@@ -92,6 +92,8 @@ class RankTimeout(AssertionError):
 def _serve(rank: int, world_size: int, store_path: str, distributed: bool, tasks, results) -> None:
     """Body of one pool process: join the group once, then run tasks until ``None``."""
     dist = None
+    import faulthandler
+    faulthandler.enable()  # a native abort (SIGABRT, SIGSEGV) prints every thread's Python stack
     try:
         if distributed:
             import torch.distributed as dist
