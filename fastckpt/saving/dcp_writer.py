@@ -44,7 +44,7 @@ from ..coordination import Coordinator, group_timeout_s
 from ..errors import CheckpointExistsError, UnsupportedPlannerError
 from ..format.layout import plan_save
 from ..storage import commit as cm
-from ..storage.io import FileWriter, get_backend, write_all
+from ..storage.io import FileWriter, get_backend, memory_backed, write_all
 from ..storage.staging import StagingPool
 from .chunk_job import ChunkJob, run_job
 from .chunks import Chunk, check_tiling
@@ -189,8 +189,10 @@ class FastCkptWriter(StorageWriter):
         self.info, self.plan = info, plan
         self.folder = create_folder(self.path, self.opts, plan.file_bytes)
         be = get_backend(self.opts.io.io_backend)
-        for f in plan.files:  # every file preallocated, its header written once, by this rank
-            w = FileWriter(be, os.path.join(self.folder, f.name), f.size, False, create=True)
+        # every file created and preallocated (only sized on tmpfs & co.), its header written once, by this rank
+        prealloc = not memory_backed(self.folder)
+        for f in plan.files:
+            w = FileWriter(be, os.path.join(self.folder, f.name), f.size, False, create=True, preallocate=prealloc)
             try:
                 write_all(be, w.fd, memoryview(f.prefix), 0)
                 w.sync()

@@ -29,8 +29,8 @@ def default_threads() -> int:
 class PosixBackend:
     """Plain POSIX file I/O. Subclass and override a method to inject faults.
 
-    Call order for one file written by a save: ``open_write`` -> ``allocate`` ->
-    ``pwrite`` (any thread, any order) -> ``fsync`` -> ``close``.
+    Call order for one file written by a save: ``open_write`` -> ``allocate`` (``set_size`` on a
+    memory-backed file system) -> ``pwrite`` (any thread, any order) -> ``fsync`` -> ``close``.
     """
 
     name = "posix"
@@ -61,6 +61,10 @@ class PosixBackend:
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                     raise
+
+    def set_size(self, fd: int, nbytes: int) -> None:
+        """Give the file its final size without reserving space (``ftruncate``: sparse until written)."""
+        os.ftruncate(fd, nbytes)
 
     def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
         """Write some of ``data`` at ``offset``; returns bytes written (may be short)."""
@@ -240,22 +244,58 @@ def copy_file(src: str, dst: str, *, fsync: bool = True) -> int:
     return done
 
 
+#: File systems whose "disk" is memory: preallocating zero-fills pages that the writes fill again.
+MEMORY_FS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+_FS_TYPES: dict[int, str] = {}
+
+
+def fs_type(path: str) -> str:
+    """The type of the file system holding ``path`` (``"ext4"``, ``"tmpfs"``, ``"nfs4"``...), from
+    ``/proc/self/mountinfo`` (the mount whose device is ``path``'s); ``""`` where unknown (not Linux)."""
+    dev = os.stat(path).st_dev
+    if dev not in _FS_TYPES:
+        want, kind = f"{os.major(dev)}:{os.minor(dev)}", ""
+        try:
+            with open("/proc/self/mountinfo") as f:
+                for line in f:  # "id parent major:minor root mountpoint options [optional...] - fstype source ..."
+                    left, _, right = line.partition(" - ")
+                    if left.split()[2:3] == [want] and right:
+                        kind = right.split()[0]
+                        break
+        except OSError:
+            pass
+        _FS_TYPES[dev] = kind
+    return _FS_TYPES[dev]
+
+
+def memory_backed(path: str) -> bool:
+    """True when ``path`` is on a memory-backed file system (:data:`MEMORY_FS`): there,
+    preallocating a file costs as much as writing it (every page is allocated and zeroed) and
+    buys nothing (no extents, and the free space was checked before the save started)."""
+    return fs_type(path) in MEMORY_FS
+
+
 class FileWriter:
     """Writes one file of known size through a backend, optionally with O_DIRECT.
 
     With ``o_direct=True`` the aligned prefix of each write goes through an O_DIRECT fd and
     the unaligned tail through a buffered fd; buffers must be 4096-aligned (ours are mmap
     backed) and offsets of O_DIRECT writes multiples of 4096. ``create=False`` opens a file
-    another rank created (and preallocated) instead of creating it.
+    another rank created instead of creating it. A created file is preallocated to ``size``
+    bytes (``preallocate=True``, default) or only given that size, sparse (``preallocate=False``,
+    for memory-backed file systems: see :func:`memory_backed`).
     """
 
-    def __init__(self, be: PosixBackend, path: str, size: int, o_direct: bool = False, create: bool = True):
+    def __init__(self, be: PosixBackend, path: str, size: int, o_direct: bool = False, create: bool = True,
+                 preallocate: bool = True):
         self.be, self.path, self.size = be, path, size
         self.fd = be.open_write(path, False) if create else be.open_existing(path)
         self.dfd = -1
         try:
-            if create:
+            if create and preallocate:
                 be.allocate(self.fd, size)
+            elif create:
+                be.set_size(self.fd, size)
             if o_direct and O_DIRECT:
                 try:
                     self.dfd = os.open(path, os.O_WRONLY | O_DIRECT | getattr(os, "O_CLOEXEC", 0))

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from ranks import RankPool  # noqa: E402
 
 import fastckpt  # noqa: E402
-from fastckpt.storage.io import PosixBackend  # noqa: E402
+from fastckpt.storage.io import PosixBackend, memory_backed  # noqa: E402
 
 TIMEOUT_S = 120
 TMP_MARK = ".fastckpt-tmp-"
@@ -59,10 +61,18 @@ def _distribute(full: dict) -> dict:
 
 
 class _Recording(PosixBackend):
-    """Records (file name, offset, bytes) of every pwrite this rank makes."""
+    """Records (file name, offset, bytes) of every pwrite this rank makes, and how it created files."""
 
     def __init__(self):
-        self.writes = []
+        self.writes, self.sized = [], []
+
+    def allocate(self, fd, nbytes):
+        self.sized.append(("allocate", nbytes))
+        super().allocate(fd, nbytes)
+
+    def set_size(self, fd, nbytes):
+        self.sized.append(("set_size", nbytes))
+        super().set_size(fd, nbytes)
 
     def pwrite(self, fd, data, offset):
         n = super().pwrite(fd, data, offset)
@@ -75,7 +85,7 @@ def rank_save_uneven(folder: str, o_direct: bool) -> dict:
     be = _Recording()
     fut = fastckpt.async_save(state, os.path.join(folder, "ck"), o_direct=o_direct, timeout_s=60, io_backend=be)
     fut.result(timeout_s=90)
-    return {"bytes_by_rank": fut.bytes_by_rank, "writes": be.writes}
+    return {"bytes_by_rank": fut.bytes_by_rank, "writes": be.writes, "sized": be.sized}
 
 
 class _FailingBackend(PosixBackend):
@@ -195,11 +205,26 @@ def _read_all(path: Path) -> dict:
     return out
 
 
-@pytest.mark.parametrize("o_direct", [True, False])
-def test_uneven_shards_bytes_exact(pool, tmp_path, o_direct):
-    res = pool.run(rank_save_uneven, folder=str(tmp_path), o_direct=o_direct, timeout_s=TIMEOUT_S)
-    ck = tmp_path / "ck"
+@pytest.fixture
+def memory_tier():
+    """A folder on a memory-backed file system (/dev/shm), removed afterwards."""
+    if not (os.path.isdir("/dev/shm") and memory_backed("/dev/shm")):
+        pytest.skip("/dev/shm is not a tmpfs here")
+    d = tempfile.mkdtemp(dir="/dev/shm", prefix="fastckpt-test-")
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("o_direct,tier", [(True, "disk"), (False, "disk"), (True, "memory")])
+def test_uneven_shards_bytes_exact(pool, tmp_path, request, o_direct, tier):
+    folder = tmp_path if tier == "disk" else request.getfixturevalue("memory_tier")
+    res = pool.run(rank_save_uneven, folder=str(folder), o_direct=o_direct, timeout_s=TIMEOUT_S)
+    ck = folder / "ck"
     full = _full_state()
+    # rank 0 creates every file at its final size: preallocated on a disk, only sized (sparse) on tmpfs,
+    # where preallocating all ranks' bytes on one rank zero-fills every page before anyone writes
+    assert res[0]["sized"] and {how for how, _ in res[0]["sized"]} == {"allocate" if tier == "disk" else "set_size"}
+    assert not res[1]["sized"]
     # the files are byte-for-byte those of a one-process save of the full tensors
     ref = tmp_path / "ref"
     fastckpt.save(full, ref)
@@ -207,6 +232,8 @@ def test_uneven_shards_bytes_exact(pool, tmp_path, o_direct):
     assert sorted(p.name for p in ck.iterdir() if p.name != "manifest.json") == names
     for n in names:
         assert (ck / n).read_bytes() == (ref / n).read_bytes(), n
+    assert sorted(n for _, n in res[0]["sized"]) == sorted((ck / n).stat().st_size for n in names
+                                                           if n.endswith(".safetensors"))
     got = _read_all(ck)
     for k, v in full["model"].items():
         assert torch.equal(got[k], v), k

@@ -87,3 +87,29 @@ def test_fsync_dir_tolerates_file_systems_that_refuse_it(tmp_path, monkeypatch):
         fsync_dir(str(tmp_path))
     assert ei.value.errno == errno.EIO
     monkeypatch.setattr(os, "fsync", real)
+
+
+def _mount_types() -> dict[str, str]:
+    """mount point -> file system type, from /proc/mounts (a second source beside mountinfo)."""
+    with open("/proc/mounts") as f:
+        return {p[1]: p[2] for p in (line.split() for line in f) if len(p) > 2}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/mounts"), reason="needs Linux /proc")
+def test_fs_type_names_the_file_system_of_a_path(tmp_path):
+    from fastckpt.storage.io import fs_type, memory_backed
+
+    mounts = _mount_types()
+    if mounts.get("/dev/shm") == "tmpfs":
+        assert fs_type("/dev/shm") == "tmpfs" and memory_backed("/dev/shm")
+    # tmp_path's type is the one of the longest mount point above it
+    real = os.path.realpath(tmp_path)
+    mp = max((m for m in mounts if real == m or real.startswith(m.rstrip("/") + "/")), key=len)
+    assert fs_type(str(tmp_path)) == mounts[mp]
+    assert memory_backed(str(tmp_path)) == (mounts[mp] in ("tmpfs", "ramfs", "hugetlbfs"))
+    # a file written sparse (set_size) has its size and no allocated blocks until written
+    be = get_backend(None)
+    w = FileWriter(be, str(tmp_path / "sparse"), 1 << 20, create=True, preallocate=False)
+    w.close()
+    st = os.stat(tmp_path / "sparse")
+    assert st.st_size == 1 << 20 and st.st_blocks * 512 < 1 << 20
