@@ -117,7 +117,8 @@ class ChunkJob:
             pieces = [(fi, a + d, off + d, min(step, b - a - d)) for fi, a, b, off in lay.spans
                       for d in range(0, b - a, step)]
             tasks = group_by_bytes(pieces, step)  # about chunk_bytes per task: a Shard(1) chunk is thousands of row spans
-            tasks = sorted((t for t in tasks if t), key=lambda t: max(o + n for _, _, o, n in t))
+            # (last buffer byte + 1, task), in that order
+            tasks = sorted(((max(o + n for _, _, o, n in t), t) for t in tasks if t), key=lambda e: e[0])
             # own bytes in buffer order, cut at chunk_bytes: a task is written once every copy that starts
             # before its last buffer byte is done (copies run in this thread, writes in the pool)
             copies = sorted((off + d, ci, s + d, min(step, n - d)) for ci, s, n, off in lay.copies
@@ -129,15 +130,12 @@ class ChunkJob:
             with ThreadPoolExecutor(self.opts.io.threads or default_threads(),
                                     thread_name_prefix="fastckpt-io") as ex:
                 futs, i = [], 0
-                for t in tasks:
-                    end = max(o + n for _, _, o, n in t)
+                for end, t in tasks:  # copies past the last span's end would never be written: there are none
                     while i < len(copies) and copies[i][0] < end:
                         off, ci, s, n = copies[i]
                         buf[off:off + n].copy_(self.src[ci][s:s + n])
                         i += 1
                     futs.append(ex.submit(run, t))
-                for off, ci, s, n in copies[i:]:  # bytes outside every span: none in a valid layout
-                    buf[off:off + n].copy_(self.src[ci][s:s + n])
                 self.hashes()  # while the last writes are in flight
                 for f in futs:
                     f.result()
