@@ -66,8 +66,13 @@ class OnSaveRelay:
 
     def fire(self, args, control) -> None:
         """Fire ``on_save`` for every queued commit, oldest first, through the Trainer's handler
-        (which sets ``control.should_save = False`` and calls every callback). Re-entrant calls
-        (a callback's ``on_save`` that logs) return at once."""
+        (which calls every callback). Re-entrant calls (a callback's ``on_save`` that logs) return
+        at once.
+
+        ``CallbackHandler.on_save`` sets ``control.should_save = False``: right for the Trainer's own
+        save, which calls it after saving, but here it may run inside the event in which the Trainer
+        asks for the *next* save (``on_step_end`` of a save step, ``on_epoch_end``) before the fastckpt
+        callback has read that request. So ``control.should_save`` is put back as it was."""
         if not self._due or self._firing:
             return
         handler = self.handler
@@ -79,8 +84,10 @@ class OnSaveRelay:
             self._due.clear()
             return
         self._firing = True
+        asked = control.should_save  # the Trainer's request for a save at this event, not yet read
         try:
             while self._due:
                 handler.on_save(args, self._due.pop(0), control)
         finally:
             self._firing = False
+            control.should_save = asked

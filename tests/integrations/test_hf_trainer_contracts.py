@@ -172,6 +172,67 @@ def test_on_save_sees_the_state_of_its_step_when_it_fires_later(tmp_path, monkey
     assert all(f"checkpoint-{e['step']}" in e["committed"] for e in saves)
 
 
+class CommitInsideSaveEvent(transformers.TrainerCallback):
+    """Placed before ``FastCkptCallback``: from the end of step ``hold_at`` the background fsyncs wait;
+    at ``event`` of step ``release_at`` this callback lets them go and waits until the save in flight is
+    finished. The fastckpt callback then first sees that commit inside the very event in which the
+    Trainer asks for the next save, and fires the earlier save's ``on_save`` there."""
+
+    def __init__(self, cb, hold_at: int, release_at: int, event: str):
+        self.cb, self.hold_at, self.release_at, self.event = cb, hold_at, release_at, event
+        self.hold, self.release = threading.Event(), threading.Event()
+        self.caught = None  # True if the held save was still in flight at release_at
+
+    def fsync(self, real):
+        def held_fsync(fd):
+            if self.hold.is_set() and threading.current_thread() is not threading.main_thread():
+                self.release.wait(30)  # bounded: a missed release slows the test, never hangs it
+            real(fd)
+        return held_fsync
+
+    def _at(self, event, state):
+        if event == "on_step_end" and state.global_step == self.hold_at:
+            self.hold.set()
+        if event == self.event and state.global_step == self.release_at:
+            pending = self.cb._pending
+            self.caught = pending is not None and not pending[0].done()
+            self.release.set()
+            deadline = time.monotonic() + 30
+            while pending is not None and not pending[0].done() and time.monotonic() < deadline:
+                time.sleep(0.002)
+
+    def on_step_end(self, args, state, control, **kw):
+        self._at("on_step_end", state)
+
+    def on_epoch_end(self, args, state, control, **kw):
+        self._at("on_epoch_end", state)
+
+
+@pytest.mark.parametrize("strategy", ["steps", "epoch"])
+def test_a_commit_seen_in_a_save_event_does_not_cancel_that_save(tmp_path, monkeypatch, strategy):
+    """The Trainer's ``CallbackHandler.on_save`` sets ``control.should_save = False``. When the previous
+    save's commit is first seen in the event where the Trainer asks for the next save (``on_step_end``
+    of a save step, ``on_epoch_end``), firing its ``on_save`` there must not cancel that next save
+    (CI run of stop 17: checkpoint-12 of 4/8/12/16 was never written, checkpoint-15 of 5/10/15/16)."""
+    if strategy == "steps":
+        kw, hold_at, release_at, event, steps = dict(save_steps=4, num_train_epochs=1), 8, 12, "on_step_end", \
+            [4, 8, 12, 16]
+    else:
+        kw, hold_at, release_at, event, steps = dict(save_strategy="epoch", num_train_epochs=2), 16, 32, \
+            "on_epoch_end", [16, 32]
+    cb, rec = hf_trainer.FastCkptCallback(), Recorder()
+    gate = CommitInsideSaveEvent(cb, hold_at, release_at, event)
+    monkeypatch.setattr(os, "fsync", gate.fsync(os.fsync))
+    rec.watch(cb)
+    tr = make_trainer(tmp_path, mixin=False, callbacks=[gate, cb, rec], **kw)
+    tr.train()
+    assert gate.caught is True  # the race was set up: the held save was in flight until that event
+    assert [step for step, _ in rec.futures] == steps
+    assert [e["step"] for e in rec.events if e["event"] == "on_save"] == steps
+    assert ckpt_names(tmp_path) == [f"checkpoint-{s}" for s in steps]
+    assert all(fastckpt.is_committed(tmp_path / f"checkpoint-{s}") for s in steps)
+
+
 # ------------------------------------------------------------------------------------------------
 # exact resume without the mixin, log_history
 # ------------------------------------------------------------------------------------------------
