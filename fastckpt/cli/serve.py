@@ -21,7 +21,8 @@ naming the pickle file.
    source (or the run root it came from, or the base model folder) is refused.
 3. With ``--to``: write a servable HF folder (config, generation config, tokenizer files
    from the checkpoint, else from the base model folder (``--base`` or the adapter's local
-   ``base_model_name_or_path``), with a warning when none exist; sharded safetensors + index) with parallel large I/O; a LoRA adapter is merged through
+   ``base_model_name_or_path``), with a warning when none exist; the weights as ``model.safetensors``, or as
+   ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json`` past one shard) with parallel large I/O; a LoRA adapter is merged through
    peft (``--merge-lora``) or laid out as ``DIR/adapter`` for ``vllm serve --enable-lora``.
    Without ``--to``: warm the page cache with parallel sequential reads of the weights (and
    check them against the manifest checksums while reading, saying whether it could).
