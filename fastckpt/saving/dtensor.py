@@ -152,7 +152,8 @@ _GROUPS_LOCK = threading.Lock()
 
 def background_group(ranks: list[int] | None = None) -> Any:
     """The dedicated gloo process group fastckpt runs DCP's collectives on for ``ranks``
-    (default: every rank), created once per set of ranks with ``dist.new_group(backend="gloo")``.
+    (default: every rank), created once per set of ranks with ``dist.new_group(backend="gloo")``
+    and again after ``destroy_process_group()`` (a group of the previous world is never reused).
 
     A background save whose collectives shared the training group would interleave with the
     training step's own all-gathers / reduce-scatters in a different order on each rank (a hang,
@@ -168,6 +169,11 @@ def background_group(ranks: list[int] | None = None) -> Any:
     key = tuple(ranks) if ranks is not None else tuple(range(dist.get_world_size()))
     with _GROUPS_LOCK:
         g = _GROUPS.get(key)
+        if g is not None:
+            try:
+                dist.get_process_group_ranks(g)
+            except (KeyError, ValueError, RuntimeError):  # destroyed with its world: not known any more
+                g = None
         if g is None:
             g = _GROUPS[key] = dist.new_group(list(key), backend="gloo", use_local_synchronization=True)
         return g

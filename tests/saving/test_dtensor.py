@@ -326,3 +326,29 @@ def test_rank_failing_at_the_call_fails_every_rank_at_once(pool, tmp_path):
         assert not res[r]["exists"] and res[r]["leftovers"] == [], res[r]
         assert res[r]["ok_after"], res[r]
     assert torch.equal(fastckpt.load(tmp_path / "bad-call")["model"]["b.weight"], _full_state()["model"]["b.weight"])
+
+
+def _background_group_after_reinit(folder: str) -> dict:
+    import torch.distributed as dist
+
+    from fastckpt.saving.dtensor import background_group
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first = background_group()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{folder}/reinit-store", rank=rank, world_size=world)
+    second = background_group()
+    t = torch.ones(1)
+    dist.all_reduce(t, group=second)
+    return {"same": second is first, "ranks": dist.get_process_group_ranks(second), "sum": t.item()}
+
+
+def test_background_group_is_new_after_the_world_is_destroyed(tmp_path):
+    """A notebook or elastic restart that calls ``destroy_process_group()`` and ``init_process_group()``
+    again must get a gloo group of the new world, not the cached group of the destroyed one."""
+    (tmp_path / "pool").mkdir()
+    p = RankPool(str(tmp_path / "pool"), world_size=2)
+    try:
+        out = p.run(_background_group_after_reinit, folder=str(tmp_path), timeout_s=60)
+    finally:
+        p.close()
+    assert out == {r: {"same": False, "ranks": [0, 1], "sum": 2.0} for r in range(2)}
