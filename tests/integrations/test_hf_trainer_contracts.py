@@ -190,16 +190,21 @@ class CommitInsideSaveEvent(transformers.TrainerCallback):
             real(fd)
         return held_fsync
 
+    def _finish_pending(self):
+        pending = self.cb._pending
+        deadline = time.monotonic() + 30
+        while pending is not None and not pending[0].done() and time.monotonic() < deadline:
+            time.sleep(0.002)
+
     def _at(self, event, state):
         if event == "on_step_end" and state.global_step == self.hold_at:
+            self._finish_pending()  # an earlier save still writing is not held: only the next one
             self.hold.set()
         if event == self.event and state.global_step == self.release_at:
             pending = self.cb._pending
             self.caught = pending is not None and not pending[0].done()
             self.release.set()
-            deadline = time.monotonic() + 30
-            while pending is not None and not pending[0].done() and time.monotonic() < deadline:
-                time.sleep(0.002)
+            self._finish_pending()
 
     def on_step_end(self, args, state, control, **kw):
         self._at("on_step_end", state)
