@@ -172,7 +172,7 @@ def background_group(ranks: list[int] | None = None) -> Any:
         if g is not None:
             try:
                 dist.get_process_group_ranks(g)
-            except (KeyError, ValueError, RuntimeError):  # destroyed with its world: not known any more
+            except KeyError:  # destroyed with its world: torch's group registry no longer has it
                 g = None
         if g is None:
             g = _GROUPS[key] = dist.new_group(list(key), backend="gloo", use_local_synchronization=True)
