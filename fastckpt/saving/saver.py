@@ -45,6 +45,7 @@ from typing import Any
 from ..coordination import LOCAL, Coordinator, PathClaim, forget_session, group_timeout_s, numbered_session, path_tag
 from ..errors import CheckpointExistsError, DistributedSaveError
 from ..format.layout import SavePlan, plan_save
+from ..format.stateful import to_state_dicts
 from ..format.tree import join
 from ..storage.staging import StagingPool
 from . import dedupe
@@ -204,6 +205,7 @@ class Saver:
         pg = self.process_group if process_group is _OWN else process_group
         with self._lock:
             self.wait()
+            state, _ = to_state_dicts(state)  # top-level Stateful objects: their state_dict(), as DCP saves them
             target = Path(os.path.abspath(os.fspath(path)))
             if has_dtensor(state):  # FSDP2 / TP state: the DCP route (saving/dtensor_save.py)
                 from .dtensor_save import start_dtensor_save
