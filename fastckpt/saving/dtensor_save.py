@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from ..coordination import LOCAL, Coordinator, forget_session, group_timeout_s, numbered_session, path_tag
-from ..errors import CheckpointExistsError, DistributedSaveError, RankValuesDifferError
+from ..errors import CheckpointExistsError, DistributedSaveError, RankValuesDifferError, UnsupportedValueError
 from ..format.tree import join
 from ..storage.memory import host_buffer, pin_if_possible
 from ..storage.staging import copy_into
@@ -33,6 +33,7 @@ from .dcp_writer import FastCkptSavePlanner, FastCkptWriter, read_manifest_bytes
 from .dtensor import background_group, check_state, mesh_ranks, view_key, walk, with_stand_ins
 from .future import SaveFuture
 from .options import SaveOptions
+from .ranks import split_state
 
 _ALIGN = 64
 
@@ -125,7 +126,7 @@ def _host_dtensor(local: torch.Tensor, like: Any) -> Any:
 
 def _refuse_options(opts: SaveOptions) -> None:
     c = opts.consistency
-    bad = [n for n, on in (("local_keys", bool(opts.local_keys)), ("commit='marker'", opts.commit != "rename"),
+    bad = [n for n, on in (("commit='marker'", opts.commit != "rename"),
                            ("link_from", c.link_from is not None), ("defer", c.defer is not None),
                            ("defer_frozen", c.defer_frozen), ("staging_bytes", opts.io.staging_bytes is not None))
            if on]
@@ -153,6 +154,26 @@ def plain_values(staged: Any, skeleton: Any, local_keys: tuple[str, ...]) -> dic
             out[p] = array_digest(v)
     walk(staged, "", visit)
     return out
+
+
+def _split_local(staged: Any, local_keys: tuple[str, ...], rank: int) -> tuple[Any, tuple[int, Any] | None]:
+    """``staged`` without its ``local_keys`` subtrees (placeholders in their place, as a ``process_group=``
+    save stores them) and ``(rank, collected rank-local state)`` for :class:`FastCkptSavePlanner`, or
+    ``None`` when the state holds none of ``local_keys``.
+
+    Raises:
+        UnsupportedValueError: a DTensor under a ``local_keys`` subtree (a DTensor is one global tensor:
+            save it outside ``local_keys``).
+    """
+    if not local_keys or not isinstance(staged, dict) or not any(k in staged for k in local_keys):
+        return staged, None
+    split = split_state(staged, local_keys)
+    dts = [p for p, v in with_stand_ins(split.local)[1].items() if hasattr(v, "placements")]
+    if dts:
+        raise UnsupportedValueError(
+            f"local_keys subtree holds DTensors at key paths {dts[:5]}; a DTensor is one global tensor saved by every "
+            "rank together: keep it out of local_keys (put only per-rank plain values there). Nothing was written")
+    return split.replicated, (rank, collect(split.local, {}))
 
 
 def _vote_call(group: Any, path: Path, opts: SaveOptions, own: BaseException | None,
@@ -237,6 +258,7 @@ def start_dtensor_save(saver: Any, state: Any, path: Path, opts: SaveOptions, pg
         if not hasattr(saver, "stager"):
             saver.stager = FastCkptStager()
         staged = saver.stager.stage(state)
+        staged, local = _split_local(staged, opts.local_keys, dist.get_rank(group))
         values = plain_values(staged, col.skeleton, opts.local_keys)
     except Exception as e:  # still vote: the other ranks must not enter DCP's collectives alone
         own = e
@@ -245,7 +267,7 @@ def start_dtensor_save(saver: Any, state: Any, path: Path, opts: SaveOptions, pg
     fut._staged.set()
     fut.blocking_s = time.perf_counter() - t0
     writer = FastCkptWriter(path, pool=saver.pool, options=opts)
-    planner = FastCkptSavePlanner(opts.stems)
+    planner = FastCkptSavePlanner(opts.stems, local=local)
     rank = dist.get_rank(group)
 
     def run() -> None:
