@@ -64,7 +64,8 @@ def _state(fsdp: bool, per_rank: bool) -> dict:
     torch.manual_seed(1000 + rank if per_rank else 1000)  # each rank's own RNG stream
     torch.rand(3)
     return {"model": model.state_dict(), "optim": optim.state_dict(), "rng": torch.get_rng_state(),
-            "counter": 50 + rank if per_rank else 50}
+            "counter": 50 + rank if per_rank else 50,  # a JSON value
+            "seen": torch.tensor([400 + rank if per_rank else 400])}  # a tensor counter (samples this rank saw)
 
 
 def _full(v):
@@ -105,6 +106,7 @@ def _zeroed(state: dict) -> dict:
                 z(x)
     z(state)
     state["counter"] = -1
+    state["seen"] = torch.tensor([-1])
     return state
 
 
@@ -132,7 +134,7 @@ def rank_save(folder: str, route: str, per_rank: bool, local_keys: tuple) -> dic
     expect = torch.rand(4)
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
-    return {"error": None, "diff": _same(want, _full(out)), "counter": out["counter"],
+    return {"error": None, "diff": _same(want, _full(out)), "counter": out["counter"], "seen": int(out["seen"]),
             "rng_continues": torch.equal(after, expect), "verify": bool(fastckpt.verify(path).ok),
             "files": sorted(os.listdir(path)), "tensor_keys": sorted(manifest["tensors"]),
             "rank_local": manifest["distributed"]["rank_local"]}
@@ -146,7 +148,7 @@ def test_per_rank_values_are_refused_naming_keys_and_ranks(pool, tmp_path, route
     for r, res in out.items():
         assert res["error"] == "RankValuesDifferError", (r, res)
         assert "DistributedSaveError" in res["mro"] and "ValueError" in res["mro"]
-        assert res["keys"] == {"counter": [[0], [1]], "rng": [[0], [1]]}, res["keys"]  # nothing else differs
+        assert res["keys"] == {"counter": [[0], [1]], "rng": [[0], [1]], "seen": [[0], [1]]}, res["keys"]  # only those
         assert "'rng'" in res["message"] and "'counter'" in res["message"] and "[0] | [1]" in res["message"]
         assert "local_keys=" in res["message"]
         assert not res["exists"] and res["left"] == [], res  # refused before any file, temp folders included
@@ -154,17 +156,17 @@ def test_per_rank_values_are_refused_naming_keys_and_ranks(pool, tmp_path, route
 
 @pytest.mark.parametrize("route", ["fsdp2", "process_group"])
 def test_local_keys_save_per_rank_and_restore_each_ranks_values(pool, tmp_path, route):
-    out = pool.run(rank_save, folder=str(tmp_path), route=route, per_rank=True, local_keys=("rng", "counter"),
+    out = pool.run(rank_save, folder=str(tmp_path), route=route, per_rank=True, local_keys=("rng", "counter", "seen"),
                    timeout_s=TIMEOUT_S)
     for r, res in out.items():
         assert res["error"] is None, (r, res)
         assert res["diff"] == [], (r, res["diff"])  # model, optimizer, this rank's RNG state, all bit-exact
-        assert res["counter"] == 50 + r
+        assert res["counter"] == 50 + r and res["seen"] == 400 + r
         assert res["rng_continues"]
         assert res["verify"]
         assert {"state-rank00000.json", "state-rank00001.json", "rank00000-00001-of-00001.safetensors",
                 "rank00001-00001-of-00001.safetensors"} <= set(res["files"]), res["files"]
-        assert res["rank_local"] == {"keys": ["rng", "counter"], "skeletons": {"0": "state-rank00000.json",
+        assert res["rank_local"] == {"keys": ["rng", "counter", "seen"], "skeletons": {"0": "state-rank00000.json",
                                                                                "1": "state-rank00001.json"}}
         assert {"@rank0/local/rng", "@rank1/local/rng"} <= set(res["tensor_keys"])
         assert "rng" not in res["tensor_keys"]
@@ -175,7 +177,7 @@ def test_values_equal_on_every_rank_are_stored_once(pool, tmp_path, route):
     out = pool.run(rank_save, folder=str(tmp_path), route=route, per_rank=False, local_keys=(), timeout_s=TIMEOUT_S)
     for r, res in out.items():
         assert res["error"] is None, (r, res)
-        assert res["diff"] == [] and res["counter"] == 50 and res["rng_continues"] and res["verify"]
+        assert res["diff"] == [] and res["counter"] == 50 and res["seen"] == 400 and res["rng_continues"] and res["verify"]
         assert not any(k.startswith("@rank") for k in res["tensor_keys"])
         assert "rng" in res["tensor_keys"] and not any(f.startswith(("rank0", "state-rank")) for f in res["files"])
         assert res["rank_local"]["skeletons"] == {}
