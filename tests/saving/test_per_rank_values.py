@@ -181,3 +181,71 @@ def test_values_equal_on_every_rank_are_stored_once(pool, tmp_path, route):
         assert not any(k.startswith("@rank") for k in res["tensor_keys"])
         assert "rng" in res["tensor_keys"] and not any(f.startswith(("rank0", "state-rank")) for f in res["files"])
         assert res["rank_local"]["skeletons"] == {}
+
+
+def rank_dtensor_under_local_keys(folder: str) -> dict:
+    state = _state(True, True)
+    path = os.path.join(folder, "dt-local")
+    try:
+        fastckpt.save(state, path, local_keys=("model", "rng"), timeout_s=60)
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e), "exists": os.path.exists(path),
+                "left": sorted(os.listdir(folder))}
+    return {"error": None}
+
+
+def test_dtensor_under_local_keys_is_refused(pool, tmp_path):
+    out = pool.run(rank_dtensor_under_local_keys, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    for r, res in out.items():
+        assert res["error"] == "UnsupportedValueError" and "model/" in res["message"], (r, res)
+        assert not res["exists"] and res["left"] == []
+
+
+class _AppState:
+    """The PyTorch DCP tutorial's AppState (Stateful): model + optimizer through get/set_state_dict."""
+
+    def __init__(self, model, optim):
+        self.model, self.optim = model, optim
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        msd, osd = get_state_dict(self.model, self.optim)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, sd):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        set_state_dict(self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def rank_fsdp2_app_state(folder: str) -> dict:
+    """Save {"app": AppState} with fastckpt and with dcp.save(FileSystemWriter); load each into a fresh
+    AppState (fastckpt.load_into / dcp.load); return the full values after each load."""
+    import torch.distributed.checkpoint as dcp
+    model, optim = _model(True)
+    app = _AppState(model, optim)
+    want = _full(app.state_dict())
+    fastckpt.save({"app": app, "epoch": 2}, os.path.join(folder, "fck"), timeout_s=60)
+    dcp.save({"app": app, "epoch": 2}, storage_writer=dcp.FileSystemWriter(os.path.join(folder, "dcp")))
+    got = {}
+    for via in ("fck", "dcp"):
+        m2, o2 = _model(True)
+        for p in m2.parameters():  # other values, same structure
+            p.detach().to_local().fill_(0.5)
+        app2 = _AppState(m2, o2)
+        state = {"app": app2, "epoch": 0}
+        if via == "fck":
+            out = fastckpt.load_into(state, os.path.join(folder, "fck"))
+        else:
+            dcp.load(state, storage_reader=dcp.FileSystemReader(os.path.join(folder, "dcp")))
+            out = state
+        assert out["app"] is app2
+        got[via] = {"values": _full(app2.state_dict()), "epoch": out["epoch"]}
+    return {"fck": _same(want, got["fck"]["values"]), "dcp": _same(want, got["dcp"]["values"]),
+            "between": _same(got["dcp"]["values"], got["fck"]["values"]),
+            "epochs": (got["fck"]["epoch"], got["dcp"]["epoch"])}
+
+
+def test_fsdp2_app_state_saves_and_loads_as_dcp_does(pool, tmp_path):
+    out = pool.run(rank_fsdp2_app_state, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    for r, res in out.items():
+        assert res == {"fck": [], "dcp": [], "between": [], "epochs": (2, 2)}, (r, res)
