@@ -249,3 +249,23 @@ def test_fsdp2_app_state_saves_and_loads_as_dcp_does(pool, tmp_path):
     out = pool.run(rank_fsdp2_app_state, folder=str(tmp_path), timeout_s=TIMEOUT_S)
     for r, res in out.items():
         assert res == {"fck": [], "dcp": [], "between": [], "epochs": (2, 2)}, (r, res)
+
+
+def test_digests_name_each_differing_leaf_and_group_the_ranks():
+    from fastckpt.format.tree import flatten
+    from fastckpt.saving.agree import array_digest, differing, json_leaves, refusal
+
+    def digests(rank: int) -> dict:
+        state = {"a": {"lr": 0.1, "nan": float("nan"), "t": (1, "x"), "empty": {}},
+                 "__odd": {3: rank % 2}, "w": torch.ones(2), "g": torch.full((2,), float(rank >= 2))}
+        arrays = {}
+        out = json_leaves(flatten(state, lambda k, v: arrays.__setitem__(k, v)))
+        out.update((k, array_digest(v)) for k, v in arrays.items())
+        return out
+    per_rank = [digests(r) for r in range(4)]
+    assert set(per_rank[0]) == {"a/lr", "a/nan", "a/t/0", "a/t/1", "a/empty", "__odd/3", "w", "g"}
+    diff = differing(per_rank)
+    assert diff == {"__odd/3": [[0, 2], [1, 3]], "g": [[0, 1], [2, 3]]}
+    e = refusal("/ck", diff)
+    assert e.keys == diff and e.failures.keys() == {1, 2, 3}
+    assert "'g': ranks [0, 1] | [2, 3]" in str(e) and "local_keys=('__odd', 'g')" in str(e)
