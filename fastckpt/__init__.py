@@ -28,7 +28,8 @@ from . import errors
 from .storage.commit import is_committed, read_manifest
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError,
                      CorruptCheckpointError, DistributedSaveError, FastCkptError, HeaderError,
-                     InsufficientSpaceError, SaveConflictError, UnsupportedDtypeError, UnsupportedValueError)
+                     InsufficientSpaceError, RankValuesDifferError, SaveConflictError, UnsupportedDtypeError,
+                     UnsupportedValueError)
 from .loading.reader import load, open_checkpoint
 from .loading.into import load_into
 from .loading.source import Source, resolve_source
@@ -64,7 +65,9 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
 
     Args:
         state: nested dict/list/tuple of tensors (any device, any strides), NumPy arrays and
-            JSON-able values (see :func:`fastckpt.format.tree.flatten`).
+            JSON-able values (see :func:`fastckpt.format.tree.flatten`). A top-level value with
+            ``state_dict()`` / ``load_state_dict()`` (DCP's ``Stateful``, e.g. ``{"app": AppState(model,
+            optim)}``) is stored as its ``state_dict()``, called once at the call, as ``dcp.save`` does.
         path: checkpoint folder to create; its parent is created if needed.
         **options: see :class:`fastckpt.SaveOptions` (``overwrite``, ``weights``,
             ``extra_files``, ``metadata``, ``step``, ``max_shard_bytes``, ``chunk_bytes``,
@@ -82,9 +85,17 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
     of the DTensors' device meshes. The folder holds full tensors in HF layout (docs/FORMAT.md,
     "Version 2"), each rank writing its own chunks; DCP's planner places them and its collectives
     run on a dedicated gloo group (:func:`fastckpt.dcp.background_group`), never the training
-    group. ``local_keys``, ``commit="marker"``, ``link_from``, ``defer``, ``defer_frozen`` and
+    group. ``local_keys`` subtrees (plain per-rank values: RNG states, counters; no DTensors) are
+    written by each rank to its own files, as in a ``process_group=`` save, and ``load_into`` restores
+    each rank's own. ``commit="marker"``, ``link_from``, ``defer``, ``defer_frozen`` and
     ``staging_bytes`` are refused (``ValueError``) for such states; a rank's failure raises
     ``DistributedSaveError`` on every rank with nothing committed.
+
+    Multi-rank saves (DTensor states, ``process_group=``) store every value that is neither a DTensor
+    nor under ``local_keys`` once; the ranks compare those values through the store at the call (JSON
+    values; plain tensors: all of them in DTensor states, those of at most 1 MiB with
+    ``process_group=``), and a difference raises ``RankValuesDifferError`` on every rank before any
+    file exists, instead of keeping one rank's value.
 
     Returns:
         A :class:`SaveFuture`; ``result()`` returns the path once durable and committed.
@@ -98,6 +109,8 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
         SaveConflictError: without ``process_group``, another rank is saving the same path.
         DistributedSaveError: with ``process_group``, a rank failed or did not arrive within
             ``timeout_s`` (default: the group's timeout); ``failures`` names each rank.
+        RankValuesDifferError: multi-rank, values stored once differ between ranks (names the key
+            paths and the ranks; pass ``local_keys=`` to save them per rank); nothing written.
         ValueError: a bad option; TypeError: an unknown option.
 
     Example::
@@ -170,6 +183,6 @@ def wait() -> None:
 
 __all__ = ["save", "async_save", "load", "load_into", "wait", "reserve", "prime_hashes", "verify", "is_committed", "read_manifest", "open_checkpoint",
            "CheckpointManager", "Saver", "no_gc", "resolve_source", "Source", "SaveFuture", "SaveOptions", "IOTuning", "Consistency", "Shard", "LOCAL",
-           "VerifyReport", "errors", "FastCkptError", "DistributedSaveError", "SaveConflictError",
+           "VerifyReport", "errors", "FastCkptError", "DistributedSaveError", "RankValuesDifferError", "SaveConflictError",
            "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError", "HeaderError",
            "ChecksumMismatchError", "UnsupportedValueError", "UnsupportedDtypeError", "InsufficientSpaceError"]

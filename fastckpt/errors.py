@@ -106,6 +106,24 @@ class DistributedSaveError(FastCkptError, RuntimeError):
         self.failures = dict(failures)
 
 
+class RankValuesDifferError(DistributedSaveError, ValueError):
+    """A multi-rank save was refused because values it would store once (replicated: not under
+    ``local_keys``, not DTensors) differ between ranks, e.g. each rank's RNG state or a per-rank
+    counter: storing one of them would silently drop the others. Raised on every rank before any
+    file is written. Put the per-rank values under ``local_keys=`` (each rank saves its own and
+    ``fastckpt.load_into`` restores each rank's) or make them equal.
+
+    Attributes:
+        failures: ``dict[int, str]``: each rank whose values differ from rank 0's, with the keys.
+        keys: ``dict[str, list[list[int]]]``: key path -> the ranks grouped by equal value (the
+            first group holds rank 0).
+    """
+
+    def __init__(self, message: str, keys: dict[str, list[list[int]]], failures: dict[int, str]):
+        super().__init__(message, failures)
+        self.keys = {k: [list(g) for g in v] for k, v in keys.items()}
+
+
 class KeysNotFoundError(FastCkptError, KeyError):
     """``load(keys=...)`` names key paths or tensor names that match nothing stored.
 

@@ -14,6 +14,7 @@ from .loading.into import load_into
 from .loading.reader import load
 from .storage.lock import RootLock
 from .saving.future import SaveFuture
+from .format.stateful import to_state_dicts
 from .saving.dtensor import has_dtensor, leads_dtensor_save
 from .saving.saver import Saver
 
@@ -123,6 +124,7 @@ class CheckpointManager:
                 user_hook(p)
 
         self.root.mkdir(parents=True, exist_ok=True)
+        state, _ = to_state_dicts(state)  # Stateful values (DCP's protocol): their state_dict(), called once
         writer = self._writer
         if self._saver.process_group is None and has_dtensor(state):
             writer = leads_dtensor_save(state)  # the meshes' ranks save together: their rank 0 keeps the root

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, StateMismatchError
 from ..format.dtypes import DTYPE_TO_STR
+from ..format.stateful import load_back, to_state_dicts
 from ..format.tree import join
 from ..storage.io import PosixBackend, get_backend, readv_exact
 from .chunks import box_bytes, chunk_problem
@@ -322,6 +323,11 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool = True, verif
     leaves out of the files (tied ``lm_head.weight`` when ``tie_word_embeddings``) are missing keys:
     pass ``strict=False`` (the tied tensor shares memory with the embedding that is filled).
 
+    A top-level value with ``state_dict()`` / ``load_state_dict()`` (DCP's ``Stateful``, e.g. the DCP
+    tutorial's ``{"app": AppState(model, optimizer)}``, an ``nn.Module``) is loaded as ``dcp.load``
+    does: its ``state_dict()`` is the template filled, then ``load_state_dict(filled)`` is called and
+    the object itself is returned under its key.
+
     Non-tensor leaves (ints, floats, strings, ``None``, optimizer ``param_groups`` values, empty
     containers) are replaced in the *returned* tree by the checkpoint's values (the input containers
     are not modified); tensor leaves are the very objects passed in.
@@ -370,6 +376,7 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool = True, verif
         state = fastckpt.load_into({"model": sd, "optim": osd}, "ckpt/step-100")
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     """
+    state, stateful = to_state_dicts(state)  # DCP's Stateful: fill obj.state_dict(), then obj.load_state_dict()
     if local_rank is None:
         local_rank = _default_rank()
     idx = open_index(path, local_rank)
@@ -394,4 +401,4 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool = True, verif
                     verify_region(t.key, t.desc.checks, t.local, t.region, files, ex, chunk)
     finally:
         files.close()
-    return _rebuild(state, "", plan.values)
+    return load_back(_rebuild(state, "", plan.values), stateful)

@@ -29,10 +29,12 @@ import json
 import os
 import socket
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint import Metadata, SavePlan, SavePlanner, StorageWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -52,7 +54,7 @@ from .collect import Collected, collect
 from .committer import commit_folder, create_folder, fmt, remove_uncommitted
 from .metadata import manifest_doc, tensor_entries, write_manifest, write_side_files
 from .options import SaveOptions
-from .ranks import spec_list, specs_from_list
+from .ranks import RANK_KEY, local_stem, rank_specs, spec_list, specs_from_list
 
 _KEY = "fastckpt"
 
@@ -74,14 +76,19 @@ class FastCkptSavePlanner(DefaultSavePlanner):
     Args:
         weights: as :class:`fastckpt.SaveOptions` (default ``{"model": "model"}``): top-level key ->
             HF file stem of the tensors directly under it.
+        local: ``(rank, collected)``: this rank's rank-local state (``local_keys`` of a
+            :func:`fastckpt.save` of a DTensor state; :func:`fastckpt.saving.collect.collect` of
+            ``{"local": {key: subtree}}``), written by this rank alone to ``rank0000r-*.safetensors`` and
+            ``state-rank0000r.json`` as a ``process_group=`` save writes it (docs/FORMAT.md, "Multi-rank").
 
     Raises (from ``set_up_planner``, before any file exists):
         UnsupportedValueError / UnsupportedDtypeError: a value fastckpt cannot store (names the key path).
     """
 
-    def __init__(self, weights: dict[str, str] | None = None) -> None:
+    def __init__(self, weights: dict[str, str] | None = None, *, local: tuple[int, Collected] | None = None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.weights = weights if weights is not None else {"model": "model"}
+        self.local = local
         self.collected: Collected | None = None
         self.arrays: dict[str, Any] = {}
 
@@ -93,6 +100,9 @@ class FastCkptSavePlanner(DefaultSavePlanner):
         col = collect(sub, self.weights)
         self.collected = col
         self.arrays = {s.key: dts[s.key] if s.key in dts else col.sources[s.key] for s in col.specs}  # NumPy: its tensor
+        if self.local is not None:  # rank-local tensors: keys of this rank only, so DCP's dedup keeps them here
+            pre = RANK_KEY.format(self.local[0])
+            self.arrays.update((pre + k, t) for k, t in self.local[1].sources.items())
         super().set_up_planner(self.arrays, storage_meta, is_coordinator)
 
     def create_local_plan(self) -> SavePlan:
@@ -103,8 +113,19 @@ class FastCkptSavePlanner(DefaultSavePlanner):
                 "placement": {k: {"mesh_shape": list(v.device_mesh.shape), "placements": [_placement(p) for p in v.placements]}
                               for k, v in self.arrays.items() if hasattr(v, "placements")}}
         data = {"digest": hashlib.sha256(json.dumps([info["skeleton"], info["specs"]], sort_keys=True).encode()).hexdigest(),
-                "info": info if self.is_coordinator else None, "weights": self.weights}
+                "info": info if self.is_coordinator else None, "weights": self.weights, "local": self._local_info()}
         return SavePlan(plan.items, storage_data=plan.storage_data, planner_data={_KEY: data})
+
+    def _local_info(self) -> dict | None:
+        """This rank's rank-local specs, entries and skeleton (keys under ``RANK_KEY``), or ``None``."""
+        if self.local is None:
+            return None
+        rank, col = self.local
+        pre = RANK_KEY.format(rank)
+        entries = {pre + k: {**e, **{ref: pre + e[ref] for ref in ("alias", "view") if ref in e}}
+                   for k, e in col.entries.items()}
+        return {"rank": rank, "specs": spec_list(rank_specs(col.specs, rank)), "entries": entries,
+                "skeleton": col.skeleton if (col.specs or col.entries) else None}
 
     def resolve_data(self, write_item: Any) -> Any:
         """The local tensor of ``write_item`` (a DTensor's local shard; never pickled bytes)."""
@@ -141,6 +162,7 @@ class FastCkptWriter(StorageWriter):
         self.is_coordinator, self.rank = False, 0
         self.folder: str | None = None
         self.committed = False
+        self.local: list[dict] = []  # coordinator: every rank's rank-local info (local_keys)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """A new save: ``checkpoint_id`` (a folder path) replaces ``path`` when given."""
@@ -179,10 +201,12 @@ class FastCkptWriter(StorageWriter):
             raise ValueError(f"{self.path}: ranks {bad} planned a state whose keys, dtypes or shapes differ from "
                              "rank 0's; every rank must save the same state (DTensors by global shape)")
         info = next(d["info"] for d in datas if d["info"] is not None)
+        self.local = [d["local"] for d in datas if d.get("local")]  # rank-local states (local_keys)
+        local_specs = [row for loc in self.local for row in loc["specs"]]
         chunks = [Chunk(it.index.fqn, tuple(it.tensor_data.chunk.offsets), tuple(it.tensor_data.chunk.sizes), r)
                   for r, p in enumerate(plans) for it in p.items if it.tensor_data is not None]
         chunks = [c for c in chunks if c.numel or not c.shape]
-        plan = self._plan(info["specs"])
+        plan = self._plan(info["specs"] + local_specs)
         check_tiling(plan, chunks)
         if self.path.exists() and not self.opts.overwrite:
             raise CheckpointExistsError(f"{self.path} already exists; pass overwrite=True to replace it atomically")
@@ -200,7 +224,7 @@ class FastCkptWriter(StorageWriter):
                 w.close()
         shared = {"folder": self.folder, "session": uuid.uuid4().hex, "world": len(plans),
                   "chunks": [[c.key, list(c.offsets), list(c.shape), c.rank] for c in chunks],
-                  "header_bytes": sum(len(f.prefix) for f in plan.files)}
+                  "header_bytes": sum(len(f.prefix) for f in plan.files), "local_specs": local_specs}
         return [SavePlan(p.items, storage_data=shared, planner_data=p.planner_data) for p in plans]
 
     def _plan(self, specs: list) -> Any:
@@ -216,7 +240,7 @@ class FastCkptWriter(StorageWriter):
             raise UnsupportedPlannerError(f"{self.path}: pass planner={_planner_name()}()")
         self.folder = sd["folder"]
         col = planner.collected
-        full = self._plan(spec_list(col.specs))
+        full = self._plan(spec_list(col.specs) + sd.get("local_specs", []))
         chunks = [Chunk(k, tuple(o), tuple(s), r) for k, o, s, r in sd["chunks"]]
         store = Coordinator.for_group(None).store
         coord = Coordinator(self.rank, sd["world"], store, "dcp-" + sd["session"],
@@ -240,7 +264,9 @@ class FastCkptWriter(StorageWriter):
                 results.append(WriteResult(index=it.index, size_in_bytes=int(torch.Size(size).numel()),
                                            storage_data={"key": it.index.fqn, "offsets": list(off), "shape": list(size),
                                                          "xxh3": hashes.get(ci), "rank": self.rank}))
-            rank_info = {"rank": self.rank, "bytes": nbytes, "files": files}
+            side = _write_local_skeleton(self.folder, planner._local_info())
+            rank_info = {"rank": self.rank, "bytes": nbytes + sum(f["bytes"] for f in side.values()),
+                         "files": files + sorted(side), "side": side}
             results.append(WriteResult(index=MetadataIndex("@fastckpt/rank"), size_in_bytes=nbytes, storage_data={"rank_info": rank_info}))
         except BaseException as e:
             err = e
@@ -286,8 +312,15 @@ class FastCkptWriter(StorageWriter):
         for k in list(multi):
             if len(multi[k]) == 1 and multi[k][0]["shape"] == shapes[k]:
                 single[k] = multi.pop(k)[0]["xxh3"]
-        files = write_side_files(self.folder, plan, info["skeleton"], opts.extra_files)
+        stems = {local_stem(loc["rank"]) for loc in self.local}  # rank-local files get no HF index, as in ranks.py
+        files = write_side_files(self.folder, replace(plan, index={k: v for k, v in plan.index.items() if k not in stems}),
+                                 info["skeleton"], opts.extra_files)
+        for r in sorted(ranks):
+            files.update(ranks[r].get("side", {}))  # rank-local skeletons (local_keys)
         tensors = tensor_entries(plan, single, info["entries"])
+        for loc in self.local:
+            for k, e in loc["entries"].items():
+                tensors[k] = {**tensors.get(k, {}), **e}
         for k, cs in multi.items():
             tensors[k].pop("xxh3", None)
             tensors[k]["chunks"] = sorted(cs, key=lambda c: c["offsets"])
@@ -303,7 +336,9 @@ class FastCkptWriter(StorageWriter):
         manifest["distributed"] = {
             "mode": "rename", "node": None, "nodes": [os.environ.get("FASTCKPT_NODE") or socket.gethostname()],
             "written_by": written_by, "bytes_by_rank": {str(r): ranks[r]["bytes"] for r in sorted(ranks)},
-            "rank_local": {"keys": [], "skeletons": {}}, "shards": {}, "planner": "dcp"}
+            "rank_local": {"keys": list(opts.local_keys),
+                           "skeletons": {str(r): n for r in sorted(ranks) for n in ranks[r].get("side", {})}},
+            "shards": {}, "planner": "dcp"}
         write_manifest(self.folder, manifest)
         commit_folder(self.folder, self.path, opts)
         self.committed = True
@@ -322,6 +357,17 @@ class _Item:
 
     def __init__(self, fqn: str):
         self.index = type("Index", (), {"fqn": fqn})()
+
+
+def _write_local_skeleton(folder: str, local: dict | None) -> dict[str, dict]:
+    """Write rank ``local["rank"]``'s ``state-rank0000r.json`` (rank-local skeleton); returns
+    ``{file name: {"bytes", "xxh3"}}`` (empty without rank-local state)."""
+    if local is None or local["skeleton"] is None:
+        return {}
+    name = f"state-rank{local['rank']:05d}.json"
+    data = json.dumps(local["skeleton"], separators=(",", ":")).encode()
+    cm.write_small_file(os.path.join(folder, name), data)
+    return {name: {"bytes": len(data), "xxh3": xxhash.xxh3_64(data).hexdigest()}}
 
 
 def read_manifest_bytes(path: Path) -> dict:

@@ -17,19 +17,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from ..coordination import LOCAL, Coordinator, forget_session, group_timeout_s, numbered_session, path_tag
-from ..errors import CheckpointExistsError, DistributedSaveError
+from ..errors import CheckpointExistsError, DistributedSaveError, RankValuesDifferError, UnsupportedValueError
+from ..format.tree import join
 from ..storage.memory import host_buffer, pin_if_possible
 from ..storage.staging import copy_into
+from .agree import array_digest, check_agreement, combined, json_leaves
 from .collect import collect
 from .committer import fmt, remove_uncommitted
 from .dcp_writer import FastCkptSavePlanner, FastCkptWriter, read_manifest_bytes
 from .dtensor import background_group, check_state, mesh_ranks, view_key, walk, with_stand_ins
 from .future import SaveFuture
 from .options import SaveOptions
+from .ranks import split_state
 
 _ALIGN = 64
 
@@ -122,7 +126,7 @@ def _host_dtensor(local: torch.Tensor, like: Any) -> Any:
 
 def _refuse_options(opts: SaveOptions) -> None:
     c = opts.consistency
-    bad = [n for n, on in (("local_keys", bool(opts.local_keys)), ("commit='marker'", opts.commit != "rename"),
+    bad = [n for n, on in (("commit='marker'", opts.commit != "rename"),
                            ("link_from", c.link_from is not None), ("defer", c.defer is not None),
                            ("defer_frozen", c.defer_frozen), ("staging_bytes", opts.io.staging_bytes is not None))
            if on]
@@ -136,36 +140,89 @@ def _failure_text(v: Any) -> str:
     return fmt(exc) if isinstance(exc, BaseException) else str(exc)
 
 
-def _vote_call(group: Any, path: Path, opts: SaveOptions, own: BaseException | None) -> None:
-    """Every rank of ``group`` learns whether every rank's call succeeded (validation, staging),
-    through the store with a bounded wait, before any rank enters DCP's collectives: a rank whose
-    call failed would otherwise leave the others waiting in them until the group's timeout.
+def plain_values(staged: Any, skeleton: Any, local_keys: tuple[str, ...]) -> dict[str, str]:
+    """Digests of the values a DTensor save stores once (:mod:`fastckpt.saving.agree`): every JSON leaf
+    of ``skeleton`` and every plain tensor / NumPy array of ``staged`` (the host snapshot: no read of
+    device memory), outside the top-level ``local_keys`` subtrees (saved per rank)."""
+    from torch.distributed.tensor import DTensor
+    local = {join("", k) for k in local_keys}
+    out = {k: v for k, v in json_leaves(skeleton).items() if k.split("/", 1)[0] not in local}
+
+    def visit(p: str, v: Any) -> None:
+        if isinstance(v, (torch.Tensor, np.ndarray)) and not isinstance(v, DTensor) \
+                and p.split("/", 1)[0] not in local:
+            out[p] = array_digest(v)
+    walk(staged, "", visit)
+    return out
+
+
+def _split_local(staged: Any, local_keys: tuple[str, ...], rank: int) -> tuple[Any, tuple[int, Any] | None]:
+    """``staged`` without its ``local_keys`` subtrees (placeholders in their place, as a ``process_group=``
+    save stores them) and ``(rank, collected rank-local state)`` for :class:`FastCkptSavePlanner`, or
+    ``None`` when the state holds none of ``local_keys``.
+
+    Raises:
+        UnsupportedValueError: a DTensor under a ``local_keys`` subtree (a DTensor is one global tensor:
+            save it outside ``local_keys``).
+    """
+    if not local_keys or not isinstance(staged, dict) or not any(k in staged for k in local_keys):
+        return staged, None
+    split = split_state(staged, local_keys)
+    dts = [p for p, v in with_stand_ins(split.local)[1].items() if hasattr(v, "placements")]
+    if dts:
+        raise UnsupportedValueError(
+            f"local_keys subtree holds DTensors at key paths {dts[:5]}; a DTensor is one global tensor saved by every "
+            "rank together: keep it out of local_keys (put only per-rank plain values there). Nothing was written")
+    return split.replicated, (rank, collect(split.local, {}))
+
+
+def _vote_call(group: Any, path: Path, opts: SaveOptions, own: BaseException | None,
+               values: dict[str, str] | None = None) -> None:
+    """Every rank of ``group`` learns whether every rank's call succeeded (validation, staging) and
+    whether the values stored once agree (``values``: :func:`plain_values`), through the store with a
+    bounded wait, before any rank enters DCP's collectives: a rank whose call failed would otherwise
+    leave the others waiting in them until the group's timeout.
 
     Raises:
         ``own`` itself on the rank whose call failed (its type, as in one process);
         DistributedSaveError: on the other ranks, naming each failed rank and its error; also when a
             rank did not arrive within ``timeout_s`` (it failed before, or made another call).
+        RankValuesDifferError: on every rank, when values stored once differ between ranks (names the
+            key paths and the ranks); nothing written.
     """
     coord = Coordinator.for_group(group)
     timeout = opts.timeout_s if opts.timeout_s is not None else group_timeout_s(None)
     tag = path_tag(path)
     sess = coord.session(numbered_session(coord, "dtensor-call", tag), timeout)
+    values = values or {}
     try:
-        got = sess.all_gather("call", None if own is None else fmt(own), f"starting the DTensor save of {path}")
+        got = sess.all_gather("call", {"error": None if own is None else fmt(own), "values": combined(values)},
+                              f"starting the DTensor save of {path}")
     except DistributedSaveError:
         sess.abandon()
         forget_session(coord, "dtensor-call", tag)
         if own is not None:
             raise own from None
         raise
-    sess.close()
     if own is not None:
+        sess.close()
         raise own
-    failures = {r: text for r, text in enumerate(got) if text is not None}
+    failures = {r: g["error"] for r, g in enumerate(got) if g["error"] is not None}
     if failures:
+        sess.close()
         lines = "; ".join(f"rank {r}: {t}" for r, t in sorted(failures.items()))
         raise DistributedSaveError(f"multi-rank save of {path} not started: {lines}. Nothing was written; the "
                                    "failed rank raised its own error (fix that cause and save again)", failures)
+    try:
+        check_agreement(sess, values, [g["values"] for g in got], path, "comparing the values stored once")
+    except DistributedSaveError as e:
+        if not isinstance(e, RankValuesDifferError):
+            sess.abandon()
+            forget_session(coord, "dtensor-call", tag)
+            raise
+        sess.close()
+        raise
+    sess.close()
 
 
 def start_dtensor_save(saver: Any, state: Any, path: Path, opts: SaveOptions, pg: Any) -> SaveFuture:
@@ -192,22 +249,25 @@ def start_dtensor_save(saver: Any, state: Any, path: Path, opts: SaveOptions, pg
              else mesh_ranks(meshes))
     group = background_group(ranks)
     own: BaseException | None = None
+    values: dict[str, str] = {}
     try:
         _refuse_options(opts)
-        collect(with_stand_ins(state)[0], opts.stems)  # every other value error, at the call
+        col = collect(with_stand_ins(state)[0], opts.stems)  # every other value error, at the call
         if path.exists() and not opts.overwrite:
             raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it atomically")
         if not hasattr(saver, "stager"):
             saver.stager = FastCkptStager()
         staged = saver.stager.stage(state)
+        staged, local = _split_local(staged, opts.local_keys, dist.get_rank(group))
+        values = plain_values(staged, col.skeleton, opts.local_keys)
     except Exception as e:  # still vote: the other ranks must not enter DCP's collectives alone
         own = e
-    _vote_call(group, path, opts, own)
+    _vote_call(group, path, opts, own, values)
     fut = SaveFuture(path)
     fut._staged.set()
     fut.blocking_s = time.perf_counter() - t0
     writer = FastCkptWriter(path, pool=saver.pool, options=opts)
-    planner = FastCkptSavePlanner(opts.stems)
+    planner = FastCkptSavePlanner(opts.stems, local=local)
     rank = dist.get_rank(group)
 
     def run() -> None:

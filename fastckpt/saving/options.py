@@ -119,8 +119,11 @@ class SaveOptions:
         on_commit: callback ``(path)`` run in the writer thread (rank 0) after the commit.
         io: an :class:`IOTuning`, or give its fields as flat keywords.
         consistency: a :class:`Consistency`, or give its fields as flat keywords.
-        local_keys: multi-rank saves: top-level keys whose subtree differs between ranks
-            (e.g. a ZeRO optimizer partition); each rank writes its own files for them.
+        local_keys: multi-rank saves (``process_group=`` or a DTensor state): top-level keys whose
+            subtree differs between ranks (each rank's RNG state, a per-rank counter, a ZeRO
+            optimizer partition); each rank writes its own files for them and ``load_into`` restores
+            each rank's. Values outside them that differ between ranks are refused
+            (:class:`~fastckpt.errors.RankValuesDifferError`).
         commit: multi-rank saves: ``"rename"`` (shared file system: one hidden folder, rank 0
             renames it; default) or ``"marker"`` (node-local disks: each node writes its own
             folder in place; its ``manifest.json`` is written once every rank reported).

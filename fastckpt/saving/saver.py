@@ -45,9 +45,11 @@ from typing import Any
 from ..coordination import LOCAL, Coordinator, PathClaim, forget_session, group_timeout_s, numbered_session, path_tag
 from ..errors import CheckpointExistsError, DistributedSaveError
 from ..format.layout import SavePlan, plan_save
+from ..format.stateful import to_state_dicts
 from ..format.tree import join
 from ..storage.staging import StagingPool
 from . import dedupe
+from .agree import CHECK_BYTES, array_digest, check_agreement, combined, json_leaves
 from .collect import Collected, collect
 from .dtensor import has_dtensor
 from .committer import (InFlight, commit_single, create_folder, finish_ranks, fmt, rank_report,
@@ -74,8 +76,17 @@ def _check_all(infos: list[dict], what: str, exc: BaseException | None) -> None:
 
 
 def _digest(col: Collected) -> str:
-    desc = json.dumps([col.skeleton, [(s.key, s.dtype, list(s.shape)) for s in col.specs]], sort_keys=True)
+    """The replicated state's structure (key paths, dtypes, shapes), not its values (:func:`_values`)."""
+    desc = json.dumps([sorted(json_leaves(col.skeleton)), [(s.key, s.dtype, list(s.shape)) for s in col.specs]])
     return hashlib.sha256(desc.encode()).hexdigest()
+
+
+def _values(col: Collected) -> dict[str, str]:
+    """Digests of the replicated values every rank compares (:mod:`fastckpt.saving.agree`): every JSON
+    leaf, and every tensor of at most ``CHECK_BYTES`` (hashed here, at the call)."""
+    out = json_leaves(col.skeleton)
+    out.update((k, array_digest(t)) for k, t in col.sources.items() if t.numel() * t.element_size() <= CHECK_BYTES)
+    return out
 
 
 @contextlib.contextmanager
@@ -204,6 +215,7 @@ class Saver:
         pg = self.process_group if process_group is _OWN else process_group
         with self._lock:
             self.wait()
+            state, _ = to_state_dicts(state)  # top-level Stateful objects: their state_dict(), as DCP saves them
             target = Path(os.path.abspath(os.fspath(path)))
             if has_dtensor(state):  # FSDP2 / TP state: the DCP route (saving/dtensor_save.py)
                 from .dtensor_save import start_dtensor_save
@@ -263,7 +275,7 @@ class Saver:
 
     def _prepare(self, sv: InFlight, state: Any) -> None:
         """Step 1: validate, collect and plan; multi-rank: agree on the global plan."""
-        opts, coord, exc = sv.opts, sv.coord, None
+        opts, coord, exc, values = sv.opts, sv.coord, None, {}
         try:
             if sv.path.exists() and not opts.overwrite and (opts.commit == "rename" or coord.rank == 0):
                 hint = ("" if not sv.single or PathClaim(sv.path).store is None else
@@ -286,18 +298,21 @@ class Saver:
                                       chunk_bytes=io.chunk_bytes, metadata=opts.metadata)
                 sv.nodes, sv.own = [coord.node], Ownership.of(sv.plan, [0], 1)
                 return
+            values = _values(sv.col)
         except Exception as e:
             if sv.single:
                 raise
             exc = e
         infos = sv.sess.all_gather("prep", {"ok": exc is None, "error": exc and fmt(exc), "node": coord.node,
                                             "digest": exc is None and _digest(sv.col),
+                                            "values": exc is None and combined(values),
                                             "local": [] if exc is not None else spec_list(loc_specs)}, "planning")
         for i in infos:
             if i["ok"] and infos[0]["ok"] and i["digest"] != infos[0]["digest"]:
                 i.update(ok=False, error="replicated state (keys, dtypes, shapes) differs from rank 0's; put "
                                          "per-rank values under local_keys or wrap them in Shard")
         _check_all(infos, "planning", exc)
+        check_agreement(sv.sess, values, [i["values"] for i in infos], sv.path, "comparing the replicated values")
         io = opts.io
         sv.plan = global_plan(sv.col.specs, [specs_from_list(i["local"]) for i in infos],
                               max_shard_bytes=io.max_shard_bytes, chunk_bytes=io.chunk_bytes, metadata=opts.metadata)
