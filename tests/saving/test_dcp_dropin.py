@@ -313,3 +313,71 @@ def test_fsdp2_two_ranks_dcp_planners(pool, tmp_path):
         assert [c["shape"] for c in m["tensors"]["model/0.weight"]["chunks"]] == [[4, 6], [3, 6]]  # each rank's shard
     _metadata_matches_reference(FastCkptReader(tmp_path / "default").read_metadata(),
                                 FileSystemReader(str(tmp_path / "reference")).read_metadata())
+
+
+class FP16SavePlanner(DefaultSavePlanner):
+    """DCP's own docs' example of a subclass that changes what is written: every tensor as float16."""
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        for p in plan.items:
+            if p.tensor_data is not None:
+                p.tensor_data.properties.dtype = torch.float16
+        return plan
+
+    def resolve_data(self, write_item):
+        from torch.distributed.checkpoint.planner import WriteItemType
+        item = super().resolve_data(write_item)
+        return item if write_item.type == WriteItemType.BYTE_IO else item.to(torch.float16)
+
+
+def test_subclass_that_changes_dtypes_writes_what_dcp_writes(tmp_path):
+    m, opt = _trained(4)
+    state = _state(m, opt, 2)
+    dcp.save(state, storage_writer=FastCkptWriter(tmp_path / "ours"), planner=FP16SavePlanner())
+    dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path / "ref")), planner=FP16SavePlanner())
+    back = fastckpt.load(tmp_path / "ours")
+    assert back["model"]["0.weight"].dtype == torch.float16
+    half = {k: v.to(torch.float16) for k, v in state["model"].items()}
+    assert _same(back["model"], half) == []
+    _metadata_matches_reference(FastCkptReader(tmp_path / "ours").read_metadata(),
+                                FileSystemReader(str(tmp_path / "ref")).read_metadata())
+    ours, ref = _fresh(), _fresh()  # fp32 templates: fp16 stored values cast back, as DCP's reader does
+    with _NoPickle():
+        dcp.load(ours, storage_reader=FastCkptReader(tmp_path / "ours"))
+    dcp.load(ref, storage_reader=FileSystemReader(str(tmp_path / "ref")))
+    assert _same(ours, ref) == []
+    assert _same(ours["model"], {k: v.to(torch.float32) for k, v in half.items()}) == []
+
+
+class ExtraDataSavePlanner(DefaultSavePlanner):
+    """DCP's own docs' example of a subclass that puts its own data in ``planner_data`` (DCP's own
+    global plan needs ``flatten_state_dict=False`` then: it merges ``planner_data`` as fqn mappings)."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False)
+
+    def create_local_plan(self):
+        from dataclasses import replace
+        return replace(super().create_local_plan(), planner_data="per-rank-data")
+
+    def create_global_plan(self, all_plans):
+        from dataclasses import replace
+        global_plan, metadata = super().create_global_plan(all_plans)
+        return global_plan, replace(metadata, planner_data=[p.planner_data for p in global_plan])
+
+
+def test_subclass_with_its_own_planner_data(tmp_path):
+    m, _ = _trained(5)
+    state = {**{k: v for k, v in m.state_dict().items()}, "step": 8, "note": ("a", 2)}
+    dcp.save(state, storage_writer=FastCkptWriter(tmp_path / "ours"), planner=ExtraDataSavePlanner())
+    dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path / "ref")), planner=ExtraDataSavePlanner())
+    assert _same(fastckpt.load(tmp_path / "ours"), state) == []
+    assert fastckpt.verify(tmp_path / "ours").ok
+    fresh = lambda: {**{k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)},  # noqa: E731
+                     "step": 0, "note": None}
+    ours, ref = fresh(), fresh()
+    with _NoPickle():
+        dcp.load(ours, storage_reader=FastCkptReader(tmp_path / "ours"))
+    dcp.load(ref, storage_reader=FileSystemReader(str(tmp_path / "ref")))
+    assert _same(ours, ref) == [] and _same(ours, state) == []
