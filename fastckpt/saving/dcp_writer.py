@@ -512,7 +512,7 @@ def _dcp_metadata_json(metadata: Metadata, info: dict, storage_meta: StorageMeta
            "storage_meta": {"checkpoint_id": str(storage_meta.checkpoint_id), "save_id": storage_meta.save_id,
                             "modules": list(storage_meta.modules)},
            "key_paths": info["keys"]}
-    return json.dumps(doc, indent=1).encode()
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 class _Item:
