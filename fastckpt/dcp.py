@@ -5,22 +5,27 @@ Save::
     import torch.distributed.checkpoint as dcp
     from fastckpt.dcp import FastCkptSavePlanner, FastCkptStager, FastCkptWriter, background_group
 
+    dcp.save(state, storage_writer=FastCkptWriter(path))     # DCP's default planner (or a subclass)
     dcp.save(state, storage_writer=FastCkptWriter(path), planner=FastCkptSavePlanner())
     fut = dcp.async_save(state, storage_writer=FastCkptWriter(path2), planner=FastCkptSavePlanner(),
                          async_stager=FastCkptStager(), process_group=background_group())
 
 The folder holds HF-layout safetensors files of full tensors (readable by ``safetensors`` and
 ``transformers``), written in parallel by the ranks that own the bytes; see docs/FORMAT.md.
+Non-tensor values are stored as JSON whatever the planner (DCP's default one would pickle them);
+a value JSON cannot hold is refused naming its key (docs/DISTRIBUTED.md, "DCP").
 Pass ``process_group=background_group()`` to ``dcp.async_save`` so its collectives never share
 the training group.
 
 Load::
 
+    dcp.load(state, storage_reader=FastCkptReader(path))     # DCP's default planner (or a subclass)
     dcp.load(state, storage_reader=FastCkptReader(path), planner=FastCkptLoadPlanner())
     fastckpt.dcp.load(state, path)      # the same, DCP's CheckpointException turned into DCPLoadError
 
 reads a fastckpt checkpoint (format 1 or 2, any saving world size) or an HF folder with DCP's
-planner doing placement and resharding, never unpickling. A thin layer: the code lives in
+planner doing placement and resharding, never unpickling; a dtype difference is cast as DCP's
+``FileSystemReader`` casts it. A thin layer: the code lives in
 :mod:`fastckpt.saving.dcp_writer`, :mod:`fastckpt.saving.dtensor_save`, :mod:`fastckpt.saving.dtensor`
 and :mod:`fastckpt.loading.dcp_reader`.
 """

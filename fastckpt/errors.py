@@ -152,10 +152,10 @@ class DeviceUnavailableError(FastCkptError, ValueError):
 # --- DTensor / DCP saves (issue 13, save side) ---
 
 class UnsupportedPlannerError(FastCkptError, ValueError):
-    """:class:`fastckpt.dcp.FastCkptWriter` got a DCP plan it does not write: BYTE_IO items (DCP's
-    default planners ``torch.save``, i.e. pickle, non-tensor values) or a plan not made by
-    :class:`fastckpt.dcp.FastCkptSavePlanner`. The message names the key paths and the planner to
-    pass (``planner=fastckpt.dcp.FastCkptSavePlanner()``). Raised before any file exists."""
+    """:class:`fastckpt.dcp.FastCkptWriter` got a DCP plan it cannot lay out: a cached plan of DCP's
+    ``enable_plan_caching=True``, a planner without ``lookup_object`` (DCP's ``DefaultSavePlanner``
+    API) for non-tensor values, or a :class:`fastckpt.dcp.FastCkptSavePlanner` plan written with
+    another planner. The message says what to change. Nothing is committed."""
 
 
 # --- load_into / DCP reader (loading side of issue 13) -----------------------------------------
@@ -188,8 +188,9 @@ class ShardedCheckpointError(FastCkptError, ValueError):
 
 
 class DCPPlannerError(FastCkptError, TypeError):
-    """``FastCkptReader`` was asked for a non-tensor (BYTE_IO) item: DCP's default load planner would
-    unpickle it with ``torch.load(weights_only=False)``. Pass ``planner=FastCkptLoadPlanner()``."""
+    """``FastCkptReader`` was asked for a non-tensor (BYTE_IO) item it cannot serve without unpickling:
+    one the checkpoint has no JSON value for, or a planner that overrides ``load_bytes`` (it expects
+    the pickled bytes DCP's ``FileSystemReader`` hands out). Raised before any tensor is read."""
 
 
 class DCPLoadError(FastCkptError, RuntimeError):

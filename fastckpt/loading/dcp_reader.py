@@ -1,21 +1,27 @@
 """A ``torch.distributed.checkpoint`` StorageReader over fastckpt's read path, and a load planner
 that never unpickles.
 
-``dcp.load(state, storage_reader=FastCkptReader(path), planner=FastCkptLoadPlanner())`` reads a
-fastckpt checkpoint (format 1, one or many ranks, or 2) or a plain HF folder, with DCP's planner
-deciding placement and resharding. Nothing is unpickled and no ``.metadata`` file is needed:
+``dcp.load(state, storage_reader=FastCkptReader(path))`` (DCP's ``DefaultLoadPlanner``, a subclass
+of it, or :class:`FastCkptLoadPlanner`) reads a fastckpt checkpoint (format 1, one or many ranks,
+or 2) or a plain HF folder, with DCP's planner deciding placement and resharding. Nothing is
+unpickled and no ``.metadata`` file is needed:
 
 * :meth:`FastCkptReader.read_metadata` builds DCP's ``Metadata`` from the manifest
   (``TensorStorageMetadata``: one chunk per full tensor, or one per saved :class:`~fastckpt.Shard`
   piece; non-tensor values: ``BytesStorageMetadata``, whose values stay in ``Metadata.storage_data``
-  as the JSON values of ``state.json``).
-* :class:`FastCkptLoadPlanner` (a thin :class:`~torch.distributed.checkpoint.DefaultLoadPlanner`)
-  puts those values straight into the state and leaves only tensor reads in the plan; DCP's default
-  planner would ``torch.load(weights_only=False)`` non-tensor items, so the reader refuses BYTE_IO
-  reads (:class:`~fastckpt.errors.DCPPlannerError` naming the planner to pass).
+  as the JSON values of ``state.json``; ``planner_data``: DCP's ``flatten_state_dict`` mapping of
+  the saved state; ``storage_meta``: from ``dcp_metadata.json`` when the writer left one, whose
+  fqns, dtypes and sizes the rebuilt metadata is checked against).
+* Non-tensor (BYTE_IO) reads: DCP's default planner would ``torch.load(weights_only=False)`` the
+  bytes; instead the reader sets the JSON value where ``DefaultLoadPlanner.load_bytes`` puts it
+  (the same element of the caller's state), and :class:`FastCkptLoadPlanner` sets them while
+  planning. A planner that overrides ``load_bytes`` is refused
+  (:class:`~fastckpt.errors.DCPPlannerError`, before any tensor is read): it expects pickled bytes.
 * :meth:`FastCkptReader.read_data` reads each ``ReadItem``'s region (``storage_offsets`` /
   ``lengths`` within the stored chunk) with :func:`fastckpt.loading.into.read_box`, straight into
-  the destination when it is a contiguous CPU tensor, and hands it to the planner.
+  the destination when it is a contiguous CPU tensor of the stored dtype; a destination of another
+  dtype gets the stored values cast, ``target.copy_(stored)``, as DCP's ``FileSystemReader`` does
+  (never the bytes reinterpreted); then hands it to the planner.
 
 Call order (DCP's ``StorageReader`` contract, every rank unless said): ``reset`` -> ``read_metadata``
 -> ``set_up_storage_reader`` -> ``prepare_local_plan`` -> ``prepare_global_plan`` (coordinator) ->
@@ -25,6 +31,7 @@ Call order (DCP's ``StorageReader`` contract, every rank unless said): ``reset``
 from __future__ import annotations
 
 import copy
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,10 +43,10 @@ from torch.futures import Future
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   TensorProperties, TensorStorageMetadata)
+                                                   StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from ..errors import DCPPlannerError
+from ..errors import CorruptCheckpointError, DCPPlannerError
 from ..format.dtypes import str_to_dtype
 from ..format.tree import join
 from ..storage.io import PosixBackend, get_backend
@@ -90,7 +97,7 @@ def build_metadata(idx: CheckpointIndex) -> Metadata:
     if not isinstance(tree, dict):
         raise DCPPlannerError(f"{idx.resolved.root}: the saved state is a {type(tree).__name__}, not a dict; "
                               "DCP loads dict states only")
-    flat, _ = flatten_state_dict(tree)
+    flat, mappings = flatten_state_dict(tree)
     sd = FastCkptStorageData()
     md: dict[str, Any] = {}
     for fqn, v in flat.items():
@@ -106,7 +113,59 @@ def build_metadata(idx: CheckpointIndex) -> Metadata:
         else:
             sd.values[fqn] = v
             md[fqn] = BytesStorageMetadata()
-    return Metadata(state_dict_metadata=md, storage_data=sd)
+    meta = Metadata(state_dict_metadata=md, planner_data=mappings, storage_data=sd)
+    saved = _saved_dcp_metadata(idx)
+    if saved is not None:
+        _check_saved(idx, meta, saved)
+        sm = saved.get("storage_meta") or {}
+        meta.storage_meta = StorageMeta(checkpoint_id=sm.get("checkpoint_id"), save_id=sm.get("save_id"),
+                                        modules=list(sm.get("modules") or []))
+        meta.version = saved.get("dcp_version")
+    return meta
+
+
+#: Written by :class:`fastckpt.dcp.FastCkptWriter` for plans of DCP's own planners (its ``DCP_METADATA``).
+DCP_METADATA = "dcp_metadata.json"
+
+
+def _saved_dcp_metadata(idx: CheckpointIndex) -> dict | None:
+    """``dcp_metadata.json`` of a fastckpt checkpoint (JSON, listed in its manifest), or ``None``."""
+    m = idx.resolved.manifest
+    if not m or DCP_METADATA not in m.get("files", {}) or os.path.isfile(idx.resolved.root):
+        return None
+    path = os.path.join(idx.resolved.root, DCP_METADATA)
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{path}: listed in the manifest but unreadable ({e}); run "
+                                     f"`fastckpt verify {idx.resolved.root}`") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("state_dict_metadata"), dict):
+        raise CorruptCheckpointError(f"{path}: not a fastckpt DCP metadata document")
+    return doc
+
+
+def _check_saved(idx: CheckpointIndex, meta: Metadata, saved: dict) -> None:
+    """The metadata rebuilt from the manifest names every fqn the save's DCP metadata named, with the
+    same kind, dtype and global size.
+
+    Raises:
+        CorruptCheckpointError: names the fqn and both descriptions.
+    """
+    where = os.path.join(idx.resolved.root, DCP_METADATA)
+    for fqn, d in saved["state_dict_metadata"].items():
+        got = meta.state_dict_metadata.get(fqn)
+        if d.get("type") == "tensor":
+            ok = isinstance(got, TensorStorageMetadata) and list(got.size) == list(d["size"]) and \
+                got.properties.dtype == str_to_dtype(d["dtype"], tensor=fqn)
+            want = f"a {d['dtype']} tensor of size {d['size']}"
+        else:
+            ok, want = isinstance(got, BytesStorageMetadata), "a non-tensor value"
+        if not ok:
+            have = "missing" if got is None else (f"a {got.properties.dtype} tensor of size {list(got.size)}"
+                                                   if isinstance(got, TensorStorageMetadata) else "a non-tensor value")
+            raise CorruptCheckpointError(f"{where}: the save's DCP metadata has {fqn!r} as {want}; the manifest and "
+                                         f"state.json give {have}. Run `fastckpt verify {idx.resolved.root}`")
 
 
 class FastCkptReader(StorageReader):
@@ -120,15 +179,20 @@ class FastCkptReader(StorageReader):
         io_backend: I/O backend name or instance (default ``"posix"``).
         chunk_bytes: bytes per read request (default 4 MiB).
 
+    Works with DCP's ``DefaultLoadPlanner`` (the default of ``dcp.load``), planners that subclass it
+    and :class:`FastCkptLoadPlanner`. A tensor of the state whose dtype differs from the stored one
+    gets the stored values cast to its dtype (``target.copy_(stored)``, as DCP's ``FileSystemReader``);
+    shapes are checked by DCP's planner (its ``ValueError`` "Size mismatch", wrapped by DCP).
+
     Raises (from DCP's calls, wrapped by DCP in its ``CheckpointException``):
-        DCPPlannerError: a non-tensor (BYTE_IO) item is to be read: the caller did not pass
-            ``planner=FastCkptLoadPlanner()`` (raised from ``prepare_local_plan``, before any read).
+        DCPPlannerError: a non-tensor (BYTE_IO) item the checkpoint has no JSON value for, or a planner
+            that overrides ``load_bytes`` (it expects pickled bytes); before any tensor is read.
         CheckpointNotFoundError, HeaderError, CorruptCheckpointError, ChecksumMismatchError, OSError:
             as :func:`fastckpt.load_into`.
 
     Example::
 
-        dcp.load(state, storage_reader=FastCkptReader("ckpt/step-100"), planner=FastCkptLoadPlanner())
+        dcp.load(state, storage_reader=FastCkptReader("ckpt/step-100"))
     """
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = False, threads: int | None = None,
@@ -161,8 +225,8 @@ class FastCkptReader(StorageReader):
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """Refuse non-tensor reads (they need :class:`FastCkptLoadPlanner`); otherwise unchanged."""
-        _refuse_bytes(plan.items, self.path)
+        """Refuse non-tensor reads the checkpoint has no JSON value for; otherwise unchanged."""
+        _refuse_bytes(plan.items, self.path, self.storage_data)
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -174,13 +238,15 @@ class FastCkptReader(StorageReader):
 
         Returns a completed future (the reads are done, in parallel, when it returns).
         """
-        _refuse_bytes(plan.items, self.path)
         sd = self.storage_data
+        _refuse_bytes(plan.items, self.path, sd)
+        _set_values([i for i in plan.items if i.type == LoadItemType.BYTE_IO], planner, sd, self.path)
         files = Files(get_backend(self.io_backend))
         try:
             with ThreadPoolExecutor(self.threads or default_read_threads(), thread_name_prefix="fastckpt-dcp") as ex:
                 for item in plan.items:
-                    self._read_item(item, planner, sd, files, ex)
+                    if item.type != LoadItemType.BYTE_IO:
+                        self._read_item(item, planner, sd, files, ex)
         finally:
             files.close()
         fut: Future = Future()
@@ -195,11 +261,12 @@ class FastCkptReader(StorageReader):
         target = planner.resolve_tensor(item).detach()
         if tuple(target.shape) != box[1]:
             raise ValueError(f"{fqn}: planner target of shape {list(target.shape)} for a read of {list(box[1])}")
-        if target.device.type == "cpu" and target.is_contiguous():
+        stored = str_to_dtype(sd.descs[fqn].dtype, tensor=fqn)
+        if target.device.type == "cpu" and target.is_contiguous() and target.dtype == stored:
             read_box(files, ex, [(st, box)], box, byte_view(target), self.chunk_bytes, fqn)
             dest = target
-        else:
-            dest = torch.empty(box[1], dtype=target.dtype)
+        else:  # the stored bytes in their own dtype, then DCP's FileSystemReader's target.copy_(stored): a cast
+            dest = torch.empty(box[1], dtype=stored)
             read_box(files, ex, [(st, box)], box, byte_view(dest), self.chunk_bytes, fqn)
             target.copy_(dest)
         if self.verify:
@@ -209,14 +276,40 @@ class FastCkptReader(StorageReader):
         planner.commit_tensor(item, target)
 
 
-def _refuse_bytes(items: list[ReadItem], path: str) -> None:
-    names = [i.dest_index.fqn for i in items if i.type == LoadItemType.BYTE_IO]
+def _refuse_bytes(items: list[ReadItem], path: str, sd: FastCkptStorageData | None) -> None:
+    """Refuse BYTE_IO reads of fqns the checkpoint holds no JSON value for (nothing to unpickle, ever)."""
+    values = sd.values if sd is not None else {}
+    names = [i.storage_index.fqn for i in items if i.type == LoadItemType.BYTE_IO and i.storage_index.fqn not in values]
     if names:
         raise DCPPlannerError(
             f"{path}: DCP planned {len(names)} non-tensor (BYTE_IO) reads ({', '.join(map(repr, names[:5]))}"
-            f"{' ...' if len(names) > 5 else ''}); DCP's default load planner would unpickle them "
-            "(torch.load(weights_only=False)). Pass planner=fastckpt.dcp.FastCkptLoadPlanner(), which puts the "
-            "checkpoint's JSON values in place without unpickling")
+            f"{' ...' if len(names) > 5 else ''}) that this checkpoint holds no JSON value for; fastckpt never "
+            "unpickles. Load into a state whose entries the checkpoint has (fastckpt.read_manifest lists them)")
+
+
+def _set_values(items: list[ReadItem], planner: LoadPlanner, sd: FastCkptStorageData, path: str) -> None:
+    """Set the checkpoint's JSON value of each BYTE_IO item where ``DefaultLoadPlanner.load_bytes`` puts
+    the unpickled one (the element of the caller's state at the fqn's path), never unpickling.
+
+    Raises:
+        DCPPlannerError: the planner is not a ``DefaultLoadPlanner`` or overrides ``load_bytes``.
+    """
+    if not items:
+        return
+    kind = type(planner)
+    if not isinstance(planner, DefaultLoadPlanner) or kind.load_bytes is not DefaultLoadPlanner.load_bytes:
+        what = "overrides load_bytes" if isinstance(planner, DefaultLoadPlanner) else "is not a DefaultLoadPlanner"
+        raise DCPPlannerError(
+            f"{path}: planner {kind.__module__}.{kind.__qualname__} {what}, which expects pickled bytes for the non-tensor values {[i.dest_index.fqn for i in items][:5]}; "
+            "fastckpt stores them as JSON and never unpickles. Keep DefaultLoadPlanner's load_bytes (subclass "
+            "without overriding it) or pass planner=fastckpt.dcp.FastCkptLoadPlanner(). Nothing was read")
+    for item in items:
+        fqn = item.dest_index.fqn
+        value = copy.deepcopy(sd.values[item.storage_index.fqn])
+        if planner.flatten_state_dict:
+            set_element(planner.original_state_dict, planner.mappings[fqn], value)
+        else:
+            planner.state_dict[fqn] = value
 
 
 class FastCkptLoadPlanner(DefaultLoadPlanner):

@@ -49,8 +49,8 @@ class _TrainState:
         self.step, self.tokens = sd["step"], sd["tokens"]
 
 
-def _setup(seed: int, intermediate: int = 64):
-    """(model, optimizers, lr_schedulers, train_state): FSDP2 tiny Llama, torchtitan containers."""
+def _setup(seed: int, intermediate: int = 64, dtype: torch.dtype = torch.float32):
+    """(model, optimizers, lr_schedulers, train_state): FSDP2 tiny Llama (``dtype``), torchtitan containers."""
     from torch.distributed.fsdp import fully_shard
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
@@ -59,7 +59,7 @@ def _setup(seed: int, intermediate: int = 64):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg).to(dtype)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -279,3 +279,35 @@ def test_load_into_other_shapes_is_a_typed_error(pool, tmp_path):
     for r, out in res.items():
         assert out["type"] == "DCPLoadError" and out["failures"] == [0, 1], (r, out)
         assert "mlp" in out["msg"], out["msg"]
+
+
+def rank_dtype_cast(folder: str, src: str, dst: str) -> dict:
+    """Save a ``src`` model with the manager, load the step into a ``dst`` model: the values cast."""
+    import torch.distributed as dist
+    from fastckpt.integrations.torchtitan import FastCkptCheckpointManager as M
+
+    parts = _setup(0, dtype=getattr(torch, src))
+    _step(*parts, 0)
+    mgr = _manager(M, folder, parts)
+    assert mgr.save(curr_step=1)
+    mgr.maybe_wait_for_saving()
+    saved = _full(parts[0].state_dict())
+    mgr.close()
+    dist.barrier()
+    fresh = _setup(1, dtype=getattr(torch, dst))
+    mgr2 = _manager(M, folder, fresh)
+    assert mgr2.load() is True
+    got = _full(fresh[0].state_dict())
+    mgr2.close()
+    return {"keys": sorted(saved), "dtypes": sorted({str(v.dtype) for v in got.values()}),
+            "same": sorted(k for k in saved if k in got and _raw(got[k]) == _raw(saved[k].to(got[k].dtype)))}
+
+
+@pytest.mark.parametrize("src,dst", [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_load_into_other_dtype_casts_as_dcp(pool, tmp_path, src, dst):
+    """The manager reads through FastCkptReader: a dtype difference is cast (as DCP's FileSystemReader
+    does, ``target.copy_(stored)``), bit-exactly ``saved.to(dst)``, never the bytes reinterpreted."""
+    res = pool.run(rank_dtype_cast, folder=str(tmp_path), src=src, dst=dst, timeout_s=TIMEOUT_S)
+    for r, out in res.items():
+        assert out["dtypes"] == [f"torch.{dst}"], (r, out["dtypes"])
+        assert out["keys"] and out["same"] == out["keys"], (r, sorted(set(out["keys"]) - set(out["same"]))[:5])

@@ -152,14 +152,15 @@ def test_one_process_no_pickle(tmp_path):
     assert not os.path.exists(os.path.join(ck, ".metadata"))
 
 
-def test_default_planner_byte_io_is_refused_naming_our_planner(tmp_path):
-    ck, sd, _ = _small(tmp_path)
+def test_default_planner_reads_json_values_without_unpickling(tmp_path):
+    """DCP's default load planner (no planner=): the non-tensor values come from state.json, never
+    unpickled (issue 20; this refused before, naming FastCkptLoadPlanner)."""
+    ck, sd, osd = _small(tmp_path)
     state = _fresh()
-    before = state["model"]["weight"].clone()
-    with pytest.raises(CheckpointException) as ei:  # DCP's exception is a BaseException
+    with _NoPickle():
         dcp.load(state, storage_reader=FastCkptReader(ck))
-    assert "FastCkptLoadPlanner" in str(ei.value) and "DCPPlannerError" in str(ei.value)
-    assert torch.equal(state["model"]["weight"], before)  # refused while planning: nothing read
+    assert mismatches(state, {"model": sd, "optim": osd}) == []
+    assert state["optim"]["param_groups"][0]["lr"] == 0.05
 
 
 def test_fastckpt_dcp_load_raises_ours(tmp_path):
@@ -185,3 +186,49 @@ def test_verify_names_the_damaged_chunk(tmp_path):
     dcp.load(_fresh(), storage_reader=FastCkptReader(ck), planner=FastCkptLoadPlanner())  # unchecked
     with pytest.raises(DCPLoadError, match=r"ChecksumMismatchError.*model/weight.*offsets \[2, 0\]"):
         fastckpt.dcp.load(_fresh(), ck, verify=True)
+
+
+# -- dtype differences: cast as DCP's FileSystemReader does (issue 20, item 2) -------------------------
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("src,dst", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("planner", ["fastckpt", "default", "fastckpt.dcp.load+verify"])
+def test_dtype_difference_is_cast_like_dcp_filesystem_reader(tmp_path, src, dst, planner):
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    g = torch.Generator().manual_seed(0)
+    saved = {"w": torch.tensor([[49.6, 76.8, -3.1], [1e-3, 7.0, 1234.5]]).to(src),
+             "big": (torch.randn(64, 33, generator=g) * 100).to(src),
+             "wt": torch.randn(2, 3, generator=g).to(src)}
+    state = {"model": saved, "step": 4}
+    ck = fastckpt.save(state, tmp_path / "ck")
+    dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path / "ref")))
+
+    def template():  # "wt": a non-contiguous destination
+        return {"model": {"w": torch.zeros(2, 3, dtype=dst), "big": torch.zeros(64, 33, dtype=dst),
+                          "wt": torch.zeros(3, 2, dtype=dst).t()}, "step": 0}
+    ours, ref = template(), template()
+    with _NoPickle():
+        if planner == "fastckpt":
+            dcp.load(ours, storage_reader=FastCkptReader(ck), planner=FastCkptLoadPlanner())
+        elif planner == "default":
+            dcp.load(ours, storage_reader=FastCkptReader(ck))
+        else:
+            fastckpt.dcp.load(ours, ck, verify=True)
+    dcp.load(ref, storage_reader=FileSystemReader(str(tmp_path / "ref")))  # the reference: DCP's own reader
+    for k, v in saved.items():
+        assert ours["model"][k].dtype == dst
+        assert _raw(ours["model"][k]) == _raw(v.to(dst)), (k, ours["model"][k].flatten()[:3], v.flatten()[:3])
+        assert _raw(ours["model"][k]) == _raw(ref["model"][k]), k
+    assert ours["step"] == ref["step"] == 4
+
+
+def test_shape_difference_is_a_typed_error(tmp_path):
+    ck = fastckpt.save({"model": {"w": torch.ones(2, 3)}}, tmp_path / "ck")
+    state = {"model": {"w": torch.zeros(3, 2)}}
+    with pytest.raises(DCPLoadError, match=r"(?s)model\.w.*|Size mismatch") as ei:
+        fastckpt.dcp.load(state, ck)
+    assert "Size mismatch" in str(ei.value) and "model.w" in str(ei.value), str(ei.value)
+    assert torch.equal(state["model"]["w"], torch.zeros(3, 2))

@@ -130,25 +130,24 @@ def rank_async_during_training(folder: str, via: str) -> dict:
     return {"snap": snap, "after": after} if dist.get_rank() == 0 else {}
 
 
-def rank_default_planner_refused(folder: str) -> dict:
+def rank_default_planner(folder: str) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from fastckpt.dcp import FastCkptWriter
     model, _ = _setup()
-    path = os.path.join(folder, "refused")
-    try:
-        dcp.save({"model": model.state_dict(), "note": "not a tensor"}, storage_writer=FastCkptWriter(path))
+    ok, refused = os.path.join(folder, "default"), os.path.join(folder, "refused")
+    # DCP's default planner (no planner=): a JSON value is stored as JSON (issue 20: a drop-in writer)
+    dcp.save({"model": model.state_dict(), "note": "not a tensor"}, storage_writer=FastCkptWriter(ok))
+    try:  # a value JSON cannot hold (DCP would pickle it): refused, naming the key
+        dcp.save({"model": model.state_dict(), "helper": object()}, storage_writer=FastCkptWriter(refused))
         out = {"error": None}
     except BaseException as e:  # DCP's CheckpointException derives from BaseException
         out = {"error": type(e).__name__, "message": str(e)}
-    try:  # tensors only, DCP's default planner: still refused, naming the planner to pass
-        dcp.save({"model": model.state_dict()}, storage_writer=FastCkptWriter(path))
-        out["tensors_only"] = None
-    except BaseException as e:
-        out["tensors_only"] = str(e)
+    full = _full({"model": model.state_dict()})
     dist.barrier()
-    out["exists"] = os.path.exists(path)
+    out["exists"] = os.path.exists(refused)
     out["listing"] = sorted(os.listdir(folder))
+    out["full"] = full if dist.get_rank() == 0 else None
     return out
 
 
@@ -211,11 +210,13 @@ def test_async_save_while_training(pool, tmp_path, via):
     assert changed > 0  # the steps did run meanwhile
 
 
-def test_default_planner_refuses_byte_io(pool, tmp_path):
-    res = pool.run(rank_default_planner_refused, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+def test_default_planner_stores_json_refuses_the_unpicklable(pool, tmp_path):
+    res = pool.run(rank_default_planner, folder=str(tmp_path), timeout_s=TIMEOUT_S)
     for r in (0, 1):
         assert res[r]["error"] == "CheckpointException", res[r]
-        assert "FastCkptSavePlanner" in res[r]["message"] and "UnsupportedPlannerError" in res[r]["message"]
-        assert "BYTE_IO" in res[r]["message"] and "'note'" in res[r]["message"]
-        assert "FastCkptSavePlanner" in res[r]["tensors_only"]
-        assert not res[r]["exists"] and res[r]["listing"] == [], res[r]
+        assert "UnsupportedValueError" in res[r]["message"] and "'helper'" in res[r]["message"], res[r]["message"]
+        assert not res[r]["exists"] and res[r]["listing"] == ["default"], res[r]
+    back = fastckpt.load(tmp_path / "default")
+    assert back["note"] == "not a tensor"
+    for k, v in res[0]["full"]["model"].items():
+        assert torch.equal(back["model"][k], v), k
