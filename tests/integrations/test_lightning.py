@@ -273,3 +273,113 @@ def test_save_distributed_checkpoint_false_is_refused():
     from fastckpt.integrations.lightning import FastCkptModelParallelStrategy
     with pytest.raises(ValueError, match="save_distributed_checkpoint=False"):
         FastCkptModelParallelStrategy(save_distributed_checkpoint=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# issue 20: every way Lightning itself loads a checkpoint, with a checkpoint fastckpt wrote
+# ----------------------------------------------------------------------------------------------
+def _eval_module(seed: int):
+    """The test module plus validation / test / predict steps that record the loss they see."""
+    import lightning.pytorch as L
+
+    base = type(_module(seed))
+
+    class Eval(base):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[float] = []
+
+        def _batches(self):
+            g = torch.Generator().manual_seed(11)
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 64, (4, 16), generator=g)),
+                                               batch_size=4)
+
+        def validation_step(self, batch, i):
+            self.seen.append(float(self.llama(input_ids=batch[0], labels=batch[0]).loss))
+
+        test_step = validation_step
+
+        def predict_step(self, batch, i):
+            self.validation_step(batch, i)
+
+        def val_dataloader(self):
+            return self._batches()
+
+        test_dataloader = predict_dataloader = val_dataloader
+
+    assert issubclass(Eval, L.LightningModule)
+    return Eval()
+
+
+def rank_every_lightning_way(folder: str) -> dict:
+    """Save with fit + save_checkpoint, then load the checkpoint every way Lightning 2.6 has: fit(ckpt_path)
+    with and without weights_only, validate / test / predict(ckpt_path) (no optimizer: the checkpoint's
+    optimizer keys are not the module's), a bf16-true module (cast), and load_from_checkpoint, next to
+    what Lightning's own ModelParallelStrategy checkpoint does there."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from fastckpt.integrations.lightning import FastCkptModelParallelStrategy
+
+    _env()
+    ck = os.path.join(folder, "ways.ckpt")
+    a = _module(0)
+    ta = _trainer(folder, 2)
+    ta.fit(a)
+    ta.save_checkpoint(ck)
+    saved = _snapshot(a, ta.optimizers[0])["model"]
+    out: dict = {}
+
+    def check(name: str, fn, dtype=torch.float32, precision="32-true") -> None:
+        m = _eval_module(1)
+        strategy = FastCkptModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        import lightning.pytorch as L
+        t = L.Trainer(accelerator="cpu", devices=2, max_steps=3, logger=False, strategy=strategy,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=folder, precision=precision, limit_val_batches=1, num_sanity_val_steps=0)
+        try:
+            fn(t, m)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            return
+        got = _flat(get_model_state_dict(m))
+        want = {k: v.to(dtype) for k, v in saved.items()}
+        out[name] = {"diff": _same(want, got) if name not in ("fit", "fit weights_only") else None,
+                     "dtypes": sorted({str(v.dtype) for v in got.values()}), "seen": len(m.seen),
+                     "global_step": t.global_step}
+
+    check("validate", lambda t, m: t.validate(m, ckpt_path=ck))
+    check("test", lambda t, m: t.test(m, ckpt_path=ck))
+    check("predict", lambda t, m: t.predict(m, ckpt_path=ck))
+    check("validate weights_only", lambda t, m: t.validate(m, ckpt_path=ck, weights_only=True))
+    check("validate bf16-true", lambda t, m: t.validate(m, ckpt_path=ck), torch.bfloat16, "bf16-true")
+    check("fit", lambda t, m: t.fit(m, ckpt_path=ck))
+    check("fit weights_only", lambda t, m: t.fit(m, ckpt_path=ck, weights_only=True))
+
+    # load_from_checkpoint reads one file with torch.load: Lightning's own distributed checkpoint (a
+    # folder) cannot be read that way either; both are recorded so the test can compare them
+    own = os.path.join(folder, "own.ckpt")
+    tl = _trainer(folder, 2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
+    tl.fit(_module(0))
+    tl.save_checkpoint(own)
+    for name, path in (("load_from_checkpoint", ck), ("load_from_checkpoint lightning-own", own)):
+        try:
+            type(_eval_module(1)).load_from_checkpoint(path)
+            out[name] = {"error": None}
+        except Exception as e:  # noqa: BLE001
+            out[name] = {"error": type(e).__name__}
+    return out
+
+
+def test_every_lightning_way_to_load_a_fastckpt_checkpoint(pool, tmp_path):
+    res = pool.run(rank_every_lightning_way, folder=str(tmp_path), timeout_s=TIMEOUT_S * 2)
+    for r, out in res.items():
+        print(r, {k: (v if "error" in v else {kk: vv for kk, vv in v.items() if kk != "diff"}) for k, v in out.items()})
+        for way in ("validate", "test", "predict", "validate weights_only"):
+            assert out[way].get("diff") == [] and out[way]["seen"] == 1, (r, way, out[way])
+            assert out[way]["dtypes"] == ["torch.float32"], (r, way, out[way])
+        bf = out["validate bf16-true"]
+        assert bf.get("diff") == [] and bf["dtypes"] == ["torch.bfloat16"], (r, bf)  # saved.to(bf16), bit for bit
+        for way in ("fit", "fit weights_only"):
+            assert out[way].get("global_step") == 3, (r, way, out[way])  # resumed at 2, one more step
+        # a folder checkpoint is not a load_from_checkpoint input, fastckpt's as Lightning's own
+        assert out["load_from_checkpoint"]["error"] == out["load_from_checkpoint lightning-own"]["error"], (r, out)
