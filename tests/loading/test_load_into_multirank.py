@@ -132,7 +132,7 @@ def dtensor_placements(folder: str) -> dict:
              "b": distribute_tensor(torch.zeros(3, 4, 6, dtype=torch.int64), mesh, [Shard(2)]),
              "c": distribute_tensor(torch.zeros(9, 4), mesh, [Replicate()])}
     counter = CountingBackend()
-    fastckpt.load_into(state, ck, io_backend=counter)
+    fastckpt.load_into(state, ck, io_backend=counter, verify=False)  # the fill alone reads only this rank's part
     bad = [k for k in full if not torch.equal(state[k].full_tensor(), full[k])]
     fastckpt.load_into(state, ck, verify=True)  # partial regions: the whole-tensor xxh3 is read and checked
     return {"bad": bad, "read": counter.bytes, "expected": local_bytes(state)}
