@@ -38,7 +38,7 @@ def pool(tmp_path_factory):
 # ----------------------------------------------------------------------------------------------
 # rank side
 # ----------------------------------------------------------------------------------------------
-def _module(seed: int, intermediate: int = 64):
+def _module(seed: int, intermediate: int = 64, layers: int = 2):
     import lightning.pytorch as L
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -48,7 +48,7 @@ def _module(seed: int, intermediate: int = 64):
             super().__init__()
             torch.manual_seed(seed)
             self.llama = LlamaForCausalLM(LlamaConfig(
-                vocab_size=64, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=2,
+                vocab_size=64, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=layers,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
 
         def configure_model(self):
@@ -278,11 +278,11 @@ def test_save_distributed_checkpoint_false_is_refused():
 # ----------------------------------------------------------------------------------------------
 # issue 20: every way Lightning itself loads a checkpoint, with a checkpoint fastckpt wrote
 # ----------------------------------------------------------------------------------------------
-def _eval_module(seed: int):
+def _eval_module(seed: int, layers: int = 2):
     """The test module plus validation / test / predict steps that record the loss they see."""
     import lightning.pytorch as L
 
-    base = type(_module(seed))
+    base = type(_module(seed, layers=layers))
 
     class Eval(base):
         def __init__(self):
@@ -329,8 +329,9 @@ def rank_every_lightning_way(folder: str) -> dict:
     saved = _snapshot(a, ta.optimizers[0])["model"]
     out: dict = {}
 
-    def check(name: str, fn, dtype=torch.float32, precision="32-true") -> None:
-        m = _eval_module(1)
+    def check(name: str, fn, dtype=torch.float32, precision="32-true", layers=2, strict=True) -> None:
+        m = _eval_module(1, layers)
+        m.strict_loading = strict
         strategy = FastCkptModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         import lightning.pytorch as L
         t = L.Trainer(accelerator="cpu", devices=2, max_steps=3, logger=False, strategy=strategy,
@@ -342,7 +343,7 @@ def rank_every_lightning_way(folder: str) -> dict:
             out[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             return
         got = _flat(get_model_state_dict(m))
-        want = {k: v.to(dtype) for k, v in saved.items()}
+        want = {k: v.to(dtype) for k, v in saved.items() if layers == 2 or k in got}
         out[name] = {"diff": _same(want, got) if name not in ("fit", "fit weights_only") else None,
                      "dtypes": sorted({str(v.dtype) for v in got.values()}), "seen": len(m.seen),
                      "global_step": t.global_step}
@@ -354,6 +355,10 @@ def rank_every_lightning_way(folder: str) -> dict:
     check("validate bf16-true", lambda t, m: t.validate(m, ckpt_path=ck), torch.bfloat16, "bf16-true")
     check("fit", lambda t, m: t.fit(m, ckpt_path=ck))
     check("fit weights_only", lambda t, m: t.fit(m, ckpt_path=ck, weights_only=True))
+    # a module with one layer: the checkpoint's second layer is refused under strict_loading, ignored without
+    check("validate fewer layers", lambda t, m: t.validate(m, ckpt_path=ck), layers=1)
+    check("validate fewer layers, strict_loading=False", lambda t, m: t.validate(m, ckpt_path=ck), layers=1,
+          strict=False)
 
     # load_from_checkpoint reads one file with torch.load: Lightning's own distributed checkpoint (a
     # folder) cannot be read that way either; both are recorded so the test can compare them
@@ -373,7 +378,6 @@ def rank_every_lightning_way(folder: str) -> dict:
 def test_every_lightning_way_to_load_a_fastckpt_checkpoint(pool, tmp_path):
     res = pool.run(rank_every_lightning_way, folder=str(tmp_path), timeout_s=TIMEOUT_S * 2)
     for r, out in res.items():
-        print(r, {k: (v if "error" in v else {kk: vv for kk, vv in v.items() if kk != "diff"}) for k, v in out.items()})
         for way in ("validate", "test", "predict", "validate weights_only"):
             assert out[way].get("diff") == [] and out[way]["seen"] == 1, (r, way, out[way])
             assert out[way]["dtypes"] == ["torch.float32"], (r, way, out[way])
@@ -381,5 +385,9 @@ def test_every_lightning_way_to_load_a_fastckpt_checkpoint(pool, tmp_path):
         assert bf.get("diff") == [] and bf["dtypes"] == ["torch.bfloat16"], (r, bf)  # saved.to(bf16), bit for bit
         for way in ("fit", "fit weights_only"):
             assert out[way].get("global_step") == 3, (r, way, out[way])  # resumed at 2, one more step
+        err = out["validate fewer layers"].get("error") or ""
+        assert err.startswith("StateMismatchError") and "layers.1." in err and "strict_loading" in err, (r, err)
+        loose = out["validate fewer layers, strict_loading=False"]
+        assert loose.get("diff") == [] and loose["seen"] == 1, (r, loose)  # the module's keys, bit for bit
         # a folder checkpoint is not a load_from_checkpoint input, fastckpt's as Lightning's own
         assert out["load_from_checkpoint"]["error"] == out["load_from_checkpoint lightning-own"]["error"], (r, out)
