@@ -372,6 +372,21 @@ def rank_every_lightning_way(folder: str) -> dict:
             out[name] = {"error": None}
         except Exception as e:  # noqa: BLE001
             out[name] = {"error": type(e).__name__}
+
+    # a flipped byte in each rank's half of the final norm weight: every rank's load refuses it (checksums
+    # are checked by default on this resume path), naming the file and the key
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        key = "state_dict/llama.model.norm.weight"
+        e = fastckpt.read_manifest(ck)["tensors"][key]
+        with open(os.path.join(ck, e["file"]), "r+b") as f:
+            for pos in (e["offsets"][0] + 1, e["offsets"][1] - 2):  # inside element 0 and element 31
+                f.seek(pos)
+                b = f.read(1)
+                f.seek(pos)
+                f.write(bytes([b[0] ^ 0x01]))
+    dist.barrier()
+    check("validate flipped byte", lambda t, m: t.validate(m, ckpt_path=ck))
     return out
 
 
@@ -389,5 +404,8 @@ def test_every_lightning_way_to_load_a_fastckpt_checkpoint(pool, tmp_path):
         assert err.startswith("StateMismatchError") and "layers.1." in err and "strict_loading" in err, (r, err)
         loose = out["validate fewer layers, strict_loading=False"]
         assert loose.get("diff") == [] and loose["seen"] == 1, (r, loose)  # the module's keys, bit for bit
+        err = out["validate flipped byte"].get("error") or ""
+        assert err.startswith("ChecksumMismatchError") and "llama.model.norm.weight" in err and ".safetensors" in err, \
+            (r, err)
         # a folder checkpoint is not a load_from_checkpoint input, fastckpt's as Lightning's own
         assert out["load_from_checkpoint"]["error"] == out["load_from_checkpoint lightning-own"]["error"], (r, out)
