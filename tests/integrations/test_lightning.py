@@ -291,8 +291,8 @@ def _eval_module(seed: int, layers: int = 2):
 
         def _batches(self):
             g = torch.Generator().manual_seed(11)
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 64, (4, 16), generator=g)),
-                                               batch_size=4)
+            ids = torch.randint(0, 64, (4, 16), generator=g)
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
 
         def validation_step(self, batch, i):
             self.seen.append(float(self.llama(input_ids=batch[0], labels=batch[0]).loss))
