@@ -29,7 +29,8 @@ Lightning loads a checkpoint through its strategy works: ``fit``, ``validate``, 
 ``predict`` with ``ckpt_path=`` (without optimizers, the checkpoint's optimizer states are not
 read), ``weights_only=`` either way; ``strict_loading`` applies to the module's keys, as in
 Lightning's own load. ``LightningModule.load_from_checkpoint`` reads one file with ``torch.load``
-and fails on a folder, fastckpt's as Lightning's own distributed checkpoint (``IsADirectoryError``). Checkpoint paths
+and fails on a folder, fastckpt's as Lightning's own distributed checkpoint (``IsADirectoryError``).
+Checkpoint paths
 that are not fastckpt folders (Lightning's own DCP folders or full ``.ckpt`` files) load through
 Lightning's own code. ``save_distributed_checkpoint=False`` (one full-state file from rank 0) is
 Lightning's pickle path and is refused here.
@@ -111,14 +112,13 @@ def _build_strategy_class():
                 StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                 set_model_state_dict, set_optimizer_state_dict)
             strict = self.lightning_module.strict_loading
-            # Lightning's own part first (small: loops, callbacks...); it is also part of the target
-            meta = fastckpt.load(path, keys=META_KEY)[META_KEY]
             target: dict[str, Any] = {STATE_KEY: get_model_state_dict(self.model)}
-            for i, optim in enumerate(self.optimizers):  # none under validate / test / predict
-                target[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optim)
-            target[META_KEY] = meta
             if strict:  # strict_loading is about the module, as in Lightning's own load
                 _refuse_unexpected_module_keys(path, target[STATE_KEY])
+            for i, optim in enumerate(self.optimizers):  # none under validate / test / predict
+                target[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optim)
+            # Lightning's own part (small: loops, callbacks...) read first; it is also part of the target
+            target[META_KEY] = fastckpt.load(path, keys=META_KEY)[META_KEY]
             # the target names what is read (the optimizers' keys only when there are optimizers);
             # checksums checked, dtypes cast to the module's (bf16-true...) as DCP's reader does
             loaded = fastckpt.load_into(target, path, strict=None if strict else False)
@@ -143,7 +143,7 @@ def _refuse_unexpected_module_keys(path: Path, module_state: dict) -> None:
     direction, module keys the checkpoint lacks, is :func:`fastckpt.load_into`'s default check).
 
     Raises:
-        fastckpt.errors.StateMismatchError: names the checkpoint keys the module lacks; before any read.
+        fastckpt.errors.StateMismatchError: names the checkpoint keys the module lacks (only the manifest is read).
     """
     from fastckpt.errors import StateMismatchError
     from fastckpt.format.tree import join
@@ -153,7 +153,7 @@ def _refuse_unexpected_module_keys(path: Path, module_state: dict) -> None:
     if extra:
         raise StateMismatchError(
             f"{path}: the checkpoint holds {len(extra)} module tensor(s) the LightningModule does not have, e.g. "
-            f"{extra[:5]}; nothing was read. Build the module from the same config, or set "
+            f"{extra[:5]}; nothing was loaded. Build the module from the same config, or set "
             "module.strict_loading = False to ignore them", path=str(path), unexpected=extra)
 
 
