@@ -8,6 +8,13 @@ format; every load then runs in a fresh subprocess that ends with every tensor i
 root) right before the timed load; warm runs read the files through the page cache first.
 Order is rotated per repetition; medians are quoted. Results: ``benchmarks/results/load.json``.
 
+``fastckpt.load`` and ``fastckpt.load_into`` check every tensor's xxh3 by default; the
+``(verify=False)`` rows skip it, so the pair measures the cost of the check (``fastckpt.load_into``
+fills a preallocated state, its allocation timed, as ``dcp.load``)::
+
+    python benchmarks/bench_load.py --size-gib 1 --reps 3 --modes warm \
+        --only "fastckpt.load,fastckpt.load(verify=False),fastckpt.load_into,fastckpt.load_into(verify=False)"
+
 ``fastckpt.load_weights(dtype=fp32)`` loads the same bf16 file converted to fp32 on the way
 (``fastckpt.loading.device.load_weights``, CPU, default 256 MiB ring / 16 MiB slots): its loaded
 size is twice the state. GB/s counts the bytes read (the state), as for every row; "RSS growth /
@@ -26,10 +33,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
-CONTENDERS = ["fastckpt.load", "fastckpt.load(foreign .safetensors)", "safetensors.load_file(mmap)+copy",
+CONTENDERS = ["fastckpt.load", "fastckpt.load(verify=False)", "fastckpt.load_into", "fastckpt.load_into(verify=False)",
+              "fastckpt.load(foreign .safetensors)", "safetensors.load_file(mmap)+copy",
               "safetensors.load_file(backend=pread)", "torch.load(mmap=True)+copy", "dcp.load",
               "runai-model-streamer", "fastsafetensors(nogds)", "fastckpt.load_weights(dtype=fp32)"]
-SOURCE = {"fastckpt.load": "fastckpt", "fastckpt.load(foreign .safetensors)": "model.safetensors",
+SOURCE = {"fastckpt.load": "fastckpt", "fastckpt.load(verify=False)": "fastckpt", "fastckpt.load_into": "fastckpt",
+          "fastckpt.load_into(verify=False)": "fastckpt", "fastckpt.load(foreign .safetensors)": "model.safetensors",
           "safetensors.load_file(mmap)+copy": "model.safetensors",
           "safetensors.load_file(backend=pread)": "model.safetensors", "torch.load(mmap=True)+copy": "model.pt",
           "dcp.load": "dcp", "runai-model-streamer": "model.safetensors",
@@ -60,7 +69,7 @@ def child(name: str, folder: str, size_gib: float, mode: str) -> dict:
     import torch
     src = os.path.join(folder, SOURCE[name])
     shapes = None
-    if name == "dcp.load":  # DCP loads into a preallocated state dict: allocating it is timed
+    if name == "dcp.load" or name.startswith("fastckpt.load_into"):  # into a preallocated state: allocation timed
         shapes = C.layout(size_gib)
     if name == "runai-model-streamer":
         from runai_model_streamer import SafetensorsStreamer
@@ -81,7 +90,12 @@ def child(name: str, folder: str, size_gib: float, mode: str) -> dict:
     base = C.maxrss_bytes()
     t0 = time.perf_counter()
     if name == "fastckpt.load":
-        out = fastckpt.load(src)["model"]
+        out = fastckpt.load(src)["model"]  # checksums checked (the default)
+    elif name == "fastckpt.load(verify=False)":
+        out = fastckpt.load(src, verify=False)["model"]
+    elif name.startswith("fastckpt.load_into"):
+        out = {n: torch.empty(k, dtype=torch.bfloat16) for n, k in shapes}
+        fastckpt.load_into({"model": out}, src, verify=name == "fastckpt.load_into")
     elif name == "fastckpt.load(foreign .safetensors)":
         out = fastckpt.load(src)
     elif name == "fastckpt.load_weights(dtype=fp32)":

@@ -4,8 +4,9 @@ Public API::
 
     fastckpt.save(state, path, *, process_group=None, **options) -> Path   # durable + committed on return
     fastckpt.async_save(state, path, *, process_group=None, **options) -> SaveFuture  # returns once staged
-    fastckpt.load(path, *, device="cpu", keys=None) -> dict
-    fastckpt.load_into(state, path, *, strict=True, verify=False) -> state   # in place, resharding
+    fastckpt.load(path, *, device="cpu", keys=None, verify=True) -> dict
+    fastckpt.load_into(state, path, *, strict=None, verify=True, report=None) -> state   # in place, resharding
+    fastckpt.LoadIntoReport                   # missing / unexpected / cast keys of a load_into
     fastckpt.CheckpointManager(root, keep_last=None, prefix="step-", process_group=None)
     fastckpt.Saver(process_group=None)        # a saver of your own (its failures stay its own)
     fastckpt.SaveOptions / IOTuning / Consistency, fastckpt.Shard
@@ -31,7 +32,7 @@ from .errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMis
                      InsufficientSpaceError, RankValuesDifferError, SaveConflictError, UnsupportedDtypeError,
                      UnsupportedValueError)
 from .loading.reader import load, open_checkpoint
-from .loading.into import load_into
+from .loading.into import LoadIntoReport, load_into
 from .loading.source import Source, resolve_source
 from .manager import CheckpointManager
 from .coordination import LOCAL
@@ -181,7 +182,7 @@ def wait() -> None:
     _saver().wait()
 
 
-__all__ = ["save", "async_save", "load", "load_into", "wait", "reserve", "prime_hashes", "verify", "is_committed", "read_manifest", "open_checkpoint",
+__all__ = ["save", "async_save", "load", "load_into", "LoadIntoReport", "wait", "reserve", "prime_hashes", "verify", "is_committed", "read_manifest", "open_checkpoint",
            "CheckpointManager", "Saver", "no_gc", "resolve_source", "Source", "SaveFuture", "SaveOptions", "IOTuning", "Consistency", "Shard", "LOCAL",
            "VerifyReport", "errors", "FastCkptError", "DistributedSaveError", "RankValuesDifferError", "SaveConflictError",
            "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError", "HeaderError",

@@ -156,6 +156,9 @@ class CheckpointManager:
     def load(self, step: int | None = None, **options: Any) -> dict:
         """Load ``step`` (default: the newest committed) with :func:`fastckpt.load` options.
 
+        The checksums are checked by default, as in :func:`fastckpt.load` (``verify=False`` skips
+        them): a damaged byte raises instead of coming back as a weight.
+
         A save this manager started and that is still in flight is waited for first (its
         failure, if any, is still raised by its ``result()`` or the next save, not here).
 
@@ -164,7 +167,10 @@ class CheckpointManager:
 
         Raises:
             CheckpointNotFoundError: no committed checkpoint (or not that step).
+            ChecksumMismatchError: unless ``verify=False``, a stored byte differs from the manifest
+                (names the file and the key).
         """
+        options.setdefault("verify", True)
         return load(self.path(self._pick(step)), **options)
 
     def load_into(self, state: Any, step: int | None = None, **options: Any) -> Any:
@@ -174,14 +180,17 @@ class CheckpointManager:
 
         The resume path of sharded (FSDP2 / TP) training: every rank calls it with its live state,
         e.g. ``get_state_dict(model, optim)``; no collective is made. Step choice and warnings as
-        :meth:`load`.
+        :meth:`load`; checksums checked by default (``verify=False`` skips them), the state names
+        what is read and dtypes are cast as :func:`fastckpt.load_into` says.
 
         Returns:
             ``state`` with non-tensor leaves replaced by the checkpoint's (see :func:`fastckpt.load_into`).
 
         Raises:
             CheckpointNotFoundError: no committed checkpoint (or not that step).
-            StateMismatchError: ``strict`` (default) and keys or shapes differ (names each key).
+            StateMismatchError: keys differ as ``strict`` forbids (default: a state key the
+                checkpoint lacks), or shapes differ (names each key).
+            ChecksumMismatchError: unless ``verify=False``, a stored byte differs from the manifest.
         """
         return load_into(state, self.path(self._pick(step)), **options)
 

@@ -22,8 +22,15 @@ own chunks of the full tensors, atomic commit after every rank succeeded):
   callbacks, lr_schedulers, hyper_parameters...), as JSON + tensors. Nothing is pickled.
 
 Resume fills the live FSDP2 / TP parameters and optimizer states in place with
-:func:`fastckpt.load_into` (each rank reads only its own shards; any world size to any), then
-hands Lightning the ``lightning`` part to restore loops, callbacks and schedulers. Checkpoint paths
+:func:`fastckpt.load_into` (each rank reads only its own shards; any world size to any; checksums
+checked; a dtype difference, e.g. ``precision="bf16-true"``, cast as DCP's reader casts), then
+hands Lightning the ``lightning`` part to restore loops, callbacks and schedulers. Every way
+Lightning loads a checkpoint through its strategy works: ``fit``, ``validate``, ``test`` and
+``predict`` with ``ckpt_path=`` (without optimizers, the checkpoint's optimizer states are not
+read), ``weights_only=`` either way; ``strict_loading`` applies to the module's keys, as in
+Lightning's own load. ``LightningModule.load_from_checkpoint`` reads one file with ``torch.load``
+and fails on a folder, fastckpt's as Lightning's own distributed checkpoint (``IsADirectoryError``).
+Checkpoint paths
 that are not fastckpt folders (Lightning's own DCP folders or full ``.ckpt`` files) load through
 Lightning's own code. ``save_distributed_checkpoint=False`` (one full-state file from rank 0) is
 Lightning's pickle path and is refused here.
@@ -105,14 +112,16 @@ def _build_strategy_class():
                 StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                 set_model_state_dict, set_optimizer_state_dict)
             strict = self.lightning_module.strict_loading
-            # Lightning's own part first (small: loops, callbacks...); it is also part of the target,
-            # so load_into's strict check compares the whole checkpoint with the whole state
-            meta = fastckpt.load(path, keys=META_KEY)[META_KEY]
             target: dict[str, Any] = {STATE_KEY: get_model_state_dict(self.model)}
-            for i, optim in enumerate(self.optimizers):
+            if strict:  # strict_loading is about the module, as in Lightning's own load
+                _refuse_unexpected_module_keys(path, target[STATE_KEY])
+            for i, optim in enumerate(self.optimizers):  # none under validate / test / predict
                 target[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optim)
-            target[META_KEY] = meta
-            loaded = fastckpt.load_into(target, path, strict=strict)
+            # Lightning's own part (small: loops, callbacks...) read first; it is also part of the target
+            target[META_KEY] = fastckpt.load(path, keys=META_KEY)[META_KEY]
+            # the target names what is read (the optimizers' keys only when there are optimizers);
+            # checksums checked, dtypes cast to the module's (bf16-true...) as DCP's reader does
+            loaded = fastckpt.load_into(target, path, strict=None if strict else False)
             set_model_state_dict(self.model, loaded[STATE_KEY], options=StateDictOptions(strict=strict))
             for i, optim in enumerate(self.optimizers):
                 set_optimizer_state_dict(self.model, optim, optim_state_dict=loaded[f"optimizer_{i}"])
@@ -127,6 +136,25 @@ def _build_strategy_class():
 
     FastCkptModelParallelStrategy.__module__ = __name__
     return FastCkptModelParallelStrategy
+
+
+def _refuse_unexpected_module_keys(path: Path, module_state: dict) -> None:
+    """``strict_loading``: the checkpoint's module tensors must all be the live module's (the other
+    direction, module keys the checkpoint lacks, is :func:`fastckpt.load_into`'s default check).
+
+    Raises:
+        fastckpt.errors.StateMismatchError: names the checkpoint keys the module lacks (only the manifest is read).
+    """
+    from fastckpt.errors import StateMismatchError
+    from fastckpt.format.tree import join
+    have = {join(STATE_KEY, k) for k in module_state}
+    extra = sorted(k for k in fastckpt.read_manifest(path)["tensors"]
+                   if k.startswith(STATE_KEY + "/") and k not in have)
+    if extra:
+        raise StateMismatchError(
+            f"{path}: the checkpoint holds {len(extra)} module tensor(s) the LightningModule does not have, e.g. "
+            f"{extra[:5]}; nothing was loaded. Build the module from the same config, or set "
+            "module.strict_loading = False to ignore them", path=str(path), unexpected=extra)
 
 
 def __getattr__(name: str) -> Any:

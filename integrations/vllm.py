@@ -11,7 +11,10 @@ checkpoints, the manifest) before reading, then streams ``(name, tensor)`` pairs
 model's own ``load_weights`` in batches of at most ``batch_bytes``, reading the next batch with
 fastckpt's parallel large reads while vLLM copies the current one (no mmap page faults).
 The model handles tensor-parallel sharding in its weight loaders, exactly as with the default
-loader. Options go in ``--model-loader-extra-config '{"threads": 16, "batch_bytes": 2147483648,
+loader. Each tensor is yielded with its stored dtype and values (never reinterpreted bytes); the
+model's weight loaders cast it to the parameter's dtype (vLLM's ``default_weight_loader``:
+``param.data.copy_(loaded_weight)``, after checking the size), as DCP's reader casts.
+Options go in ``--model-loader-extra-config '{"threads": 16, "batch_bytes": 2147483648,
 "verify": true, "device": "cuda"}'`` (``device``: stream batches into device memory through the
 pinned bounce ring of :mod:`fastckpt.loading.device` instead of host memory).
 

@@ -8,10 +8,16 @@ pieces (:mod:`fastckpt.loading.regions`) and read straight into the destination 
 contiguous CPU tensor, else through a bounded host buffer (``buffer_bytes``) and copied. No
 collective is needed: every rank plans from its own DTensors. Non-tensor leaves come back in the
 returned tree with the checkpoint's values (``optimizer.load_state_dict`` can follow).
+
+Reads are exact or refuse, as ``torch.distributed.checkpoint.load`` with its ``FileSystemReader``
+(which reads the stored tensor and ``target.copy_(stored)``s it): a stored tensor whose dtype differs
+from the destination's is read in its stored dtype and cast with ``copy_`` (values equal
+``stored.to(dest.dtype)``; bytes are never reinterpreted), a shape difference is refused.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -24,7 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, StateMismatchError
-from ..format.dtypes import DTYPE_TO_STR
+from ..format.dtypes import DTYPE_TO_STR, str_to_dtype
 from ..format.stateful import load_back, to_state_dicts
 from ..format.tree import join
 from ..storage.io import PosixBackend, get_backend, readv_exact
@@ -36,6 +42,26 @@ from .stored import Check, CheckpointIndex, TensorDesc, open_index
 #: Host bounce memory (bytes) for destinations that are not contiguous CPU tensors.
 BUFFER_BYTES = 64 << 20
 
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadIntoReport:
+    """What :func:`load_into` did besides filling the matching tensors (pass one as ``report=``).
+
+    Attributes:
+        missing_keys: key paths of the state the checkpoint lacks, left untouched (``strict=False``;
+            in the other modes they raise), as ``nn.Module.load_state_dict``'s ``missing_keys``.
+        unexpected_keys: key paths (HF folders: tensor names) of the checkpoint the state does not
+            name: not read (with ``strict=True`` they raise), as ``load_state_dict``'s ``unexpected_keys``.
+        cast: ``(key path, stored dtype, state dtype)`` of each tensor read in its stored dtype and
+            cast into the state's (dtype strings as safetensors writes them, e.g. ``"F32"``, ``"BF16"``).
+    """
+
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    cast: list[tuple[str, str, str]] = field(default_factory=list)
+
 
 @dataclass
 class Target:
@@ -46,6 +72,7 @@ class Target:
     region: Box
     desc: TensorDesc
     parts: list[tuple[Stored, Box]] = field(default_factory=list)
+    stored: torch.dtype | None = None  # the stored dtype when it differs from ``local``'s (cast on copy)
 
 
 def local_region(t: torch.Tensor) -> tuple[torch.Tensor, Box, tuple[int, ...]]:
@@ -90,6 +117,7 @@ class _Plan:
         self.used: set[str] = set()
         self.missing: list[str] = []
         self.mismatched: list[tuple] = []
+        self.cast: list[tuple[str, str, str]] = []
 
     def leaf(self, v: Any, path: str, segs: tuple) -> None:
         idx = self.idx
@@ -127,18 +155,23 @@ class _Plan:
 
     def _tensor(self, v: torch.Tensor, path: str, desc: TensorDesc) -> None:
         local, region, gshape = local_region(v)
-        want = DTYPE_TO_STR.get(v.dtype)
-        if gshape != desc.shape or want != desc.dtype:
-            self.mismatched.append((path, _describe(v), _describe_desc(desc), os.path.basename(desc.pieces[0].file)
-                                    if desc.pieces else ""))
+        fname = os.path.basename(desc.pieces[0].file) if desc.pieces else ""
+        if gshape != desc.shape:
+            self.mismatched.append((path, _describe(v), _describe_desc(desc), fname))
             return
+        where = desc.pieces[0].file if desc.pieces else self.idx.resolved.root
+        stored: torch.dtype | None = str_to_dtype(desc.dtype, tensor=path, path=where)
+        if stored == v.dtype:
+            stored = None
+        else:  # cast as DCP's reader does (target.copy_(stored))
+            self.cast.append((path, desc.dtype, DTYPE_TO_STR.get(v.dtype, str(v.dtype))))
         if tuple(local.shape) != region[1]:
             raise ValueError(f"{path!r}: local tensor of shape {list(local.shape)} does not match its DTensor "
                              f"region {list(region[1])}")
         if local.device.type == "meta":
             raise ValueError(f"{path!r}: the state tensor is on the meta device; allocate it (e.g. "
                              "model.to_empty(device=...)) before load_into")
-        t = Target(path, local, region, desc)
+        t = Target(path, local, region, desc, stored=stored)
         got = 0
         for st in desc.pieces:
             b = intersect(st.box, region)
@@ -202,7 +235,10 @@ def _raise_mismatch(plan: _Plan, unexpected: list[str], root: str) -> None:
         f"missing, {len(unexpected)} unexpected); nothing was written:\n" + "\n".join(lines)
         + (f"\n  ... and {more} more" if more > 0 else "")
         + "\nBuild the state from the same model/optimizer config (an optimizer's state must exist: step once or "
-        "use torch.distributed.checkpoint.state_dict.get_state_dict), or pass strict=False to skip these keys.",
+        "use torch.distributed.checkpoint.state_dict.get_state_dict)"
+        + (", or pass strict=False to leave the missing keys untouched." if plan.missing and not plan.mismatched
+           else "; a tensor of another shape is never loaded." if plan.mismatched else
+           ", or drop strict=True to ignore the checkpoint keys the state does not name."),
         path=root, missing=plan.missing, unexpected=unexpected, mismatched=plan.mismatched)
 
 
@@ -252,13 +288,13 @@ def _read_run(files: Files, run: Run, out: memoryview, key: str) -> None:
 def _fill(t: Target, files: Files, ex: ThreadPoolExecutor, chunk: int, buffer_bytes: int) -> list:
     """Fill one target; returns the futures of a direct read (the caller waits), [] when done here."""
     loc = t.local
-    if loc.device.type == "cpu" and loc.is_contiguous():
+    if loc.device.type == "cpu" and loc.is_contiguous() and t.stored is None:
         out = byte_view(loc)
         return [ex.submit(_read_run, files, run, out, t.key)
                 for st, b in t.parts for run in split_runs(box_runs(st, b, t.region), chunk)]
     isz = t.desc.pieces[0].itemsize
     for blk in dim0_blocks(t.region, buffer_bytes, isz):
-        tmp = torch.empty(blk[1], dtype=loc.dtype)
+        tmp = torch.empty(blk[1], dtype=t.stored or loc.dtype)  # the stored dtype: copy_ below casts
         parts = [(st, b) for st, _ in t.parts if (b := intersect(st.box, blk)) is not None]
         read_box(files, ex, parts, blk, byte_view(tmp), chunk, t.key)
         sl = tuple(slice(o - r, o - r + n) for o, n, r in zip(blk[0], blk[1], t.region[0]))
@@ -288,6 +324,53 @@ def verify_region(key: str, checks: list[Check], local: torch.Tensor, region: Bo
             raise ChecksumMismatchError(f"{c.what}: {problem}", path=c.stored.file, tensor=key)
 
 
+def _verify_cast(t: Target, files: Files, ex: ThreadPoolExecutor, chunk: int) -> None:
+    """:func:`verify_region` for a target filled with a cast: its tensor no longer holds the stored
+    bytes, so each checksummed box overlapping the region is read again (stored dtype) and hashed.
+
+    Raises:
+        ChecksumMismatchError: names the key, the chunk and the file.
+    """
+    for c in t.desc.checks:
+        if math.prod(t.region[1]) == 0 or intersect(c.box, t.region) is None:
+            continue
+        tmp = torch.empty(c.box[1], dtype=t.stored)
+        read_box(files, ex, [(c.stored, c.box)], c.box, byte_view(tmp), chunk, t.key)
+        problem = chunk_problem(t.key, c.stored.file, c.box, c.xxh3, byte_view(tmp))
+        if problem:
+            raise ChecksumMismatchError(f"{c.what}: {problem}", path=c.stored.file, tensor=t.key)
+
+
+def _verify_targets(targets: list[Target], files: Files, ex: ThreadPoolExecutor, chunk: int) -> None:
+    """Check the filled targets' checksums, several tensors hashed at once (xxhash releases the GIL);
+    reads of partly covered boxes go to ``ex``. Raises the first failure in target order."""
+    def one(t: Target) -> None:
+        if t.stored is None:
+            verify_region(t.key, t.desc.checks, t.local, t.region, files, ex, chunk)
+        else:
+            _verify_cast(t, files, ex, chunk)
+
+    todo = [t for t in targets if t.desc.checks]
+    with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1, 8)), thread_name_prefix="fastckpt-hash") as hx:
+        futs = [hx.submit(one, t) for t in todo]
+        for f in futs:
+            f.result()
+
+
+def _log_keys(plan: _Plan, unexpected: list[str], root: str) -> None:
+    """Keys left unfilled are never silent: WARNING for missing ones, INFO for ignored and cast ones."""
+    if plan.missing:
+        logger.warning("fastckpt: load_into(%s, strict=False) left %d key(s) of the state untouched (not in the "
+                       "checkpoint): %s%s", root, len(plan.missing), plan.missing[:10],
+                       " ..." if len(plan.missing) > 10 else "")
+    if unexpected:
+        logger.info("fastckpt: load_into(%s) ignored %d checkpoint key(s) the state does not name: %s%s", root,
+                    len(unexpected), unexpected[:10], " ..." if len(unexpected) > 10 else "")
+    if plan.cast:
+        logger.info("fastckpt: load_into(%s) cast %d tensor(s) to the state's dtype (key, stored, state): %s%s",
+                    root, len(plan.cast), plan.cast[:10], " ..." if len(plan.cast) > 10 else "")
+
+
 def _default_rank() -> int:
     try:
         import torch.distributed as dist
@@ -296,20 +379,27 @@ def _default_rank() -> int:
         return 0
 
 
-def load_into(state: Any, path: str | os.PathLike, *, strict: bool = True, verify: bool = False,
+def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None, verify: bool = True,
               threads: int | None = None, io_backend: str | PosixBackend | None = None,
               chunk_bytes: int = READ_CHUNK_BYTES, buffer_bytes: int = BUFFER_BYTES,
-              local_rank: int | None = None) -> Any:
+              local_rank: int | None = None, report: LoadIntoReport | None = None) -> Any:
     """Fill the tensors of ``state`` in place from the checkpoint at ``path``, resharding as needed.
 
     ``state`` is a nested dict/list/tuple like the one saved, e.g. ``{"model": model.state_dict(),
-    "optim": optim_sd}``. Each tensor leaf is matched by key path (:mod:`fastckpt.format.tree`, e.g.
-    ``"model/lm_head.weight"``) and filled in place:
+    "optim": optim_sd}``; as with ``torch.distributed.checkpoint.load``, the state names what is
+    loaded: ``load_into({"model": model.state_dict()}, ckpt)`` of a checkpoint that also holds the
+    optimizer reads the model only. Each tensor leaf is matched by key path
+    (:mod:`fastckpt.format.tree`, e.g. ``"model/lm_head.weight"``) and filled in place:
 
     * plain CPU/accelerator tensors, ``nn.Parameter`` values and NumPy arrays: the whole tensor;
     * ``DTensor`` (FSDP2 ``fully_shard``, TP; any mesh, ``Shard(d)``, uneven shards, ``Replicate``):
       its ``to_local()`` gets the global region of this rank, and only the bytes of that region are
       read (a ``Shard(0)`` region of a full tensor is one byte run, ``Shard(1)`` one run per row).
+
+    Dtypes follow DCP's ``FileSystemReader`` (``target.copy_(stored)``): a stored tensor whose dtype
+    differs from the state's (fp32 checkpoint into a bf16 model, bf16 into fp32...) is read in its
+    stored dtype and cast with ``copy_``, so the state holds exactly ``stored.to(state_dtype)``; the
+    bytes are never reinterpreted. A tensor of another shape is always refused.
 
     No collective is made: every rank may call it with its own state. Any world size loads any other:
     the sources are fastckpt checkpoints of format 1 (one process, or multi-rank: a
@@ -335,38 +425,55 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool = True, verif
     Args:
         state: the nested state to fill (tensor leaves must be allocated, not on the meta device).
         path: checkpoint folder, HF model folder or safetensors file.
-        strict: ``True`` (default): a state key the checkpoint lacks, a checkpoint key the state lacks,
-            or a shape/dtype mismatch raises :class:`~fastckpt.errors.StateMismatchError` before any
-            tensor is written. ``False``: those keys are skipped (left untouched / ignored); other
-            tensors are still filled. No dtype conversion: a dtype mismatch is never loaded.
-        verify: check the xxh3 checksums of what is read (fastckpt checkpoints): a whole-tensor
-            checksum, a v2 chunk or a v1 shard piece fully inside this rank's region is hashed from
-            the filled tensor; one that the region covers only partly is read whole from the file
-            and hashed (so verify may read up to a chunk more than the region).
+        strict: which disagreements of keys raise :class:`~fastckpt.errors.StateMismatchError`
+            (before any tensor is written):
+
+            * ``None`` (default, as ``dcp.load``): a key of the state that the checkpoint lacks
+              raises; checkpoint keys the state does not name are ignored (not read; logged at INFO,
+              listed in ``report.unexpected_keys``).
+            * ``True`` (as ``nn.Module.load_state_dict(strict=True)``): both directions raise.
+            * ``False`` (as ``dcp.load`` with ``DefaultLoadPlanner(allow_partial_load=True)``): state
+              keys the checkpoint lacks are left untouched, never silently: logged as a WARNING naming
+              them and listed in ``report.missing_keys``.
+
+            In every mode a tensor of another shape, or a tensor where the checkpoint holds a plain
+            value (or the reverse), raises.
+        verify: check the xxh3 checksums of what is read (fastckpt checkpoints; default ``True``,
+            ``False`` skips it; HF folders carry none): a whole-tensor checksum, a v2 chunk or a v1
+            shard piece fully inside this rank's region is hashed from the filled tensor; one that the
+            region covers only partly is read whole from the file and hashed (so verify may read up
+            to a chunk more than the region; a checkpoint saved by one process has one checksum per
+            tensor, so each rank of a sharded state reads the tensors it holds part of whole once
+            more); a tensor filled with a cast is read once more in its stored dtype and hashed.
         threads: reads in flight (default :func:`fastckpt.loading.reader.default_read_threads`).
         io_backend: I/O backend name or instance (default ``"posix"``).
         chunk_bytes: bytes per read request (default 4 MiB).
         buffer_bytes: host bounce memory per tensor for destinations that are not contiguous CPU
-            tensors (accelerator tensors, strided views), default 64 MiB; at least one dim-0 slice.
+            tensors of the stored dtype (accelerator tensors, strided views, a dtype cast), default
+            64 MiB; at least one dim-0 slice.
         local_rank: saved rank whose rank-local subtrees (a multi-rank save's ``local_keys``, which
             carry no placement and do not reshard) fill the state's. Default: this process's rank in
             the default process group when one is initialized, else 0.
+        report: a :class:`LoadIntoReport` to fill with the missing, unexpected and cast keys (as
+            ``nn.Module.load_state_dict`` returns missing/unexpected keys); default ``None``.
 
     Returns:
         ``state`` rebuilt with the same containers: tensor leaves are the filled objects, non-tensor
         leaves the checkpoint's values.
 
     Peak memory: the state itself plus, per bounced tensor, ``buffer_bytes`` (at least one dim-0
-    slice); with ``verify``, a chunk that a region covers only partly is read into a temporary.
+    slice); with ``verify``, a chunk that a region covers only partly (or that was cast) is read into
+    a temporary.
 
     Raises:
-        StateMismatchError: ``strict`` and keys/shapes/dtypes disagree (names key, both shapes and
-            dtypes, and the file); nothing written.
+        StateMismatchError: keys disagree as ``strict`` forbids, or a shape / tensor-vs-value
+            disagreement (names key, both shapes and dtypes, and the file); nothing written.
         CheckpointNotFoundError, HeaderError, CorruptCheckpointError, UnsafePathError: as
             :func:`fastckpt.load`, before anything is written (CorruptCheckpointError also when the
             stored shard pieces do not cover a region).
-        ChecksumMismatchError: with ``verify``, bytes read differ from the manifest (names the key and
-            the chunk offsets); tensors filled before the check keep the bytes read.
+        UnsupportedDtypeError: the file names a dtype torch does not have (names key and file).
+        ChecksumMismatchError: with ``verify``, bytes read differ from the manifest (names the key,
+            the chunk offsets and the file); tensors filled before the check keep the bytes read.
         ValueError: a DTensor whose local shape disagrees with its placements, or a meta tensor.
         OSError: from the reads.
 
@@ -375,7 +482,12 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool = True, verif
         sd, osd = get_state_dict(model, optim)       # FSDP2: DTensor values
         state = fastckpt.load_into({"model": sd, "optim": osd}, "ckpt/step-100")
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+        rep = fastckpt.LoadIntoReport()                 # weights only, tied lm_head left to the embedding
+        fastckpt.load_into(model.state_dict(), "hf_model/", strict=False, report=rep)  # rep.missing_keys
     """
+    if strict not in (None, True, False):
+        raise ValueError(f"strict must be None, True or False, got {strict!r}")
     state, stateful = to_state_dicts(state)  # DCP's Stateful: fill obj.state_dict(), then obj.load_state_dict()
     if local_rank is None:
         local_rank = _default_rank()
@@ -383,8 +495,13 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool = True, verif
     plan = _Plan(idx)
     _walk(state, "", (), plan)
     unexpected = plan.unexpected()
-    if strict and (plan.missing or unexpected or plan.mismatched):
-        _raise_mismatch(plan, unexpected, idx.resolved.root)
+    if plan.mismatched or (plan.missing and strict is not False) or (unexpected and strict is True):
+        _raise_mismatch(plan, unexpected if strict else [], idx.resolved.root)
+    _log_keys(plan, unexpected, idx.resolved.root)
+    if report is not None:
+        report.missing_keys[:] = plan.missing
+        report.unexpected_keys[:] = unexpected
+        report.cast[:] = plan.cast
     chunk = max(4096, int(chunk_bytes))
     files = Files(get_backend(io_backend))
     try:
@@ -396,9 +513,8 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool = True, verif
                 f.result()
             for t in plan.targets:
                 torch.autograd.graph.increment_version(t.local)  # written behind autograd's back
-            if verify:
-                for t in plan.targets:
-                    verify_region(t.key, t.desc.checks, t.local, t.region, files, ex, chunk)
+            if verify and any(t.desc.checks for t in plan.targets):
+                _verify_targets(plan.targets, files, ex, chunk)
     finally:
         files.close()
     return load_back(_rebuild(state, "", plan.values), stateful)

@@ -274,7 +274,7 @@ def _check(d: _Dest, entry: dict) -> None:
 
 
 def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: Any = None,
-         threads: int | None = None, verify: bool = False, chunk_bytes: int = READ_CHUNK_BYTES,
+         threads: int | None = None, verify: bool = True, chunk_bytes: int = READ_CHUNK_BYTES,
          io_backend: str | PosixBackend | None = None) -> dict:
     """Load a checkpoint, HF model folder or safetensors file.
 
@@ -290,8 +290,10 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
             (``"optimizer"`` selects ``optimizer/state/0/exp_avg``). ``None``: everything. Every
             key must match something.
         threads: reads in flight (default :func:`default_read_threads`).
-        verify: also check each tensor's xxh3 against the manifest (fastckpt checkpoints; format 2:
-            each chunk's xxh3, a mismatch naming the key and the chunk's offsets).
+        verify: check each tensor's xxh3 against the manifest (fastckpt checkpoints; format 2:
+            each chunk's xxh3, a mismatch naming the key and the chunk's offsets). Default ``True``:
+            a damaged byte never comes back as a value; ``False`` skips the hashing (HF folders and
+            safetensors files carry no checksums either way).
         chunk_bytes: bytes per read request (default 4 MiB).
         io_backend: I/O backend name or instance (default ``"posix"``).
 
@@ -302,8 +304,10 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
     Raises:
         DeviceUnavailableError: ``device`` is unknown or not available here (before any read).
         CheckpointNotFoundError: nothing committed or loadable at ``path``.
-        HeaderError, CorruptCheckpointError, ChecksumMismatchError, UnsafePathError:
-            invalid or damaged files (before any tensor memory is allocated, except checksums).
+        HeaderError, CorruptCheckpointError, UnsafePathError: invalid or damaged files (before
+            any tensor memory is allocated).
+        ChecksumMismatchError: with ``verify``, a tensor's bytes differ from the manifest (names the
+            file and the key).
         KeysNotFoundError: (a ``KeyError``) a key in ``keys`` matches nothing stored; names it
             and a few keys that exist (before any read).
         ShardedCheckpointError: a multi-rank checkpoint's :class:`~fastckpt.Shard` value whose saved

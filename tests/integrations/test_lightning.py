@@ -38,7 +38,7 @@ def pool(tmp_path_factory):
 # ----------------------------------------------------------------------------------------------
 # rank side
 # ----------------------------------------------------------------------------------------------
-def _module(seed: int, intermediate: int = 64):
+def _module(seed: int, intermediate: int = 64, layers: int = 2):
     import lightning.pytorch as L
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -48,7 +48,7 @@ def _module(seed: int, intermediate: int = 64):
             super().__init__()
             torch.manual_seed(seed)
             self.llama = LlamaForCausalLM(LlamaConfig(
-                vocab_size=64, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=2,
+                vocab_size=64, hidden_size=32, intermediate_size=intermediate, num_hidden_layers=layers,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
 
         def configure_model(self):
@@ -273,3 +273,139 @@ def test_save_distributed_checkpoint_false_is_refused():
     from fastckpt.integrations.lightning import FastCkptModelParallelStrategy
     with pytest.raises(ValueError, match="save_distributed_checkpoint=False"):
         FastCkptModelParallelStrategy(save_distributed_checkpoint=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# issue 20: every way Lightning itself loads a checkpoint, with a checkpoint fastckpt wrote
+# ----------------------------------------------------------------------------------------------
+def _eval_module(seed: int, layers: int = 2):
+    """The test module plus validation / test / predict steps that record the loss they see."""
+    import lightning.pytorch as L
+
+    base = type(_module(seed, layers=layers))
+
+    class Eval(base):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[float] = []
+
+        def _batches(self):
+            g = torch.Generator().manual_seed(11)
+            ids = torch.randint(0, 64, (4, 16), generator=g)
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+
+        def validation_step(self, batch, i):
+            self.seen.append(float(self.llama(input_ids=batch[0], labels=batch[0]).loss))
+
+        test_step = validation_step
+
+        def predict_step(self, batch, i):
+            self.validation_step(batch, i)
+
+        def val_dataloader(self):
+            return self._batches()
+
+        test_dataloader = predict_dataloader = val_dataloader
+
+    assert issubclass(Eval, L.LightningModule)
+    return Eval()
+
+
+def rank_every_lightning_way(folder: str) -> dict:
+    """Save with fit + save_checkpoint, then load the checkpoint every way Lightning 2.6 has: fit(ckpt_path)
+    with and without weights_only, validate / test / predict(ckpt_path) (no optimizer: the checkpoint's
+    optimizer keys are not the module's), a bf16-true module (cast), and load_from_checkpoint, next to
+    what Lightning's own ModelParallelStrategy checkpoint does there."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from fastckpt.integrations.lightning import FastCkptModelParallelStrategy
+
+    _env()
+    ck = os.path.join(folder, "ways.ckpt")
+    a = _module(0)
+    ta = _trainer(folder, 2)
+    ta.fit(a)
+    ta.save_checkpoint(ck)
+    saved = _snapshot(a, ta.optimizers[0])["model"]
+    out: dict = {}
+
+    def check(name: str, fn, dtype=torch.float32, precision="32-true", layers=2, strict=True) -> None:
+        m = _eval_module(1, layers)
+        m.strict_loading = strict
+        strategy = FastCkptModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        import lightning.pytorch as L
+        t = L.Trainer(accelerator="cpu", devices=2, max_steps=3, logger=False, strategy=strategy,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=folder, precision=precision, limit_val_batches=1, num_sanity_val_steps=0)
+        try:
+            fn(t, m)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            return
+        got = _flat(get_model_state_dict(m))
+        want = {k: v.to(dtype) for k, v in saved.items() if layers == 2 or k in got}
+        out[name] = {"diff": _same(want, got) if name not in ("fit", "fit weights_only") else None,
+                     "dtypes": sorted({str(v.dtype) for v in got.values()}), "seen": len(m.seen),
+                     "global_step": t.global_step}
+
+    check("validate", lambda t, m: t.validate(m, ckpt_path=ck))
+    check("test", lambda t, m: t.test(m, ckpt_path=ck))
+    check("predict", lambda t, m: t.predict(m, ckpt_path=ck))
+    check("validate weights_only", lambda t, m: t.validate(m, ckpt_path=ck, weights_only=True))
+    check("validate bf16-true", lambda t, m: t.validate(m, ckpt_path=ck), torch.bfloat16, "bf16-true")
+    check("fit", lambda t, m: t.fit(m, ckpt_path=ck))
+    check("fit weights_only", lambda t, m: t.fit(m, ckpt_path=ck, weights_only=True))
+    # a module with one layer: the checkpoint's second layer is refused under strict_loading, ignored without
+    check("validate fewer layers", lambda t, m: t.validate(m, ckpt_path=ck), layers=1)
+    check("validate fewer layers, strict_loading=False", lambda t, m: t.validate(m, ckpt_path=ck), layers=1,
+          strict=False)
+
+    # load_from_checkpoint reads one file with torch.load: Lightning's own distributed checkpoint (a
+    # folder) cannot be read that way either; both are recorded so the test can compare them
+    own = os.path.join(folder, "own.ckpt")
+    tl = _trainer(folder, 2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
+    tl.fit(_module(0))
+    tl.save_checkpoint(own)
+    for name, path in (("load_from_checkpoint", ck), ("load_from_checkpoint lightning-own", own)):
+        try:
+            type(_eval_module(1)).load_from_checkpoint(path)
+            out[name] = {"error": None}
+        except Exception as e:  # noqa: BLE001
+            out[name] = {"error": type(e).__name__}
+
+    # a flipped byte in each rank's half of the final norm weight: every rank's load refuses it (checksums
+    # are checked by default on this resume path), naming the file and the key
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        key = "state_dict/llama.model.norm.weight"
+        e = fastckpt.read_manifest(ck)["tensors"][key]
+        with open(os.path.join(ck, e["file"]), "r+b") as f:
+            for pos in (e["offsets"][0] + 1, e["offsets"][1] - 2):  # inside element 0 and element 31
+                f.seek(pos)
+                b = f.read(1)
+                f.seek(pos)
+                f.write(bytes([b[0] ^ 0x01]))
+    dist.barrier()
+    check("validate flipped byte", lambda t, m: t.validate(m, ckpt_path=ck))
+    return out
+
+
+def test_every_lightning_way_to_load_a_fastckpt_checkpoint(pool, tmp_path):
+    res = pool.run(rank_every_lightning_way, folder=str(tmp_path), timeout_s=TIMEOUT_S * 2)
+    for r, out in res.items():
+        for way in ("validate", "test", "predict", "validate weights_only"):
+            assert out[way].get("diff") == [] and out[way]["seen"] == 1, (r, way, out[way])
+            assert out[way]["dtypes"] == ["torch.float32"], (r, way, out[way])
+        bf = out["validate bf16-true"]
+        assert bf.get("diff") == [] and bf["dtypes"] == ["torch.bfloat16"], (r, bf)  # saved.to(bf16), bit for bit
+        for way in ("fit", "fit weights_only"):
+            assert out[way].get("global_step") == 3, (r, way, out[way])  # resumed at 2, one more step
+        err = out["validate fewer layers"].get("error") or ""
+        assert err.startswith("StateMismatchError") and "layers.1." in err and "strict_loading" in err, (r, err)
+        loose = out["validate fewer layers, strict_loading=False"]
+        assert loose.get("diff") == [] and loose["seen"] == 1, (r, loose)  # the module's keys, bit for bit
+        err = out["validate flipped byte"].get("error") or ""
+        assert err.startswith("ChecksumMismatchError") and "llama.model.norm.weight" in err and ".safetensors" in err, \
+            (r, err)
+        # a folder checkpoint is not a load_from_checkpoint input, fastckpt's as Lightning's own
+        assert out["load_from_checkpoint"]["error"] == out["load_from_checkpoint lightning-own"]["error"], (r, out)

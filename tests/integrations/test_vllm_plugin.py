@@ -148,3 +148,41 @@ def test_register_without_vllm_warns(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader", None)
     plugin.register()
     assert "vLLM >= 0.10" in caplog.text
+
+
+class Bf16Model(TinyModel):
+    """Parameters in another dtype than the files; ``load_weights`` copies as vLLM's
+    ``default_weight_loader`` does (size checked, then ``param.data.copy_(loaded_weight)``)."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.to(dtype)
+
+    def load_weights(self, weights) -> set[str]:
+        done = set()
+        params = dict(self.named_parameters())
+        for name, t in weights:
+            assert params[name].size() == t.size(), (name, params[name].size(), t.size())
+            params[name].data.copy_(t)
+            done.add(name)
+        return done
+
+
+@pytest.mark.parametrize("stored,model_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_weights_come_in_their_stored_dtype_and_are_cast_not_reinterpreted(tmp_path, stored, model_dtype):
+    """issue 20: the plugin yields each tensor with the stored dtype and values (never reinterpreted
+    bytes); the model's weight loader casts it, so the model holds exactly ``saved.to(model_dtype)``."""
+    g = torch.Generator().manual_seed(5)
+    sd = {"a": (torch.randn(64, 32, generator=g, dtype=torch.float64) * 50).to(stored),
+          "b": torch.randn(32, generator=g).to(stored)}
+    ck = fastckpt.save({"model": sd}, tmp_path / "ck", weights={"model": "model"})
+    model_config, load_config = _cfg(ck, batch_bytes=4096)
+    loader = plugin.FastCkptModelLoader(load_config)
+    got = dict(loader.get_weights_iterator(str(ck)))
+    assert {k: v.dtype for k, v in got.items()} == {"a": stored, "b": stored}
+    assert all(torch.equal(got[k].view(torch.uint8), sd[k].view(torch.uint8)) for k in sd)
+    model = Bf16Model(model_dtype)
+    loader.load_weights(model, model_config)
+    for k in sd:
+        want = sd[k].to(model_dtype)
+        assert torch.equal(getattr(model, k).data.view(torch.uint8), want.view(torch.uint8)), k

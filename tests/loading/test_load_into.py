@@ -79,10 +79,10 @@ def test_non_contiguous_destination_goes_through_a_small_buffer(ck):
     assert torch.equal(dst["model"]["w"], _state(1)["model"]["w"])
 
 
-def _expect_mismatch(ck, dst, *needles):
+def _expect_mismatch(ck, dst, *needles, strict=None):
     before = _snapshot(dst)
     with pytest.raises(StateMismatchError) as ei:
-        fastckpt.load_into(dst, ck)
+        fastckpt.load_into(dst, ck, strict=strict)
     msg = str(ei.value)
     for n in needles:
         assert n in msg, msg
@@ -97,10 +97,12 @@ def test_strict_shape_mismatch_names_key_shapes_file_and_writes_nothing(ck):
     assert e.mismatched and e.mismatched[0][0] == "model/w"
 
 
-def test_strict_dtype_mismatch_is_refused(ck):
-    dst = _state(0)
+def test_dtype_mismatch_is_cast_as_dcp_casts(ck):
+    # issue 20: cast like DCP's FileSystemReader (target.copy_(stored)), never refused or reinterpreted
+    dst = _zeros_like(_state(0))
     dst["model"]["b"] = dst["model"]["b"].float()
-    _expect_mismatch(ck, dst, "'model/b'", "F32", "BF16")
+    fastckpt.load_into(dst, ck, strict=True)
+    assert torch.equal(dst["model"]["b"], _state(1)["model"]["b"].float())
 
 
 def test_strict_missing_and_unexpected_keys(ck):
@@ -108,18 +110,21 @@ def test_strict_missing_and_unexpected_keys(ck):
     dst["model"]["extra"] = torch.ones(2)
     del dst["model"]["ids"]
     e = _expect_mismatch(ck, dst, "missing from the checkpoint: 'model/extra'", "not in the state: 'model/ids'",
-                         "strict=False")
+                         strict=True)
     assert e.missing == ["model/extra"] and e.unexpected == ["model/ids"]
     assert isinstance(e, ValueError) and isinstance(e, fastckpt.FastCkptError)
 
 
-def test_non_strict_skips_what_does_not_match(ck):
+def test_non_strict_skips_missing_keys_but_never_other_shapes(ck):
+    # issue 20: strict=False leaves missing keys untouched (reported); a shape mismatch is still refused
     dst = _zeros_like(_state(0))
     dst["model"]["extra"] = torch.ones(2)
-    dst["model"]["w"] = torch.zeros(2, 2)
-    fastckpt.load_into(dst, ck, strict=False)
-    assert torch.equal(dst["model"]["extra"], torch.ones(2)) and torch.equal(dst["model"]["w"], torch.zeros(2, 2))
+    rep = fastckpt.LoadIntoReport()
+    fastckpt.load_into(dst, ck, strict=False, report=rep)
+    assert torch.equal(dst["model"]["extra"], torch.ones(2)) and rep.missing_keys == ["model/extra"]
     assert torch.equal(dst["model"]["ids"], _state(1)["model"]["ids"])
+    dst["model"]["w"] = torch.zeros(2, 2)
+    _expect_mismatch(ck, dst, "'model/w'", "[2, 2]", "[6, 5]", strict=False)
 
 
 def test_verify_catches_a_flipped_byte_naming_the_tensor(ck):
@@ -131,9 +136,9 @@ def test_verify_catches_a_flipped_byte_naming_the_tensor(ck):
         f.seek(e["offsets"][0] + 9)
         f.write(bytes([b[0] ^ 0x10]))
     dst = _zeros_like(_state(0))
-    fastckpt.load_into(dst, ck)  # without verify: loads the damaged bytes
+    fastckpt.load_into(dst, ck, verify=False)  # without verify: loads the damaged bytes
     with pytest.raises(ChecksumMismatchError, match="model/w"):
-        fastckpt.load_into(dst, ck, verify=True)
+        fastckpt.load_into(dst, ck)  # verify is the default (issue 20)
 
 
 def test_plain_hf_safetensors_file_by_name(tmp_path):

@@ -132,10 +132,32 @@ def dtensor_placements(folder: str) -> dict:
              "b": distribute_tensor(torch.zeros(3, 4, 6, dtype=torch.int64), mesh, [Shard(2)]),
              "c": distribute_tensor(torch.zeros(9, 4), mesh, [Replicate()])}
     counter = CountingBackend()
-    fastckpt.load_into(state, ck, io_backend=counter)
+    fastckpt.load_into(state, ck, io_backend=counter, verify=False)  # the fill alone reads only this rank's part
     bad = [k for k in full if not torch.equal(state[k].full_tensor(), full[k])]
     fastckpt.load_into(state, ck, verify=True)  # partial regions: the whole-tensor xxh3 is read and checked
     return {"bad": bad, "read": counter.bytes, "expected": local_bytes(state)}
+
+
+def dtensor_cast(folder: str) -> dict:
+    """issue 20: DTensors of another dtype than the checkpoint's (fp32 file -> bf16 Shard(1), bf16 file ->
+    fp32 Shard(0)) get the saved values cast as DCP's reader casts, checksums checked (the default)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    ck = os.path.join(folder, "cast")
+    g = torch.Generator().manual_seed(1)
+    full = {"a": torch.randn(7, 5, generator=g, dtype=torch.float64).mul(100).float(),
+            "b": torch.randn(9, 4, generator=g).to(torch.bfloat16)}
+    if dist.get_rank() == 0:
+        fastckpt.save(full, ck)
+    dist.barrier()
+    mesh = init_device_mesh("cpu", (2,))
+    state = {"a": distribute_tensor(torch.zeros(7, 5, dtype=torch.bfloat16), mesh, [Shard(1)]),
+             "b": distribute_tensor(torch.zeros(9, 4), mesh, [Shard(0)])}
+    fastckpt.load_into(state, ck)
+    want = {"a": full["a"].to(torch.bfloat16), "b": full["b"].float()}
+    return {"bad": [k for k in full if not torch.equal(state[k].full_tensor().view(torch.uint8),
+                                                       want[k].view(torch.uint8))],
+            "dtypes": [str(state[k].dtype) for k in ("a", "b")]}
 
 
 def rank_local_case(folder: str) -> dict:
@@ -234,6 +256,12 @@ def test_dtensor_shard1_uneven_and_replicate(pool, tmp_path):
     out = pool.run(dtensor_placements, folder=str(tmp_path), timeout_s=TIMEOUT_S)
     for r, o in out.items():
         assert o["bad"] == [] and 0 < o["read"] == o["expected"], (r, o)
+
+
+def test_dtensor_of_another_dtype_is_cast(pool, tmp_path):
+    out = pool.run(dtensor_cast, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    for r, o in out.items():
+        assert o["bad"] == [] and o["dtypes"] == ["torch.bfloat16", "torch.float32"], (r, o)
 
 
 def test_rank_local_subtrees(pool, tmp_path):
