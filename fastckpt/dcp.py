@@ -42,7 +42,7 @@ from .saving.dtensor import background_group
 from .saving.dtensor_save import FastCkptStager
 
 
-def load(state: dict, path: str | os.PathLike, *, process_group: Any = None, verify: bool = False,
+def load(state: dict, path: str | os.PathLike, *, process_group: Any = None, verify: bool = True,
          threads: int | None = None, allow_partial_load: bool = False) -> dict:
     """``torch.distributed.checkpoint.load`` of ``path`` into ``state`` (in place) with
     :class:`FastCkptReader` and :class:`FastCkptLoadPlanner`.
@@ -52,7 +52,7 @@ def load(state: dict, path: str | os.PathLike, *, process_group: Any = None, ver
             ``torch.distributed.checkpoint.state_dict.get_state_dict``); every rank of the group calls.
         path: checkpoint folder, HF folder or safetensors file.
         process_group: DCP's ``process_group`` (default: the world group when initialized).
-        verify: check the xxh3 checksums of what is read. threads: reads in flight.
+        verify: check the xxh3 checksums of what is read (default ``True``). threads: reads in flight.
         allow_partial_load: DCP's: state keys missing from the checkpoint are skipped.
 
     Returns:

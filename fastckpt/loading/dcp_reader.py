@@ -174,7 +174,9 @@ class FastCkptReader(StorageReader):
     Args:
         path: checkpoint folder, HF model folder or safetensors file (``checkpoint_id`` of
             ``dcp.load`` overrides it when given).
-        verify: check the xxh3 of what is read (as :func:`fastckpt.load_into`'s ``verify``).
+        verify: check the xxh3 of what is read (as :func:`fastckpt.load_into`'s ``verify``; default
+            ``True``: a resume through DCP, the torchtitan manager's included, never returns a flipped
+            byte as a weight; ``False`` skips it).
         threads: reads in flight (default :func:`fastckpt.loading.reader.default_read_threads`).
         io_backend: I/O backend name or instance (default ``"posix"``).
         chunk_bytes: bytes per read request (default 4 MiB).
@@ -195,7 +197,7 @@ class FastCkptReader(StorageReader):
         dcp.load(state, storage_reader=FastCkptReader("ckpt/step-100"))
     """
 
-    def __init__(self, path: str | os.PathLike, *, verify: bool = False, threads: int | None = None,
+    def __init__(self, path: str | os.PathLike, *, verify: bool = True, threads: int | None = None,
                  io_backend: str | PosixBackend | None = None, chunk_bytes: int = READ_CHUNK_BYTES):
         super().__init__()
         self.path = os.fspath(path)

@@ -157,3 +157,29 @@ def test_flipped_byte_of_a_cast_tensor_is_caught(tmp_path):
         fastckpt.load_into({"w": torch.zeros(64, 8, dtype=torch.bfloat16)}, ck)
     assert fname in str(ei.value)
     fastckpt.load_into({"w": torch.zeros(64, 8, dtype=torch.bfloat16)}, ck, verify=False)
+
+
+def test_flipped_byte_raises_through_dcp_load_by_default(tmp_path):
+    """The DCP way in (torchtitan's manager reads through FastCkptReader) checks checksums by default too."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import fastckpt.dcp
+    from fastckpt.errors import DCPLoadError
+
+    saved = _state(torch.float32)
+    ck = fastckpt.save(saved, tmp_path / "ck")
+    fname = _flip_byte(ck, "model/w")
+
+    def tmpl():
+        return {"model": {"w": torch.zeros(40, 33), "b": torch.zeros(33)}}
+
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(tmpl(), storage_reader=fastckpt.dcp.FastCkptReader(ck))
+    assert "ChecksumMismatchError" in repr(ei.value.failures) and fname in repr(ei.value.failures)
+    with pytest.raises(DCPLoadError, match="ChecksumMismatchError"):
+        fastckpt.dcp.load(tmpl(), ck)
+    got = tmpl()
+    dcp.load(got, storage_reader=fastckpt.dcp.FastCkptReader(ck, verify=False))  # only when asked
+    assert _raw(got["model"]["w"]) != _raw(saved["model"]["w"])
+    assert _raw(got["model"]["b"]) == _raw(saved["model"]["b"])
