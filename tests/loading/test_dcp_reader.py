@@ -183,7 +183,9 @@ def test_verify_names_the_damaged_chunk(tmp_path):
         b = f.read(1)
         f.seek(e["offsets"][0] + (2 * 4 + 1) * 4)
         f.write(bytes([b[0] ^ 1]))
-    dcp.load(_fresh(), storage_reader=FastCkptReader(ck), planner=FastCkptLoadPlanner())  # unchecked
+    dcp.load(_fresh(), storage_reader=FastCkptReader(ck, verify=False), planner=FastCkptLoadPlanner())  # unchecked when asked
+    with pytest.raises(CheckpointException, match="ChecksumMismatchError"):  # checked by default (issue 20)
+        dcp.load(_fresh(), storage_reader=FastCkptReader(ck), planner=FastCkptLoadPlanner())
     with pytest.raises(DCPLoadError, match=r"ChecksumMismatchError.*model/weight.*offsets \[2, 0\]"):
         fastckpt.dcp.load(_fresh(), ck, verify=True)
 
