@@ -30,7 +30,7 @@ EVENTS = ("on_train_begin", "on_epoch_begin", "on_step_begin", "on_substep_end",
 #: Trainer run: 4 saves (4: no log, no eval; 8: log + eval; 12: log; 16: log + eval, early stop there).
 ARGS = dict(max_steps=20, save_steps=4, eval_strategy="steps", eval_steps=8, logging_steps=3,
             metric_for_best_model="loss", greater_is_better=True)  # eval loss falls: step 8 stays best
-_VOLATILE = ("_runtime", "_per_second", "train_loss")
+_VOLATILE = ("_runtime", "_per_second", "_time", "train_loss")
 
 
 class Journal:
@@ -130,3 +130,70 @@ def test_other_callbacks_behave_and_save_as_without_fastckpt(tmp_path, reference
     # the live state at the end: best checkpoint, the stateful callbacks
     assert Path(tr.state.best_model_checkpoint).name == Path(ref_tr.state.best_model_checkpoint).name
     assert tr.state.stateful_callbacks == ref_tr.state.stateful_callbacks
+
+
+# ------------------------------------------------------------------------------------------------
+# every way transformers loads a checkpoint: the same as from the Trainer's own checkpoint
+# ------------------------------------------------------------------------------------------------
+def listing(root: Path) -> dict[str, tuple[int, int]]:
+    """``relative path -> (size, mtime_ns)`` of every file and folder under ``root``."""
+    return {str(p.relative_to(root)): (p.stat().st_size if p.is_file() else 0, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
+
+
+def eval_and_predict(model, out: Path):
+    """``Trainer.evaluate`` and ``Trainer.predict`` of ``model`` (loaded by ``from_pretrained``)."""
+    from test_hf_trainer import IntDataset
+
+    args = transformers.TrainingArguments(str(out), report_to="none", use_cpu=True, disable_tqdm=True,
+                                          per_device_eval_batch_size=8)
+    tr = transformers.Trainer(model=model, args=args, eval_dataset=IntDataset())
+    metrics = {k: v for k, v in tr.evaluate().items() if not k.endswith(_VOLATILE)}
+    return metrics, tr.predict(IntDataset()).predictions
+
+
+def test_every_way_transformers_loads_a_fastckpt_checkpoint(tmp_path):
+    """From a fastckpt checkpoint: ``from_pretrained`` (weights only), ``Trainer.evaluate`` / ``predict``
+    of that model and ``train(resume_from_checkpoint=True)`` in the same output_dir give exactly what they
+    give from the Trainer's own checkpoint of the same run; the reads leave the folders as they were
+    (still verified), and after ``fastckpt prune --keep 1`` nothing but one checkpoint is left."""
+    import numpy as np
+    import torch
+
+    from fastckpt.cli.main import main
+
+    AutoModel = transformers.AutoModelForCausalLM
+    cfg = dict(max_steps=16, save_steps=8, logging_steps=4)
+    runs = {"plain": None, "fast": [hf_trainer.FastCkptCallback()]}
+    for name, cbs in runs.items():
+        make_trainer(tmp_path / name, mixin=False, callbacks=cbs or [], **cfg).train()
+    before = listing(tmp_path / "fast")
+    for ck in ("checkpoint-8", "checkpoint-16"):
+        ref, got = (AutoModel.from_pretrained(tmp_path / d / ck) for d in ("plain", "fast"))
+        ref_sd, got_sd = ref.state_dict(), got.state_dict()
+        assert ref_sd.keys() == got_sd.keys()
+        for k in ref_sd:
+            assert torch.equal(ref_sd[k], got_sd[k]), (ck, k)
+        m_ref, p_ref = eval_and_predict(ref, tmp_path / "eval-plain")
+        m_got, p_got = eval_and_predict(got, tmp_path / "eval-fast")
+        assert m_got == m_ref, ck
+        assert np.array_equal(p_got, p_ref), ck
+    assert listing(tmp_path / "fast") == before  # reading wrote nothing into the run
+    for ck in ("checkpoint-8", "checkpoint-16"):
+        assert main(["verify", str(tmp_path / "fast" / ck)]) == 0
+    resumed = {}
+    for name, cbs in runs.items():  # resume_from_checkpoint=True in the same output_dir: from checkpoint-16
+        tr = make_trainer(tmp_path / name, mixin=False, callbacks=cbs and [hf_trainer.FastCkptCallback()] or [],
+                          **{**cfg, "max_steps": 24})
+        tr.train(resume_from_checkpoint=True)
+        resumed[name] = tr
+    a, b = resumed["plain"].model.state_dict(), resumed["fast"].model.state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert [h for h in resumed["fast"].state.log_history if "loss" in h] == \
+        [h for h in resumed["plain"].state.log_history if "loss" in h]
+    assert sorted(p.name for p in (tmp_path / "fast").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["checkpoint-16", "checkpoint-24", "checkpoint-8"]
+    assert main(["prune", str(tmp_path / "fast"), "--keep", "1"]) == 0
+    # and the root lock file prune takes (fastckpt/storage/lock.py: never deleted, deleting lock files races)
+    assert sorted(p.name for p in (tmp_path / "fast").iterdir()) == [".fastckpt.storage.lock", "checkpoint-24"]
