@@ -268,7 +268,7 @@ class FastCkptCallback(_trainer_callback_base()):
         """At the start of ``on_log`` / ``on_evaluate``: a save the Trainer asked for at this step and
         the callback deferred to this event is asked for again (``control.should_save``), so the other
         callbacks see the flag as the Trainer left it (and may still cancel it, as with the Trainer)."""
-        if self._tail is not None and (self._save_after_log or self._save_after_eval):
+        if self._save_after_log or self._save_after_eval:
             control.should_save = True
 
     def _end_of_step(self, args, state, control) -> None:

@@ -197,3 +197,22 @@ def test_every_way_transformers_loads_a_fastckpt_checkpoint(tmp_path):
     assert main(["prune", str(tmp_path / "fast"), "--keep", "1"]) == 0
     # and the root lock file prune takes (fastckpt/storage/lock.py: never deleted, deleting lock files races)
     assert sorted(p.name for p in (tmp_path / "fast").iterdir()) == [".fastckpt.storage.lock", "checkpoint-24"]
+
+
+def test_without_a_trainer_on_the_stack_the_callback_still_takes_every_save(tmp_path, monkeypatch):
+    """No Trainer frame found (a future transformers, events called through a wrapper): the callback
+    cannot reorder the list and reads the save request in its own events; every save (one deferred
+    to the step's log entry, one to the evaluation) is still its own, none the Trainer's pickle save."""
+    import fastckpt
+
+    monkeypatch.setattr(hf_trainer, "find_trainer", lambda: (None, None))
+    cb = hf_trainer.FastCkptCallback()
+    tr = make_trainer(tmp_path, mixin=False, callbacks=[cb], max_steps=8, save_steps=4, logging_steps=2,
+                      eval_strategy="steps", eval_steps=8)
+    tr.train()
+    assert cb._tail is None and [r["step"] for r in cb.records] == [4, 8]
+    for s in (4, 8):
+        d = tmp_path / f"checkpoint-{s}"
+        assert fastckpt.is_committed(d) and not (d / "optimizer.pt").exists()
+        st = json.loads((d / "trainer_state.json").read_text())
+        assert [h["step"] for h in st["log_history"] if "loss" in h] == list(range(2, s + 1, 2))
