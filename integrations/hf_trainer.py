@@ -261,7 +261,7 @@ class FastCkptCallback(_trainer_callback_base()):
         mine = [i for i, c in enumerate(cbs) if isinstance(c, FastCkptTail) and c.head is self]
         if at is None or any(i < at for i in mine):  # the running loop would skip a callback
             return
-        tail = cbs[mine[0]] if mine else FastCkptTail(self)
+        tail = cbs[mine[0]] if mine else FastCkptTail(self, cbs)
         others = [c for i, c in enumerate(cbs) if c is not self and i not in mine]
         cbs[:] = [self, *others, tail]  # the running loop goes on at index at + 1: the callback after this one
         self._tail = tail
@@ -285,6 +285,8 @@ class FastCkptCallback(_trainer_callback_base()):
 
     def _end_of_log(self, args, state, control, kw) -> None:
         """``on_log`` once every other callback has run: a save deferred to this step's log entry."""
+        if not (self._training or self._save_after_eval or self._save_after_log):
+            return  # a log outside training (evaluate() called by hand): the Trainer saves nothing there
         asked, control.should_save = control.should_save, False
         if self._save_after_eval:  # the evaluation's own log entry: the save waits for on_evaluate
             self._save_after_eval = asked
@@ -554,22 +556,32 @@ class FastCkptTail(_trainer_callback_base()):
 
     Args:
         head: the :class:`FastCkptCallback` it belongs to.
+        callbacks: the Trainer's callback list holding both (``None``: always act); once ``head`` is
+            removed from it (``trainer.remove_callback``), the tail does nothing.
     """
 
-    def __init__(self, head: FastCkptCallback):
+    def __init__(self, head: FastCkptCallback, callbacks: list | None = None):
         self.head = head
+        self._callbacks = callbacks  # the list both are in: a head removed from it (pop_callback) is left alone
+
+    def _live(self) -> bool:
+        return self._callbacks is None or any(c is self.head for c in self._callbacks)
 
     def on_step_end(self, args, state, control, **kw):
-        self.head._end_of_step(args, state, control)
+        if self._live():
+            self.head._end_of_step(args, state, control)
 
     def on_epoch_end(self, args, state, control, **kw):
-        self.head._end_of_epoch(args, state, control)
+        if self._live():
+            self.head._end_of_epoch(args, state, control)
 
     def on_log(self, args, state, control, logs=None, **kw):
-        self.head._end_of_log(args, state, control, kw)
+        if self._live():
+            self.head._end_of_log(args, state, control, kw)
 
     def on_evaluate(self, args, state, control, metrics=None, **kw):
-        self.head._end_of_evaluate(args, state, control, metrics, kw)
+        if self._live():
+            self.head._end_of_evaluate(args, state, control, metrics, kw)
 
 
 class FastCkptTrainerMixin:

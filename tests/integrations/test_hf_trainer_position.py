@@ -216,3 +216,20 @@ def test_without_a_trainer_on_the_stack_the_callback_still_takes_every_save(tmp_
         assert fastckpt.is_committed(d) and not (d / "optimizer.pt").exists()
         st = json.loads((d / "trainer_state.json").read_text())
         assert [h["step"] for h in st["log_history"] if "loss" in h] == list(range(2, s + 1, 2))
+
+
+def test_rotation_of_a_new_run_in_an_old_output_dir_is_the_trainers(tmp_path):
+    """An earlier run left checkpoint-12 and -16 (save_total_limit=2); a new run in the same output_dir
+    saves 4 and 8: the same folders remain as with the Trainer's own rotation (by modification time:
+    the earlier run's go first), after the same sequence of runs."""
+    import time
+
+    kept = {}
+    for name in ("plain", "fast"):
+        out = tmp_path / name
+        cbs = lambda: [hf_trainer.FastCkptCallback()] if name == "fast" else []  # noqa: E731
+        make_trainer(out, mixin=False, callbacks=cbs(), max_steps=16, save_steps=4, save_total_limit=2).train()
+        time.sleep(1.2)  # the Trainer orders by step when all mtimes lie within 1 s
+        make_trainer(out, mixin=False, callbacks=cbs(), max_steps=8, save_steps=4, save_total_limit=2).train()
+        kept[name] = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-"))
+    assert kept["fast"] == kept["plain"] == ["checkpoint-4", "checkpoint-8"]
