@@ -7,7 +7,7 @@ writes with its own saving (transformers 5.24.0, run in the test as the referenc
 Documented differences, ignored here (docs/TRAINER.md, "What differs"):
 * ``on_save`` fires once the background save is committed, at the first event after the commit
   (its position among the other events depends on timing); its steps and its state are compared.
-* wall-clock numbers in ``log_history`` (``*_runtime``, ``*_per_second``) and the output folder in
+* wall-clock numbers in ``log_history`` (``*_runtime``, ``*_per_second``, ``*_time``) and the output folder in
   ``best_model_checkpoint`` (compared by name).
 """
 
@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from test_hf_trainer import hf_trainer, make_trainer
+
+import fastckpt
 
 transformers = pytest.importorskip("transformers")
 from transformers.trainer_callback import ExportableState  # noqa: E402
@@ -121,6 +123,8 @@ def test_other_callbacks_behave_and_save_as_without_fastckpt(tmp_path, reference
     assert sorted(states) == sorted(ref_states) == [f"checkpoint-{s}" for s in (12, 16, 4, 8)]
     for name in ref_states:
         assert states[name] == ref_states[name], name
+        # each one fastckpt's, never the Trainer's own pickle save
+        assert fastckpt.is_committed(tmp_path / name) and not (tmp_path / name / "optimizer.pt").exists(), name
     # every event of the other callbacks, in order, with the control flags they saw
     assert [e for e in journal.entries if e[1] != "on_save"] == \
         [e for e in ref_journal.entries if e[1] != "on_save"]
@@ -203,8 +207,6 @@ def test_without_a_trainer_on_the_stack_the_callback_still_takes_every_save(tmp_
     """No Trainer frame found (a future transformers, events called through a wrapper): the callback
     cannot reorder the list and reads the save request in its own events; every save (one deferred
     to the step's log entry, one to the evaluation) is still its own, none the Trainer's pickle save."""
-    import fastckpt
-
     monkeypatch.setattr(hf_trainer, "find_trainer", lambda: (None, None))
     cb = hf_trainer.FastCkptCallback()
     tr = make_trainer(tmp_path, mixin=False, callbacks=[cb], max_steps=8, save_steps=4, logging_steps=2,
