@@ -11,8 +11,8 @@ Usage (the callback alone is enough; docs/TRAINER.md lists every Trainer feature
 Saving: the callback intercepts every save the Trainer decides on (read once every other callback
 has seen the event: at train begin it moves itself first in the Trainer's callback list and adds a
 :class:`FastCkptTail` last, so its position in ``callbacks=[...]`` changes nothing for the others),
-sets ``control.should_save = False`` so the Trainer's own pickle save never runs, and starts :func:`fastckpt.async_save` of a
-whole snapshot into ``checkpoint-N`` (HF-layout weights, adapter files, optimizer, scheduler, RNG
+sets ``control.should_save = False`` so the Trainer's own pickle save never runs, and starts
+:func:`fastckpt.async_save` of a whole snapshot into ``checkpoint-N`` (HF-layout weights, adapter files, optimizer, scheduler, RNG
 states, ``trainer_state.json``, generation config and tokenizer files). Once it is committed the
 other callbacks' ``on_save`` fires (:mod:`~fastckpt.integrations.hf_on_save`). A background
 failure is re-raised in the training process with its original type.
