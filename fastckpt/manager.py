@@ -28,11 +28,13 @@ class CheckpointManager:
 
     Args:
         root: folder holding the step folders (created on first save).
-        keep_last: keep at most this many committed steps (``None``: keep all). Pruning runs
-            only after a commit, so the newest committed checkpoint is never removed before a
-            newer one is committed, and it never removes the step just committed: with
-            higher-numbered steps of an earlier run in ``root`` (``step-500`` while this run saves
-            ``step-100``) those are kept, named in a WARNING, and ``save`` returns an existing folder.
+        keep_last: keep at most this many committed steps, the most recently committed ones
+            (``None``: keep all). Pruning runs only after a commit, so the newest committed
+            checkpoint is never removed before a newer one is committed, and it never removes the
+            step just committed. Steps are ordered by commit time (the manifest's, see
+            :func:`fastckpt.storage.retention.manifest_order`), as the Trainer rotates: a new run in
+            a root that still holds an earlier run's higher-numbered steps (``step-500`` while this
+            run saves ``step-100``) keeps its own newest steps and deletes the earlier run's first.
         prefix: step folder prefix (default ``"step-"``; the Trainer integration uses
             ``"checkpoint-"``).
         lock_timeout_s: seconds a save or prune waits for another job's root lock before
@@ -47,7 +49,7 @@ class CheckpointManager:
             instead of rewriting them (``link_from`` of :func:`fastckpt.async_save`; default
             ``False``). For runs whose large tensors rarely change (LoRA base weights).
 
-    A ``latest`` text file in ``root`` names the newest committed step; it is replaced
+    A ``latest`` text file in ``root`` names the most recently committed step; it is replaced
     atomically after each commit. Readers trust the scan of committed folders over it
     (a crash between commit and pointer update leaves the pointer one step behind).
 
@@ -92,9 +94,11 @@ class CheckpointManager:
         return self._scan()[1]
 
     def latest(self) -> int | None:
-        """Highest committed step, or ``None``."""
-        s = self.steps()
-        return s[-1] if s else None
+        """The most recently committed step (by the commit time its manifest records; by step for
+        manifests without one), or ``None``. Not the highest step: an earlier run's higher-numbered
+        steps left in ``root`` are older commits."""
+        newest = retention.scan_checkpoints(self.root, self.prefix).newest()
+        return newest[0] if newest else None
 
     def async_save(self, step: int, state: Any, **options: Any) -> SaveFuture:
         """Start saving ``state`` as ``step``; returns once staged (see :func:`fastckpt.async_save`).
@@ -117,9 +121,10 @@ class CheckpointManager:
                 self.prune(self.keep_last, protect=(step,))  # never the step just committed
             newer = [s for s in self.steps() if s > step]
             if newer:
-                logger.warning("fastckpt: %s holds committed steps %s above the step just saved (%d), probably "
-                               "an earlier run's: they are kept, and latest()/load() pick the highest step. "
-                               "Remove them or save this run under another root", self.root, newer, step)
+                logger.warning("fastckpt: %s holds committed steps %s above the step just saved (%d), committed "
+                               "before it: probably an earlier run's. latest()/load() pick the most recently "
+                               "committed step (this one); keep_last deletes the oldest commits first",
+                               self.root, newer, step)
             if user_hook is not None:
                 user_hook(p)
 
@@ -154,16 +159,14 @@ class CheckpointManager:
         self._saver.wait()
 
     def load(self, step: int | None = None, **options: Any) -> dict:
-        """Load ``step`` (default: the newest committed) with :func:`fastckpt.load` options.
+        """Load ``step`` (default: the most recently committed, :meth:`latest`) with
+        :func:`fastckpt.load` options.
 
         The checksums are checked by default, as in :func:`fastckpt.load` (``verify=False`` skips
         them): a damaged byte raises instead of coming back as a weight.
 
         A save this manager started and that is still in flight is waited for first (its
         failure, if any, is still raised by its ``result()`` or the next save, not here).
-
-        With ``step=None`` the highest committed step is loaded; when it is above the step this
-        manager saved last (an earlier run's, left in ``root``), a WARNING names it.
 
         Raises:
             CheckpointNotFoundError: no committed checkpoint (or not that step).
@@ -174,7 +177,7 @@ class CheckpointManager:
         return load(self.path(self._pick(step)), **options)
 
     def load_into(self, state: Any, step: int | None = None, **options: Any) -> Any:
-        """Fill ``state`` in place from ``step`` (default: the newest committed) with
+        """Fill ``state`` in place from ``step`` (default: the most recently committed) with
         :func:`fastckpt.load_into` (any world size to any; plain tensors or DTensors; each rank reads
         only its own shards' bytes, so peak memory stays at the state's own size plus bounded buffers).
 
@@ -203,10 +206,10 @@ class CheckpointManager:
             step = self.latest()
             if step is None:
                 raise CheckpointNotFoundError(f"{self.root}: no committed checkpoint")
-            if self._last_saved is not None and step > self._last_saved:
-                logger.warning("fastckpt: loading %s, the highest committed step, but this manager last saved "
-                               "step %d: %s is probably an earlier run's; pass step=%d to load this run's",
-                               self.path(step), self._last_saved, self.path(step).name, self._last_saved)
+            if self._last_saved is not None and step != self._last_saved:
+                logger.warning("fastckpt: loading %s, the most recently committed step, but this manager last "
+                               "saved step %d: another job committed %s after it", self.path(step),
+                               self._last_saved, self.path(step).name)
         elif step not in self.steps():
             raise CheckpointNotFoundError(f"{self.root}: step {step} is not committed (have {self.steps()})")
         return step
@@ -223,9 +226,10 @@ class CheckpointManager:
         cm.fsync_dir(str(self.root))
 
     def prune(self, keep: int, protect: tuple[int, ...] = ()) -> list[int]:
-        """Remove the oldest committed steps so that ``keep`` remain, and dead temporaries.
+        """Remove the oldest commits so that the ``keep`` most recently committed steps remain, and
+        dead temporaries.
 
-        The newest committed step and the steps in ``protect`` are never removed. Each folder
+        The most recently committed step and the steps in ``protect`` are never removed. Each folder
         goes through :func:`fastckpt.storage.retention.delete_checkpoint`: renamed to a hidden
         temporary name (so it stops being a checkpoint at once, and a crash in the middle leaves
         a folder the next save or prune removes), then deleted.
@@ -259,4 +263,4 @@ class CheckpointManager:
 
     def _prune_locked(self, keep: int, protect: tuple[int, ...]) -> list[int]:
         self._clean_leftovers()
-        return retention.prune_checkpoints(self.root, self.prefix, keep, protect)
+        return retention.prune_checkpoints(self.root, self.prefix, keep, protect, by_manifest_time=True)

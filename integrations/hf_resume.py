@@ -41,15 +41,17 @@ def resume_checkpoint(output_dir: str, resume_from_checkpoint: Any) -> Any:
 
     Raises:
         TrainerCheckpointNotFoundError: ``True`` and no committed checkpoint exists in
-            ``output_dir`` (a ``ValueError``, as the Trainer raises there).
+            ``output_dir``: a ``ValueError`` with the Trainer's own message, ``No valid checkpoint
+            found in output directory ({output_dir})`` (fix: start without
+            ``resume_from_checkpoint`` or pass a checkpoint folder).
     """
     if resume_from_checkpoint is not True:
         return resume_from_checkpoint
     found = get_last_checkpoint(output_dir)
     if found is None:
-        raise TrainerCheckpointNotFoundError(
-            f"resume_from_checkpoint=True: no committed fastckpt checkpoint-N folder in {output_dir}; "
-            "start without resume_from_checkpoint or pass a checkpoint folder")
+        # the Trainer's own message, word for word (Trainer.train, transformers 5.24.0): code that
+        # matches on it keeps working; the INFO log of get_last_checkpoint names skipped folders
+        raise TrainerCheckpointNotFoundError(f"No valid checkpoint found in output directory ({output_dir})")
     newer_runs_warning(output_dir, found)
     return found
 

@@ -8,9 +8,11 @@ Usage (the callback alone is enough; docs/TRAINER.md lists every Trainer feature
     trainer.train()                                   # writes output_dir/checkpoint-N via fastckpt
     trainer.train(resume_from_checkpoint=True)        # or a folder: exact resume
 
-Saving: the callback intercepts every save the Trainer decides on, sets ``control.should_save =
-False`` so the Trainer's own pickle save never runs, and starts :func:`fastckpt.async_save` of a
-whole snapshot into ``checkpoint-N`` (HF-layout weights, adapter files, optimizer, scheduler, RNG
+Saving: the callback intercepts every save the Trainer decides on (read once every other callback
+has seen the event: at train begin it moves itself first in the Trainer's callback list and adds a
+:class:`FastCkptTail` last, so its position in ``callbacks=[...]`` changes nothing for the others),
+sets ``control.should_save = False`` so the Trainer's own pickle save never runs, and starts
+:func:`fastckpt.async_save` of a whole snapshot into ``checkpoint-N`` (HF-layout weights, adapter files, optimizer, scheduler, RNG
 states, ``trainer_state.json``, generation config and tokenizer files). Once it is committed the
 other callbacks' ``on_save`` fires (:mod:`~fastckpt.integrations.hf_on_save`). A background
 failure is re-raised in the training process with its original type.
@@ -36,6 +38,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +149,8 @@ class FastCkptCallback(_trainer_callback_base()):
         self._lock = threading.Lock()
         self._save_after_eval = False
         self._save_after_log = False
+        self._trainer = None  # weakref to the Trainer found at train begin
+        self._tail = None  # FastCkptTail: reads the save request after every other callback (train begin)
         self._training = False
         self._epoch_rng: dict[str, Any] | None = None
         self._resume = TrainerResume()  # optimizer/scheduler at train begin, RNG at epoch/step begin
@@ -164,6 +169,8 @@ class FastCkptCallback(_trainer_callback_base()):
                 "huggingface_hub.upload_folder after training")
         trainer, resumed_from = find_trainer()
         self._relay.attach(trainer)
+        self._trainer = weakref.ref(trainer) if trainer is not None else None
+        self._arrange(getattr(trainer, "callback_handler", None))
         self._training = True
         self._refs(args, state, {**kw, "model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler})
         self._install_sigterm()
@@ -206,28 +213,27 @@ class FastCkptCallback(_trainer_callback_base()):
     def on_step_end(self, args, state, control, **kw):
         self._refs(args, state, kw)
         self._tick(args, control)
-        self._intercept(args, state, control)
+        if self._tail is None:
+            self._end_of_step(args, state, control)
 
     def on_epoch_end(self, args, state, control, **kw):
         self._refs(args, state, kw)
         self._tick(args, control)
         self._flush_deferred(args, state, control)  # a save due after an on_evaluate that never came
-        self._intercept(args, state, control)
-        if control.should_training_stop:
-            self.wait(args)
+        if self._tail is None:
+            self._end_of_epoch(args, state, control)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        self._tick(args, control)
+        self._reassert(control)
+        if self._tail is None:
+            self._end_of_log(args, state, control, kw)
 
     def on_evaluate(self, args, state, control, metrics=None, **kw):
         self._tick(args, control)
-        if not self._training or metrics is None:
-            return
-        self._refs(args, state, kw)
-        is_best = update_best_metric(args, state, metrics)
-        if args.save_strategy == "best":
-            if is_best:
-                self._save(args, state, control)
-        elif self._save_after_eval:
-            self._save_after_eval = False
-            self._save(args, state, control)
+        self._reassert(control)
+        if self._tail is None:
+            self._end_of_evaluate(args, state, control, metrics, kw)
 
     def on_train_end(self, args, state, control, **kw):
         try:
@@ -240,7 +246,79 @@ class FastCkptCallback(_trainer_callback_base()):
             self._uninstall_sigterm()
             self._gate.remove()
 
+    # -- the Trainer's save request, read once every other callback has run (FastCkptTail) ----------
+    def _arrange(self, handler) -> None:
+        """Put this callback first and a :class:`FastCkptTail` last in ``handler.callbacks`` (the
+        Trainer's ``CallbackHandler``; in place, inside its ``on_train_begin`` loop), so that every
+        other callback gets each event with the flags the Trainer set, and the save request is read
+        once all of them have run. Without a handler, or in a list this cannot safely reorder, the
+        callback reads the request in its own events (then its position matters)."""
+        self._tail = None
+        cbs = getattr(handler, "callbacks", None)
+        if not isinstance(cbs, list):
+            return
+        at = next((i for i, c in enumerate(cbs) if c is self), None)
+        mine = [i for i, c in enumerate(cbs) if isinstance(c, FastCkptTail) and c.head is self]
+        if at is None or any(i < at for i in mine):  # the running loop would skip a callback
+            return
+        tail = cbs[mine[0]] if mine else FastCkptTail(self, cbs)
+        others = [c for i, c in enumerate(cbs) if c is not self and i not in mine]
+        cbs[:] = [self, *others, tail]  # the running loop goes on at index at + 1: the callback after this one
+        self._tail = tail
+
+    def _reassert(self, control) -> None:
+        """At the start of ``on_log`` / ``on_evaluate``: a save the Trainer asked for at this step and
+        the callback deferred to this event is asked for again (``control.should_save``), so the other
+        callbacks see the flag as the Trainer left it (and may still cancel it, as with the Trainer)."""
+        if self._save_after_log or self._save_after_eval:
+            control.should_save = True
+
+    def _end_of_step(self, args, state, control) -> None:
+        """``on_step_end`` once every other callback has run: intercept the Trainer's save request."""
+        self._intercept(args, state, control)
+
+    def _end_of_epoch(self, args, state, control) -> None:
+        """``on_epoch_end`` once every other callback has run."""
+        self._intercept(args, state, control)
+        if control.should_training_stop:
+            self.wait(args)
+
+    def _end_of_log(self, args, state, control, kw) -> None:
+        """``on_log`` once every other callback has run: a save deferred to this step's log entry."""
+        if not (self._training or self._save_after_eval or self._save_after_log):
+            return  # a log outside training (evaluate() called by hand): the Trainer saves nothing there
+        asked, control.should_save = control.should_save, False
+        if self._save_after_eval:  # the evaluation's own log entry: the save waits for on_evaluate
+            self._save_after_eval = asked
+        elif self._save_after_log:
+            self._save_after_log = False
+            if asked:  # not cancelled by another callback's on_log
+                self._refs(args, state, kw)
+                self._save(args, state, control)
+        elif asked and self._training:  # another callback asked for a save in on_log: the Trainer would save
+            control.should_save = True
+            self._intercept(args, state, control)
+
+    def _end_of_evaluate(self, args, state, control, metrics, kw) -> None:
+        """``on_evaluate`` once every other callback has run: best metric, then a deferred save."""
+        if not self._training or metrics is None:
+            return
+        self._refs(args, state, kw)
+        # the Trainer's _determine_best_metric runs right after on_evaluate: done here first, the Trainer
+        # sees no new best, so its own save_strategy="best" save never runs; the other callbacks'
+        # on_evaluate saw state.best_metric as the Trainer shows it (before this evaluation)
+        is_best = update_best_metric(args, state, metrics)
+        asked, control.should_save = control.should_save, False
+        self._save_after_eval = self._save_after_log = False
+        if args.save_strategy == "best":
+            if is_best:
+                self._save(args, state, control)
+        elif asked:
+            self._save(args, state, control)
+
     def _intercept(self, args, state, control) -> None:
+        """Take over a save request (``control.should_save``): save now, or once this step's log entry
+        or evaluation is done, as the Trainer's ``_maybe_log_save_evaluate`` orders them."""
         if not control.should_save:
             return
         control.should_save = False
@@ -253,13 +331,6 @@ class FastCkptCallback(_trainer_callback_base()):
             # on_log, so trainer_state.json holds this step's log entry as the Trainer's own would
             self._save_after_log = True
         else:
-            self._save(args, state, control)
-
-    def on_log(self, args, state, control, logs=None, **kw):
-        self._tick(args, control)
-        if self._save_after_log and not self._save_after_eval:
-            self._save_after_log = False
-            self._refs(args, state, kw)
             self._save(args, state, control)
 
     def _flush_deferred(self, args, state, control) -> None:
@@ -293,6 +364,9 @@ class FastCkptCallback(_trainer_callback_base()):
         t0 = time.perf_counter()
         if self._model is None:
             raise RuntimeError("FastCkptCallback has no model: the Trainer did not call on_train_begin")
+        trainer = self._trainer() if self._trainer is not None else None
+        if trainer is not None and getattr(trainer, "hp_search_backend", None) is None:
+            trainer.store_flos()  # as Trainer._save_checkpoint: total_flos up to this step (all ranks)
         snap, weights, extra = self._snapshot(self._model)
         for name, data in self._tokenizer_files().items():
             extra.setdefault(name, data)
@@ -468,6 +542,46 @@ class FastCkptCallback(_trainer_callback_base()):
                 prev(signum, frame)
             elif prev != signal.SIG_IGN:
                 signal.raise_signal(signal.SIGTERM)
+
+
+class FastCkptTail(_trainer_callback_base()):
+    """The second half of :class:`FastCkptCallback`, placed last in the Trainer's callback list.
+
+    At ``on_train_begin`` the callback moves itself first and this tail last (``head._arrange``), so
+    its position in the list never matters: at the start of each event (the callback, first) it fires
+    committed saves' ``on_save`` and restores what other callbacks should see; at the end (the tail,
+    after every other callback, as the Trainer's own ``_maybe_log_save_evaluate`` comes after them)
+    it reads ``control.should_save``, clears it so the Trainer's pickle save never runs, and starts the
+    fastckpt save, with ``stateful_callbacks`` and ``best_metric`` as every callback left them.
+
+    Args:
+        head: the :class:`FastCkptCallback` it belongs to.
+        callbacks: the Trainer's callback list holding both (``None``: always act); once ``head`` is
+            removed from it (``trainer.remove_callback``), the tail does nothing.
+    """
+
+    def __init__(self, head: FastCkptCallback, callbacks: list | None = None):
+        self.head = head
+        self._callbacks = callbacks  # the list both are in: a head removed from it (pop_callback) is left alone
+
+    def _live(self) -> bool:
+        return self._callbacks is None or any(c is self.head for c in self._callbacks)
+
+    def on_step_end(self, args, state, control, **kw):
+        if self._live():
+            self.head._end_of_step(args, state, control)
+
+    def on_epoch_end(self, args, state, control, **kw):
+        if self._live():
+            self.head._end_of_epoch(args, state, control)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if self._live():
+            self.head._end_of_log(args, state, control, kw)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kw):
+        if self._live():
+            self.head._end_of_evaluate(args, state, control, metrics, kw)
 
 
 class FastCkptTrainerMixin:

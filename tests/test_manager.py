@@ -181,19 +181,92 @@ def test_prune_keeps_newest(tmp_path):
 
 def test_keep_last_never_prunes_the_step_just_saved(tmp_path, caplog):
     """An earlier run left step-500 in the root; this run saves step 100 with keep_last=1: the
-    returned folder exists, step-500 is kept and named, and load() of the highest step warns."""
+    returned folder exists and is the one kept (step-500 is the older commit, deleted as the
+    Trainer's rotation deletes an earlier run's checkpoint), and load() returns this run's state.
+    (Until issue 20 the highest step was kept and loaded: this run's state was the one lost.)"""
     mgr = CheckpointManager(tmp_path, keep_last=1)
     mgr.save(500, st(500))
     mgr2 = CheckpointManager(tmp_path, keep_last=1)  # the new run
-    with caplog.at_level("WARNING", logger="fastckpt.manager"):
-        p = mgr2.save(100, st(100))
+    p = mgr2.save(100, st(100))
     assert p == tmp_path / "step-100" and p.is_dir()
-    assert mgr2.steps() == [100, 500]
-    assert "[500]" in caplog.text and "earlier run" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="fastckpt.manager"):
-        assert_tree_same(st(500), mgr2.load())  # the highest step, as documented, but named
-    assert "step-500" in caplog.text and "step=100" in caplog.text
-    assert_tree_same(st(100), mgr2.load(100))
-    p = mgr2.save(200, st(200))  # the older step of this run goes; the just-saved and the highest stay
-    assert p.is_dir() and mgr2.steps() == [200, 500]
+    assert mgr2.steps() == [100] and mgr2.latest() == 100
+    assert_tree_same(st(100), mgr2.load())
+    p = mgr2.save(200, st(200))
+    assert p.is_dir() and mgr2.steps() == [200]
+
+
+def _mirror_rotation(mirror, order: list[int], limit: int) -> list[int]:
+    """transformers' own rotation (``rotate_checkpoints(use_mtime=True)``, as ``Trainer._save_checkpoint``
+    calls it) over ``checkpoint-N`` folders created in the commit ``order`` (mtimes 10 s apart)."""
+    from transformers.trainer_utils import rotate_checkpoints
+
+    t0 = time.time() - 10 * len(order)
+    for i, s in enumerate(order):
+        d = mirror / f"checkpoint-{s}"
+        d.mkdir(exist_ok=True)
+        os.utime(d, (t0 + 10 * i, t0 + 10 * i))
+    rotate_checkpoints(str(mirror), save_total_limit=limit, use_mtime=True)
+    return sorted(int(p.name.split("-")[1]) for p in mirror.iterdir())
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_new_run_in_an_old_root_keeps_its_own_checkpoints_as_the_trainer_does(tmp_path, capsys, keep):
+    """Issue 20: an earlier run committed steps 400 and 500; a new run in the same root saves 100, 200,
+    300 with keep_last. Retention orders by commit time (the manifests'), as transformers rotates (run
+    on a mirror of the same commit sequence): the same steps are kept after every save; latest(),
+    load(), the ``latest`` file, ``fastckpt ls`` and a fresh manager name this run's newest."""
+    pytest.importorskip("transformers")
+    from fastckpt.cli.main import main
+
+    root, mirror = tmp_path / "run", tmp_path / "mirror"
+    mirror.mkdir()
+    old = CheckpointManager(root, keep_last=keep)
+    commits: list[int] = []
+    for s in (400, 500):
+        old.save(s, st(s))
+        commits.append(s)
+        assert old.steps() == _mirror_rotation(mirror, commits, keep)
+    new = CheckpointManager(root, keep_last=keep)
+    for s in (100, 200, 300):
+        new.save(s, st(s))
+        commits.append(s)
+        assert new.steps() == _mirror_rotation(mirror, commits, keep), s
+        assert new.path(s).is_dir() and new.latest() == s
+        assert (root / "latest").read_text() == f"{s}\n"
+        assert_tree_same(st(s), new.load())
+        assert_tree_same(st(s), CheckpointManager(root).load())  # a resume in a fresh process
+        assert main(["ls", str(root)]) == 0
+        assert f"latest committed: {s}\n" in capsys.readouterr().out
+
+
+def test_prune_keeps_the_most_recent_commits_as_ls_shows_them(tmp_path, capsys):
+    """``fastckpt prune --keep N`` keeps the N most recently committed steps (the manager's order), not
+    the N highest: an earlier run's step-900 (committed first) goes first."""
+    from fastckpt.cli.main import main
+
+    mgr = CheckpointManager(tmp_path)
+    for s in (900, 1, 2, 3):
+        mgr.save(s, st(s))
+    assert mgr.latest() == 3
+    assert main(["prune", str(tmp_path), "--keep", "2"]) == 0
+    assert mgr.steps() == [2, 3]
+    assert main(["ls", str(tmp_path)]) == 0
+    assert "latest committed: 3\n" in capsys.readouterr().out
+    assert_tree_same(st(3), mgr.load())
+
+
+def test_manifests_without_a_commit_time_order_by_step(tmp_path):
+    """Manifests written without ``created_unix_s`` (none of ours, but the field is optional to
+    readers): latest() and retention fall back to step order."""
+    mgr = CheckpointManager(tmp_path)
+    for s in (5, 1, 3):
+        mgr.save(s, st(s))
+    assert mgr.latest() == 3
+    for s in (5, 1, 3):
+        f = mgr.path(s) / "manifest.json"
+        m = json.loads(f.read_text())
+        del m["created_unix_s"]
+        f.unlink()
+        f.write_text(json.dumps(m))
+    assert mgr.latest() == 5
+    assert mgr.prune(2) == [1] and mgr.steps() == [3, 5]

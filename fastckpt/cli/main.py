@@ -32,7 +32,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             m = read_manifest(str(p))
             size = m.get("bytes_total", 0) + os.path.getsize(p / MANIFEST)  # the manifest cannot list itself
             print(f"{s:>10}  {human_bytes(size):>10}  {len(m['files']) + 1:>5}  {len(m['tensors']):>7}  {p}")
-        print(f"latest committed: {run.scan.steps[-1] if run.scan.steps else '-'}")
+        newest = run.scan.newest()  # by commit time, as CheckpointManager.latest() and prune
+        print(f"latest committed: {newest[0] if newest else '-'}")
         for name, why in run.scan.skipped():
             if (run.folder, name) not in shown:  # a folder's leftovers are in the scan of each of its runs
                 shown.add((run.folder, name))
@@ -62,7 +63,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST)):
         run = _one_run(path, args.prefix, "verify")
         if run is not None and run.scan.committed:  # a run root: verify its newest committed checkpoint
-            path = str(run.scan.committed[-1][1])
+            path = str(run.scan.newest()[1])
             print(f"{args.path} is a run root: verifying its newest committed checkpoint {path}")
     try:
         rep = verify(path, threads=args.threads)
@@ -86,7 +87,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    """Keep the newest N committed steps; remove older ones and dead temporaries.
+    """Keep the N most recently committed steps (as ``CheckpointManager``); remove older commits and
+    dead temporaries.
 
     Touches nothing (not even the root lock file) where no run root is found.
     """
@@ -126,10 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--prefix", default=None, help=_PREFIX_HELP)
     v.add_argument("--threads", type=int, default=None, help="parallel readers (default 8-16)")
     v.set_defaults(func=cmd_verify)
-    pr = sub.add_parser("prune", help="keep the newest N committed checkpoints; remove dead writers' leftovers",
-                        description="Keep the newest N committed checkpoints of a run root (never the newest "
-                                    f"one) and remove dead writers' leftovers. {_FOUND}. Exit 2, touching "
-                                    "nothing, where no run root is found.")
+    pr = sub.add_parser("prune", help="keep the N most recently committed checkpoints; remove dead writers' leftovers",
+                        description="Keep the N most recently committed checkpoints of a run root (by the commit "
+                                    "time in their manifests, as CheckpointManager and `ls`'s latest; never the "
+                                    "newest one) and remove dead writers' leftovers: an earlier run's "
+                                    "higher-numbered steps are older commits and go first. "
+                                    f"{_FOUND}. Exit 2, touching nothing, where no run root is found.")
     pr.add_argument("root")
     pr.add_argument("--keep", type=int, required=True, help="committed steps to keep (>= 1)")
     pr.add_argument("--prefix", default=None, help=_PREFIX_HELP)

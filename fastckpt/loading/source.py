@@ -214,8 +214,9 @@ def find_checkpoint(source: str | os.PathLike) -> str:
     skipped: dict[str, str] = {}
     for pre in prefixes:
         scan = scan_checkpoints(source, pre)
-        if scan.committed and (best is None or scan.committed[-1][0] > best[0]):
-            best = (scan.committed[-1][0], str(scan.committed[-1][1]))
+        newest = scan.newest()  # the most recently committed, as CheckpointManager.latest()
+        if newest is not None and (best is None or newest[0] > best[0]):
+            best = (newest[0], str(newest[1]))
         skipped.update(scan.skipped())
     if best is None:
         why = "; ".join(f"{n}: {w}" for n, w in sorted(skipped.items())) or "none"

@@ -6,11 +6,17 @@ the Trainer callback and the accelerate plugin:
 
 * Only committed folders (see :func:`fastckpt.storage.commit.is_committed`) count and are ever
   deleted; a folder without a valid manifest is left alone.
-* The newest committed step is never deleted, so retention cannot remove the last good
-  checkpoint before a newer one is committed (run it after each commit). "Newest" is by step,
-  except for the Trainer callback, which follows the Trainer's own rule (by commit time,
-  :func:`commit_order` + :func:`select_victims_in_order`) and also protects the step it just
-  committed; ``CheckpointManager`` protects the step it just committed too.
+* The newest committed checkpoint is never deleted, so retention cannot remove the last good
+  checkpoint before a newer one is committed (run it after each commit). "Newest" is by commit
+  time, as the Trainer rotates by modification time (transformers 5.24.0; a new run in a folder that still holds an
+  earlier run's higher-numbered steps keeps its own checkpoints): ``CheckpointManager``, its
+  ``latest``, ``fastckpt ls`` / ``prune`` / ``verify`` of a run root order by the commit time the
+  manifest records (``created_unix_s``, written with the manifest right before the commit rename;
+  :func:`manifest_order`, step order for manifests without it). The Trainer callback follows the
+  Trainer's own rule (folder mtime with its 1 s fallback to step order, :func:`commit_order` +
+  :func:`select_victims_in_order`). The accelerate plugin and torchtitan order by step, as
+  accelerate's and torchtitan's own rotations do. ``CheckpointManager`` and the Trainer callback
+  also protect the step just committed.
 * A folder is deleted by :func:`delete_checkpoint`: one atomic ``rename`` to a hidden temporary
   name (``.{name}.fastckpt-tmp-{pid}@{host}-{hex}.del``) made durable by an fsync of the root,
   then ``rmtree``. From the rename on it is no checkpoint; if the process dies in the middle,
@@ -65,6 +71,16 @@ class CheckpointScan:
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
         return [s for s, _ in self.committed]
+
+    def by_commit(self) -> list[int]:
+        """Committed steps, oldest commit first (:func:`manifest_order`)."""
+        return manifest_order(self.committed)
+
+    def newest(self) -> tuple[int, Path] | None:
+        """``(step, folder)`` of the most recently committed checkpoint (:func:`manifest_order`), or
+        ``None``. With an earlier run's higher-numbered steps in the root this is this run's newest."""
+        order = self.by_commit()
+        return (order[-1], dict(self.committed)[order[-1]]) if order else None
 
     def skipped(self) -> list[tuple[str, str]]:
         """``(folder name, reason)`` for every leftover and uncommitted folder, sorted by name.
@@ -131,7 +147,38 @@ def scan_checkpoints(root: str | os.PathLike, prefix: str) -> CheckpointScan:
     return scan
 
 
-def select_victims(steps: Sequence[int], keep: int, protect: Iterable[int] = ()) -> list[int]:
+def commit_time(folder: str | os.PathLike) -> float | None:
+    """When the committed checkpoint ``folder`` was committed: its manifest's ``created_unix_s``
+    (seconds since the epoch, written with the manifest right before the commit rename), or
+    ``None`` when the manifest lacks it or cannot be read (memoised manifest read, one ``stat``)."""
+    try:
+        t = cm.read_manifest_shared(folder).get("created_unix_s")
+    except (OSError, ValueError):  # CorruptCheckpointError is a ValueError
+        return None
+    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
+
+
+def manifest_order(committed: Sequence[tuple[int, Path]]) -> list[int]:
+    """Committed steps ordered oldest commit first, by :func:`commit_time` (ties by step).
+
+    Unlike :func:`commit_order` (the Trainer's folder mtime rule) no 1 s fallback: the manifest
+    time is written by the committing process and not changed by later writes into the folder.
+    If any manifest lacks the time (or cannot be read), the order is by step.
+
+    Args:
+        committed: ``(step, folder)`` pairs (e.g. :attr:`CheckpointScan.committed`).
+
+    Returns:
+        The steps, oldest commit first.
+    """
+    timed = [(commit_time(p), s) for s, p in committed]
+    if any(t is None for t, _ in timed):
+        return sorted(s for s, _ in committed)
+    return [s for _, s in sorted(timed)]
+
+
+def select_victims(steps: Sequence[int], keep: int, protect: Iterable[int] = (),
+                   ordered: bool = False) -> list[int]:
     """The committed steps to delete so that the newest ``keep`` remain (pure, no I/O).
 
     The newest ``keep`` steps and every step in ``protect`` are kept; the newest step is always
@@ -139,12 +186,14 @@ def select_victims(steps: Sequence[int], keep: int, protect: Iterable[int] = ())
     deletes the checkpoint just committed.
 
     Args:
-        steps: committed steps (any order; duplicates ignored).
+        steps: committed steps (any order; duplicates ignored), or with ``ordered`` oldest first
+            (e.g. :func:`manifest_order`).
         keep: how many of the newest steps to keep, >= 1.
         protect: steps never to delete (e.g. the best checkpoint), kept in addition.
+        ordered: ``steps`` are already ordered oldest first (default False: newest = highest step).
 
     Returns:
-        The steps to delete, ascending.
+        The steps to delete, oldest first (ascending without ``ordered``).
 
     Raises:
         ValueError: ``keep`` is not an int >= 1.
@@ -156,9 +205,9 @@ def select_victims(steps: Sequence[int], keep: int, protect: Iterable[int] = ())
     """
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise ValueError(f"keep must be >= 1 (an int), got {keep!r}")
-    ordered = sorted(set(steps))
-    kept = set(ordered[-keep:]) | set(protect)
-    return [s for s in ordered if s not in kept]
+    order = list(dict.fromkeys(steps)) if ordered else sorted(set(steps))
+    kept = set(order[-keep:]) | set(protect)
+    return [s for s in order if s not in kept]
 
 
 def commit_order(committed: Sequence[tuple[int, Path]], use_mtime: bool = True) -> list[int]:
@@ -270,13 +319,15 @@ def delete_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def prune_checkpoints(root: str | os.PathLike, prefix: str, keep: int,
-                      protect: Iterable[int] = (), by_commit_time: bool = False) -> list[int]:
+                      protect: Iterable[int] = (), by_commit_time: bool = False,
+                      by_manifest_time: bool = False) -> list[int]:
     """Remove dead writers' temporaries in ``root``, then the committed steps beyond the newest ``keep``.
 
     Selection is :func:`select_victims` over the committed steps of :func:`scan_checkpoints`
-    (``by_commit_time=True``: :func:`select_victims_in_order` over :func:`commit_order`, the
-    Trainer's rule); each victim goes through :func:`delete_checkpoint`. Uncommitted folders are
-    left alone.
+    (``by_manifest_time=True``: ordered by :func:`manifest_order`, as ``CheckpointManager`` and
+    ``fastckpt prune``; ``by_commit_time=True``: :func:`select_victims_in_order` over
+    :func:`commit_order`, the Trainer's rule); each victim goes through :func:`delete_checkpoint`.
+    Uncommitted folders are left alone.
 
     Args:
         root: run root (a missing root removes nothing).
@@ -284,10 +335,12 @@ def prune_checkpoints(root: str | os.PathLike, prefix: str, keep: int,
         keep: newest committed steps to keep, >= 1.
         protect: steps never to delete, kept in addition to the newest ``keep`` (with
             ``by_commit_time``: counted among ``keep``, as the Trainer counts its best checkpoint).
-        by_commit_time: order by commit time as the Trainer does (default False: by step).
+        by_commit_time: the Trainer's rule: folder mtime, 1 s fallback to step order (default False).
+        by_manifest_time: newest = most recently committed by the manifest's time (default False:
+            newest = highest step, as accelerate's and torchtitan's rotations).
 
     Returns:
-        The deleted steps, ascending (``by_commit_time``: oldest commit first).
+        The deleted steps, oldest first (by step, or by commit with either option).
 
     Raises:
         ValueError: ``keep`` is not an int >= 1.
@@ -300,6 +353,8 @@ def prune_checkpoints(root: str | os.PathLike, prefix: str, keep: int,
     folders = dict(scan.committed)
     if by_commit_time:
         victims = select_victims_in_order(commit_order(scan.committed), keep, protect)
+    elif by_manifest_time:
+        victims = select_victims(scan.by_commit(), keep, protect, ordered=True)
     else:
         victims = select_victims(scan.steps, keep, protect)
     return [s for s in victims if delete_checkpoint(folders[s])]

@@ -351,13 +351,23 @@ def test_epoch_save_without_on_evaluate_resumes_exactly(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # exception types
 # ------------------------------------------------------------------------------------------------
-def test_resume_true_without_checkpoint_raises_a_value_error_like_the_trainer(tmp_path):
-    with pytest.raises(ValueError):  # the Trainer's own
-        plain(tmp_path / "p").train(resume_from_checkpoint=True)
-    with pytest.raises(ValueError) as ei:  # the mixin resolves True itself
-        make_trainer(tmp_path / "m").train(resume_from_checkpoint=True)
+@pytest.mark.parametrize("folder", ["empty", "missing"])
+def test_resume_true_without_checkpoint_raises_a_value_error_like_the_trainer(tmp_path, folder):
+    """The mixin resolves ``resume_from_checkpoint=True`` itself: with nothing to resume it raises what
+    the Trainer raises, same type (a ValueError) and the same message, for the same output_dir."""
+    out = tmp_path / "o"
+    if folder == "empty":
+        out.mkdir()
+    with pytest.raises(Exception) as ref:  # the Trainer's own, in the same output_dir
+        plain(out).train(resume_from_checkpoint=True)
+    shutil.rmtree(out, ignore_errors=True)
+    if folder == "empty":
+        out.mkdir()
+    with pytest.raises(Exception) as ei:
+        make_trainer(out).train(resume_from_checkpoint=True)
+    assert isinstance(ei.value, type(ref.value)) and type(ref.value) is ValueError
+    assert str(ei.value) == str(ref.value) == f"No valid checkpoint found in output directory ({out})"
     assert isinstance(ei.value, TrainerCheckpointNotFoundError) and isinstance(ei.value, CheckpointNotFoundError)
-    assert str(tmp_path / "m") in str(ei.value)
 
 
 def test_push_to_hub_and_step_mismatch_are_value_errors(tmp_path):
