@@ -180,7 +180,10 @@ def plan_save(specs: list[ArraySpec], *, max_shard_bytes: int, chunk_bytes: int,
             tensor gets a shard of its own). Groups whose stem ends in ``.safetensors``
             are never split. File names: :func:`shard_file_names`.
         chunk_bytes: write-unit size in bytes (a multiple of 4096).
-        metadata: ``__metadata__`` for every file (``str -> str``).
+        metadata: ``__metadata__`` for every file (``str -> str``). The files of HF weights
+            stems (every stem but fastckpt's own ``state`` / ``rank0000r``) also get
+            ``"format": "pt"`` unless ``metadata`` sets ``format``, as transformers and peft
+            write it (readers such as transformers check it).
 
     Returns:
         A frozen :class:`SavePlan`; deterministic for equal inputs.
@@ -209,7 +212,8 @@ def plan_save(specs: list[ArraySpec], *, max_shard_bytes: int, chunk_bytes: int,
                              "give every top-level weights key its own stem")
         for fname, shard in zip(names, shards):
             prefix, infos = encode_header([(s.name, s.dtype, s.shape, s.nbytes) for s in shard],
-                                          metadata, align=HEADER_ALIGN)
+                                          metadata if _INTERNAL_STEM.fullmatch(stem) else {"format": "pt", **(metadata or {})},
+                                          align=HEADER_ALIGN)
             data_off = len(prefix)
             placed = tuple(PlannedTensor(s, fname, data_off + i.start, stream + i.start)
                            for s, i in zip(shard, infos))

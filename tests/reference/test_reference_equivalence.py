@@ -1,0 +1,181 @@
+"""Reference equivalence (issue 20, item 1): what fastckpt writes is what the reference writer writes.
+
+Every case builds one tiny model (hidden 16-32, 1-2 layers, CPU), saves it fastckpt's way first —
+``fastckpt.save`` of :class:`ModelSnapshotter` (what the Trainer callback calls at every save; its
+second call, from the cached plan and files) and of :func:`model_snapshot` — then the reference
+way, and diffs the folders with :func:`refdiff.diff_folders`: same file names (one shard:
+``model.safetensors``, no index), same tensor names, dtypes and bytes, JSON files equal once
+parsed, except fastckpt's documented additions (``REFERENCE_ADDITIONS``). fastckpt saves first
+because ``save_pretrained`` writes ``architectures`` and ``dtype`` into the live config (and peft
+``base_model_name_or_path`` into the live adapter config): saving second would hide a config
+fastckpt did not complete itself.
+
+References: ``model.save_pretrained`` (transformers); for a PeftModel, the base model's
+``save_pretrained`` (a copy taken before peft wrapped it) then ``PeftModel.save_pretrained`` into
+the same folder (every adapter: ``default`` at the top, others in ``NAME/``, and peft's README.md);
+for ``fastckpt load --merge-lora --to``, ``merge_and_unload().save_pretrained()``.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import fastckpt  # noqa: E402
+from fastckpt.cli.main import main  # noqa: E402
+from fastckpt.integrations.hf_snapshot import ModelSnapshotter, model_snapshot  # noqa: E402
+
+from refdiff import diff_folders  # noqa: E402
+
+T = transformers
+
+
+def _llama(tie=False, **kw):
+    return T.LlamaForCausalLM(T.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tie, **kw))
+
+
+def _bert(cls):
+    return cls(T.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=32, max_position_embeddings=32, num_labels=3))
+
+
+def _loaded(tmp_path):
+    """A model as users get it: from_pretrained of a folder (name_or_path, config with dtype)."""
+    d = tmp_path / "hub"
+    _llama().save_pretrained(d)
+    return T.AutoModelForCausalLM.from_pretrained(d)
+
+
+MODELS = {
+    "llama_from_config": lambda tmp: _llama(),  # main: no architectures, no dtype in config.json
+    "llama_tied": lambda tmp: _llama(tie=True),
+    "llama_bf16": lambda tmp: _llama().to(torch.bfloat16),  # main: config.json says float32
+    "llama_fp16": lambda tmp: _llama().to(torch.float16),
+    "llama_from_pretrained": _loaded,
+    "gpt2": lambda tmp: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32,
+                                                       bos_token_id=0, eos_token_id=1)),
+    "bert_sequence_classification": lambda tmp: _bert(T.BertForSequenceClassification),
+    "bert_token_classification": lambda tmp: _bert(T.BertForTokenClassification),
+    "bert_masked_lm": lambda tmp: _bert(T.BertForMaskedLM),  # tied decoder
+    "t5": lambda tmp: T.T5ForConditionalGeneration(T.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                                              num_heads=2, decoder_start_token_id=0)),
+    "llama_data_parallel": lambda tmp: torch.nn.DataParallel(_llama()),  # main: "module." prefixes
+    "llama_compiled": lambda tmp: torch.compile(_llama()),  # main: "_orig_mod." prefixes
+}
+
+
+def _unwrapped(model):
+    return model.module if isinstance(model, torch.nn.DataParallel) else getattr(model, "_orig_mod", model)
+
+
+def _save_fastckpt(model, tmp_path) -> list:
+    """fastckpt's folders for ``model``: the callback's way (second snapshotter call) and model_snapshot's."""
+    snap = ModelSnapshotter()
+    snap(model)
+    outs = []
+    for name, (state, weights, extra) in (("callback", snap(model)), ("model_snapshot", model_snapshot(model))):
+        fastckpt.save(state, tmp_path / name, weights=weights, extra_files=extra)
+        outs.append(tmp_path / name)
+    return outs
+
+
+def _assert_equivalent(ref, outs):
+    for out in outs:
+        diffs = diff_folders(ref, out)
+        assert not diffs, f"{out.name} differs from the reference writer:\n  " + "\n  ".join(diffs)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_transformers_model_folder_is_save_pretrained(kind, tmp_path):
+    torch.manual_seed(0)
+    model = MODELS[kind](tmp_path)
+    outs = _save_fastckpt(model, tmp_path)
+    _unwrapped(model).save_pretrained(tmp_path / "ref")
+    _assert_equivalent(tmp_path / "ref", outs)
+
+
+def test_sharded_model_keeps_hf_shard_names(tmp_path):
+    """Past one shard the weights are ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``
+    (the same naming rule as save_pretrained; which tensor goes to which shard is fastckpt's own cut)."""
+    torch.manual_seed(0)
+    state, weights, extra = model_snapshot(_llama())
+    fastckpt.save(state, tmp_path / "ck", weights=weights, extra_files=extra, max_shard_bytes=4096)
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("model"))
+    n = len(names) - 1
+    assert n >= 2 and names[-1] == "model.safetensors.index.json", names
+    assert names[:-1] == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    sd = fastckpt.load(tmp_path / "ck")["model"]
+    reloaded = T.AutoModelForCausalLM.from_pretrained(tmp_path / "ck")
+    for k, v in reloaded.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+
+
+PEFT = {
+    "lora": lambda: [("default", peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))],
+    "lora_two_adapters": lambda: [("default", peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"])),
+                                  ("second", peft.LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj", "o_proj"]))],
+    "lora_named_adapter": lambda: [("mine", peft.LoraConfig(r=2, target_modules=["q_proj"]))],  # no "default"
+    "dora": lambda: [("default", peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], use_dora=True))],
+    "lora_modules_to_save": lambda: [("default", peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                                 modules_to_save=["lm_head"]))],
+    "ia3": lambda: [("default", peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]))],
+    "loha": lambda: [("default", peft.LoHaConfig(r=2, target_modules=["q_proj", "v_proj"]))],
+}
+
+
+def _peft_model(kind):
+    torch.manual_seed(0)
+    base = _llama()
+    ref_base = copy.deepcopy(base)  # the base model folder's reference (before peft wraps its modules)
+    (first, cfg), *more = PEFT[kind]()
+    model = peft.get_peft_model(base, cfg, adapter_name=first)
+    for name, c in more:
+        model.add_adapter(name, c)
+    with torch.no_grad():  # trained-looking adapters: LoRA's B starts at zero
+        for n, p in model.named_parameters():
+            if any(f".{a}." in n or n.endswith(f".{a}") for a, _ in [(first, cfg), *more]):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model, ref_base
+
+
+@pytest.mark.parametrize("kind", list(PEFT))
+def test_peft_checkpoint_folder_is_base_plus_peft_save_pretrained(kind, tmp_path):
+    model, ref_base = _peft_model(kind)
+    outs = _save_fastckpt(model, tmp_path)
+    ref_base.save_pretrained(tmp_path / "ref")
+    model.save_pretrained(tmp_path / "ref")
+    _assert_equivalent(tmp_path / "ref", outs)
+
+
+@pytest.mark.parametrize("kind", ["lora", "lora_modules_to_save"])
+def test_merged_export_is_merge_and_unload_save_pretrained(kind, tmp_path):
+    model, _ = _peft_model(kind)
+    state, weights, extra = model_snapshot(model)
+    fastckpt.save(state, tmp_path / "ck", weights=weights, extra_files=extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["load", str(tmp_path / "ck"), "--to", str(tmp_path / "merged"), "--merge-lora", "-q"]) == 0
+    model.merge_and_unload().save_pretrained(tmp_path / "ref")
+    _assert_equivalent(tmp_path / "ref", [tmp_path / "merged"])
+
+
+def test_snapshotter_files_follow_a_config_change(tmp_path):
+    """The callback caches config.json between saves; a changed config or dtype is written again."""
+    model = _llama()
+    snap = ModelSnapshotter()
+    first = snap(model)[2]["config.json"]
+    assert snap(model)[2]["config.json"] == first
+    model.config.rope_theta = 1234.0
+    model.to(torch.bfloat16)
+    _, weights, extra = snap(model)
+    state = snap(model)[0]
+    fastckpt.save(state, tmp_path / "ck", weights=weights, extra_files=extra)
+    model.save_pretrained(tmp_path / "ref")
+    _assert_equivalent(tmp_path / "ref", [tmp_path / "ck"])
