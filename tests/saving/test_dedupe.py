@@ -28,7 +28,7 @@ def test_unchanged_files_are_linked_changed_rewritten(tmp_path):
     fastckpt.save(_state(base, lora), tmp_path / "c1", weights=W)
     lora["a"].add_(1)
     fastckpt.save(_state(base, lora), tmp_path / "c2", weights=W, link_from=tmp_path / "c1")
-    shard = "model-00001-of-00001.safetensors"
+    shard = "model.safetensors"
     assert os.stat(tmp_path / "c2" / shard).st_ino == os.stat(tmp_path / "c1" / shard).st_ino
     assert os.stat(tmp_path / "c2" / "adapter_model.safetensors").st_nlink == 1
     # a changed base tensor: the model shard is written anew, not linked
@@ -57,7 +57,7 @@ def test_link_from_uncommitted_or_missing_is_ignored(tmp_path):
     fastckpt.save({"model": t}, tmp_path / "a", link_from=tmp_path / "junk")
     fastckpt.save({"model": t}, tmp_path / "b", link_from=tmp_path / "nope")
     assert torch.equal(fastckpt.load(tmp_path / "b")["model"]["w"], t["w"])
-    assert os.stat(tmp_path / "b" / "model-00001-of-00001.safetensors").st_nlink == 1
+    assert os.stat(tmp_path / "b" / "model.safetensors").st_nlink == 1
 
 
 def test_manager_link_unchanged_and_retention(tmp_path):
@@ -72,7 +72,7 @@ def test_manager_link_unchanged_and_retention(tmp_path):
 
 
 # ---- link_check="version": unchanged tensors proven by storage identity + version counter ----------
-SHARD = "model-00001-of-00001.safetensors"
+SHARD = "model.safetensors"
 
 
 def _params():
