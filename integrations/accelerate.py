@@ -28,8 +28,8 @@ contracts (accelerate 1.15.0, ``Accelerator.save_state``/``load_state``):
 - ``register_for_checkpointing`` objects, ``save_on_each_node`` (each node's local main process
   writes its copy).
 
-A checkpoint holds every prepared model (HF layout for the first one: ``model-*.safetensors`` +
-index + ``config.json``; ``model_1`` ... for more), every optimizer and scheduler, the
+A checkpoint holds every prepared model (HF layout for the first one: ``model.safetensors``, or
+``model-*.safetensors`` + index past one shard, + ``config.json``; ``model_1`` ... for more), every optimizer and scheduler, the
 GradScaler, registered custom objects, the Python/NumPy/torch/CUDA RNG states,
 ``accelerator.step``, the automatic-naming iteration, and each prepared dataloader's position.
 

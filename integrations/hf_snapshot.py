@@ -151,7 +151,8 @@ def adapter_config_bytes(model, adapter_name: str | None = None) -> bytes:
     import copy
     import tempfile
 
-    cfg = copy.deepcopy(model.peft_config[adapter_name or _adapter_name(model)])
+    # a shallow copy: its sets (target_modules) iterate in the live config's order, as peft writes them
+    cfg = copy.copy(model.peft_config[adapter_name or _adapter_name(model)])
     holder = model.base_model if cfg.is_prompt_learning else model.get_base_model()
     if cfg.base_model_name_or_path is None:
         cfg.base_model_name_or_path = getattr(holder, "name_or_path", None) or None
@@ -205,8 +206,10 @@ def model_snapshot(model) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str,
     Returns:
         ``(state, weights, extra_files)``: ``state["model"]`` holds the full weights under HF
         names, written as ``model.save_pretrained`` writes them (``model.safetensors``, or
-        ``model-0000k-of-0000n.safetensors`` + index past one shard; tied weights once; for a
-        PeftModel the base model's, :func:`peft_base_weights`). For a PeftModel every adapter
+        ``model-0000k-of-0000n.safetensors`` + index past one shard; tied weights once). For a
+        PeftModel it holds the base model's (:func:`peft_base_weights`), written as
+        ``model-0000k-of-0000n.safetensors`` + index even as one file (see
+        :data:`fastckpt.format.layout.PEFT_BASE_ADDITIONS`), and every adapter
         is saved where ``PeftModel.save_pretrained`` saves it: ``state["adapter"]`` is the
         adapter ``"default"`` (``adapter_model.safetensors`` + ``adapter_config.json`` at the top),
         ``state["adapter@NAME"]`` any other adapter (``NAME/adapter_model.safetensors`` +
@@ -308,14 +311,14 @@ def _read_files(folder: str) -> dict[str, bytes]:
 
 
 def _files_signature(model) -> tuple:
-    """What :func:`model_files` depends on, cheaply (~0.1 ms): configs as JSON, dtype, class, adapters."""
+    """What :func:`model_files` depends on, cheaply: configs as dicts, dtype, class, adapter configs."""
     peft = is_peft_model(model)
     base = model.get_base_model() if peft else model
     cfg, gen = getattr(base, "config", None), getattr(base, "generation_config", None)
-    adapters = tuple((n, repr(c.to_dict())) for n, c in model.peft_config.items()) if peft else ()
+    adapters = tuple((n, repr(c)) for n, c in model.peft_config.items()) if peft else ()
     return (id(model), type(base), str(getattr(base, "dtype", None)), getattr(base, "name_or_path", None),
-            cfg.to_json_string(use_diff=False) if hasattr(cfg, "to_json_string") else repr(cfg),
-            gen.to_json_string(use_diff=False) if hasattr(gen, "to_json_string") else repr(gen), adapters)
+            cfg.to_dict() if hasattr(cfg, "to_dict") else repr(cfg),
+            gen.to_dict() if hasattr(gen, "to_dict") else repr(gen), adapters)
 
 
 class ModelFilesCache:

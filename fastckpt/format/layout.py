@@ -30,6 +30,23 @@ REFERENCE_ADDITIONS: dict[str, str] = {
     "rank*-*-of-*.safetensors": "multi-rank saves: each rank's local tensors",
 }
 
+#: File name of peft's adapter weights; a folder holding it (or a sub-folder holding it: a named
+#: adapter) is a peft checkpoint.
+PEFT_ADAPTER_FILE = "adapter_model.safetensors"
+
+#: What a peft checkpoint holds besides what ``PeftModel.save_pretrained`` writes (and
+#: :data:`REFERENCE_ADDITIONS`): the base model, so that the folder alone can be merged, served
+#: or loaded by ``from_pretrained`` (which attaches the adapter itself). These files equal the base
+#: model's ``save_pretrained`` output except that one shard keeps the sharded name
+#: ``model-00001-of-00001.safetensors`` + index: transformers' ``Trainer`` resumes a folder holding
+#: ``model.safetensors`` as a full-model checkpoint and would then not load the adapter.
+PEFT_BASE_ADDITIONS: dict[str, str] = {
+    "model-*-of-*.safetensors": "the base model's weights under transformers' names",
+    "model.safetensors.index.json": "the index of the base model's weight files",
+    "config.json": "the base model's config, as its save_pretrained writes it",
+    "generation_config.json": "the base model's generation config, as its save_pretrained writes it",
+}
+
 #: Header prefixes are padded to this many bytes so every data region is O_DIRECT aligned.
 HEADER_ALIGN = 4096
 
@@ -47,24 +64,27 @@ STATE_STEM = "state"
 _INTERNAL_STEM = re.compile(r"state|rank\d+")
 
 
-def shard_file_names(stem: str, n: int) -> list[str]:
+def shard_file_names(stem: str, n: int, *, peft: bool = False) -> list[str]:
     """The file names of group ``stem`` cut into ``n`` files (``n >= 1``).
 
     A stem ending in ``.safetensors`` is exactly that one file. An HF weights stem (``"model"``)
     is named as transformers' ``save_pretrained`` names it: one file is ``model.safetensors``
     (no index), more are ``model-0000k-of-0000n.safetensors`` (with ``model.safetensors.index.json``).
-    fastckpt's own stems (``state``, ``rank0000r``) are always ``{stem}-0000k-of-0000n.safetensors``.
+    fastckpt's own stems (``state``, ``rank0000r``) are always ``{stem}-0000k-of-0000n.safetensors``,
+    and so are the base weights of a peft checkpoint (see :data:`PEFT_BASE_ADDITIONS`).
 
     Args:
         stem: the group's file stem (:attr:`ArraySpec.group`).
         n: number of files.
+        peft: the folder is a peft checkpoint (it also holds :data:`PEFT_ADAPTER_FILE`, at the top
+            or in a sub-folder).
 
     Returns:
         ``n`` file names, in shard order.
     """
     if stem.endswith(".safetensors"):
         return [stem]
-    if n == 1 and not _INTERNAL_STEM.fullmatch(stem):
+    if n == 1 and not _INTERNAL_STEM.fullmatch(stem) and not peft:
         return [f"{stem}.safetensors"]
     return [f"{stem}-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
 
@@ -197,14 +217,15 @@ def plan_save(specs: list[ArraySpec], *, max_shard_bytes: int, chunk_bytes: int,
     groups: dict[str, list[ArraySpec]] = {}
     for s in specs:
         groups.setdefault(s.group, []).append(s)
+    peft = any(g == PEFT_ADAPTER_FILE or g.endswith("/" + PEFT_ADAPTER_FILE) for g in groups)  # adapters, any folder
     files: list[FilePlan] = []
     units: list[WriteUnit] = []
     index: dict[str, dict[str, str]] = {}
     stream = 0
     for stem, group in groups.items():
         shards = [group] if stem.endswith(".safetensors") else _shard(group, max_shard_bytes)
-        names = shard_file_names(stem, len(shards))
-        if not stem.endswith(".safetensors") and (len(shards) > 1 or _INTERNAL_STEM.fullmatch(stem)):
+        names = shard_file_names(stem, len(shards), peft=peft)
+        if not stem.endswith(".safetensors") and (len(names) > 1 or names[0] != f"{stem}.safetensors"):
             index[stem] = {}
         taken = [n for n in names if any(f.name == n for f in files)]
         if taken:

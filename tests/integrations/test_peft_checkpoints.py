@@ -164,7 +164,7 @@ def test_adapter_config_is_peft_own(run):
 
 
 def test_base_weights_under_transformers_names(run, base_dir):
-    """The model-*.safetensors files hold the base model (resized when it was), nothing of the adapter."""
+    """The model*.safetensors files hold the base model (resized when it was), nothing of the adapter."""
     ckpt = run["ckpt"]
     # one shard: model.safetensors without an index, as save_pretrained writes it
     assert [p.name for p in ckpt.glob("model*.safetensors*")] == ["model.safetensors"]
@@ -187,7 +187,7 @@ def test_peft_from_pretrained_on_checkpoint_base(run):
     """The checkpoint alone: its base weights (loaded without the adapter) + its adapter."""
     base = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(run["ckpt"]))
     state = {}
-    for p in sorted(run["ckpt"].glob("model-*.safetensors")):
+    for p in sorted(run["ckpt"].glob("model*.safetensors")):
         state.update(load_file(str(p)))
     base.load_state_dict(state, strict=True)
     _close(_logits(peft.PeftModel.from_pretrained(base, run["ckpt"]), run["ids"]), run["ref"],

@@ -6,7 +6,7 @@ the same model, file by file, sub-folders included:
 
 * same file names, except fastckpt's own files listed in
   :data:`fastckpt.format.layout.REFERENCE_ADDITIONS` (the one list README.md and docs/FORMAT.md
-  quote);
+  quote; for a peft checkpoint also ``PEFT_BASE_ADDITIONS``, the base model);
 * ``*.safetensors``: same tensor names, dtypes, shapes and raw bytes, same ``__metadata__``
   (both read with the ``safetensors`` package's ``safe_open``);
 * ``*.json``: equal once parsed (key order and indentation may differ);
@@ -31,9 +31,9 @@ def _files(folder: Path) -> set[str]:
     return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
 
 
-def is_addition(name: str) -> bool:
-    """True when ``name`` (``/``-separated, relative to the folder) is one of fastckpt's own files."""
-    return any(fnmatch.fnmatchcase(name, pat) for pat in REFERENCE_ADDITIONS)
+def is_addition(name: str, additions=REFERENCE_ADDITIONS) -> bool:
+    """True when ``name`` (``/``-separated, relative to the folder) matches a pattern of ``additions``."""
+    return any(fnmatch.fnmatchcase(name, pat) for pat in additions)
 
 
 def _raw(t: torch.Tensor) -> bytes:
@@ -60,8 +60,12 @@ def _diff_safetensors(ref: Path, ours: Path, name: str) -> list[str]:
     return out
 
 
-def diff_folders(ref: str | Path, ours: str | Path) -> list[str]:
+def diff_folders(ref: str | Path, ours: str | Path, additions: dict[str, str] = REFERENCE_ADDITIONS) -> list[str]:
     """Every difference between the reference folder ``ref`` and fastckpt's folder ``ours``.
+
+    Args:
+        additions: the files ``ours`` may hold besides ``ref``'s (``fnmatch`` patterns): fastckpt's
+            own, plus, for a peft checkpoint, :data:`~fastckpt.format.layout.PEFT_BASE_ADDITIONS`.
 
     Returns:
         Sentences naming the file (and tensor or JSON key); empty when ``ours`` is ``ref`` plus
@@ -71,7 +75,7 @@ def diff_folders(ref: str | Path, ours: str | Path) -> list[str]:
     fa, fb = _files(ref), _files(ours)
     out = [f"{n}: written by the reference writer, missing from fastckpt's folder" for n in sorted(fa - fb)]
     out += [f"{n}: written by fastckpt only, and not a documented addition (REFERENCE_ADDITIONS)"
-            for n in sorted(fb - fa) if not is_addition(n)]
+            for n in sorted(fb - fa) if not is_addition(n, additions)]
     for n in sorted(fa & fb):
         a, b = ref / n, ours / n
         if n.endswith(".safetensors"):

@@ -10,9 +10,10 @@ because ``save_pretrained`` writes ``architectures`` and ``dtype`` into the live
 ``base_model_name_or_path`` into the live adapter config): saving second would hide a config
 fastckpt did not complete itself.
 
-References: ``model.save_pretrained`` (transformers); for a PeftModel, the base model's
-``save_pretrained`` (a copy taken before peft wrapped it) then ``PeftModel.save_pretrained`` into
-the same folder (every adapter: ``default`` at the top, others in ``NAME/``, and peft's README.md);
+References: ``model.save_pretrained`` (transformers); for a PeftModel, ``PeftModel.save_pretrained``
+(every adapter: ``default`` at the top, others in ``NAME/``, and peft's README.md) plus the base model
+(``PEFT_BASE_ADDITIONS``), compared with the base model's ``save_pretrained`` (a copy taken before
+peft wrapped it);
 for ``fastckpt load --merge-lora --to``, ``merge_and_unload().save_pretrained()``.
 """
 
@@ -31,6 +32,7 @@ import fastckpt  # noqa: E402
 from fastckpt.cli.main import main  # noqa: E402
 from fastckpt.integrations.hf_snapshot import ModelSnapshotter, model_snapshot  # noqa: E402
 
+from fastckpt.format.layout import PEFT_BASE_ADDITIONS, REFERENCE_ADDITIONS  # noqa: E402
 from refdiff import diff_folders  # noqa: E402
 
 T = transformers
@@ -146,12 +148,46 @@ def _peft_model(kind):
 
 
 @pytest.mark.parametrize("kind", list(PEFT))
-def test_peft_checkpoint_folder_is_base_plus_peft_save_pretrained(kind, tmp_path):
+def test_peft_checkpoint_folder_is_peft_save_pretrained_plus_base(kind, tmp_path):
+    """The folder is PeftModel.save_pretrained's (every adapter, README.md) plus the base model
+    (PEFT_BASE_ADDITIONS), which equals the base model's own save_pretrained: same tensors, bytes and
+    configs; one shard keeps the name model-00001-of-00001.safetensors + index (the Trainer's resume
+    reads a folder with model.safetensors as a full-model checkpoint and would skip the adapters)."""
     model, ref_base = _peft_model(kind)
     outs = _save_fastckpt(model, tmp_path)
-    ref_base.save_pretrained(tmp_path / "ref")
+    ref_base.save_pretrained(tmp_path / "base")
     model.save_pretrained(tmp_path / "ref")
-    _assert_equivalent(tmp_path / "ref", outs)
+    for out in outs:
+        diffs = diff_folders(tmp_path / "ref", out, {**REFERENCE_ADDITIONS, **PEFT_BASE_ADDITIONS})
+        assert not diffs, f"{out.name} differs from PeftModel.save_pretrained:\n  " + "\n  ".join(diffs)
+        assert sorted(p.name for p in out.glob("model*")) == ["model-00001-of-00001.safetensors",
+                                                               "model.safetensors.index.json"]
+        base = tmp_path / f"{out.name}-base"  # the base files under save_pretrained's single-shard name
+        base.mkdir()
+        for name in ("config.json", "generation_config.json"):
+            (base / name).write_bytes((out / name).read_bytes())
+        (base / "model.safetensors").symlink_to(out / "model-00001-of-00001.safetensors")
+        diffs = diff_folders(tmp_path / "base", base)
+        assert not diffs, f"{out.name}'s base model differs from its save_pretrained:\n  " + "\n  ".join(diffs)
+
+
+def test_trainer_resume_loads_the_adapter_of_a_peft_checkpoint(tmp_path):
+    """transformers' own resume path (Trainer._load_from_checkpoint) on a fastckpt peft checkpoint
+    loads every adapter (a model.safetensors would send it down the full-model branch instead)."""
+    model, _ = _peft_model("lora_two_adapters")
+    state, weights, extra = model_snapshot(model)
+    fastckpt.save(state, tmp_path / "ck", weights=weights, extra_files=extra)
+    fresh, _ = _peft_model("lora_two_adapters")
+    with torch.no_grad():
+        for n, p in fresh.named_parameters():
+            if "lora_" in n:
+                p.zero_()
+    args = T.TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True)
+    T.Trainer(model=fresh, args=args)._load_from_checkpoint(str(tmp_path / "ck"))
+    want = model.state_dict()
+    for k, v in fresh.state_dict().items():
+        if "lora_" in k:
+            assert torch.equal(v, want[k]), k
 
 
 @pytest.mark.parametrize("kind", ["lora", "lora_modules_to_save"])
