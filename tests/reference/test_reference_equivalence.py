@@ -94,7 +94,17 @@ def _assert_equivalent(ref, outs):
         assert not diffs, f"{out.name} differs from the reference writer:\n  " + "\n  ".join(diffs)
 
 
-@pytest.mark.parametrize("kind", list(MODELS))
+MOE_XFAIL = pytest.mark.xfail(strict=True, reason=(
+    "transformers 5 loads MoE checkpoints into fused expert tensors (mlp.experts.gate_up_proj) and "
+    "save_pretrained converts them back (revert_weight_conversion: per-expert w1/w2/w3, copies); fastckpt "
+    "writes the tensors as they are in memory, which from_pretrained reads too (README: known difference)"))
+MODELS["mixtral_weight_conversion"] = lambda tmp: T.MixtralForCausalLM(T.MixtralConfig(
+    vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+    num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1))
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=MOE_XFAIL) if k == "mixtral_weight_conversion" else k
+                                  for k in MODELS])
 def test_transformers_model_folder_is_save_pretrained(kind, tmp_path):
     torch.manual_seed(0)
     model = MODELS[kind](tmp_path)
