@@ -30,6 +30,15 @@ REFERENCE_ADDITIONS: dict[str, str] = {
     "rank*-*-of-*.safetensors": "multi-rank saves: each rank's local tensors",
 }
 
+#: Files of the Trainer's own checkpoint that a checkpoint of fastckpt's Trainer callback holds in
+#: another form (``fnmatch`` patterns -> where): all are pickles, which fastckpt never writes or reads.
+REFERENCE_REPLACED: dict[str, str] = {
+    "optimizer.pt": "the optimizer state: state['optimizer'], in the state-*.safetensors files + state.json",
+    "scheduler.pt": "the LR scheduler state: state['scheduler'] in state.json",
+    "rng_state*.pth": "the RNG states (per process): state['rng'] / state-rank*.json",
+    "training_args.bin": "the TrainingArguments: not saved (the resuming run passes its own)",
+}
+
 #: File name of peft's adapter weights; a folder holding it (or a sub-folder holding it: a named
 #: adapter) is a peft checkpoint.
 PEFT_ADAPTER_FILE = "adapter_model.safetensors"

@@ -60,12 +60,15 @@ def _diff_safetensors(ref: Path, ours: Path, name: str) -> list[str]:
     return out
 
 
-def diff_folders(ref: str | Path, ours: str | Path, additions: dict[str, str] = REFERENCE_ADDITIONS) -> list[str]:
+def diff_folders(ref: str | Path, ours: str | Path, additions: dict[str, str] = REFERENCE_ADDITIONS,
+                 replaced: dict[str, str] | None = None) -> list[str]:
     """Every difference between the reference folder ``ref`` and fastckpt's folder ``ours``.
 
     Args:
         additions: the files ``ours`` may hold besides ``ref``'s (``fnmatch`` patterns): fastckpt's
             own, plus, for a peft checkpoint, :data:`~fastckpt.format.layout.PEFT_BASE_ADDITIONS`.
+        replaced: files of ``ref`` that ``ours`` holds in another form (``fnmatch`` patterns):
+            for the Trainer's own checkpoint, :data:`~fastckpt.format.layout.REFERENCE_REPLACED`.
 
     Returns:
         Sentences naming the file (and tensor or JSON key); empty when ``ours`` is ``ref`` plus
@@ -73,7 +76,8 @@ def diff_folders(ref: str | Path, ours: str | Path, additions: dict[str, str] = 
     """
     ref, ours = Path(ref), Path(ours)
     fa, fb = _files(ref), _files(ours)
-    out = [f"{n}: written by the reference writer, missing from fastckpt's folder" for n in sorted(fa - fb)]
+    out = [f"{n}: written by the reference writer, missing from fastckpt's folder" for n in sorted(fa - fb)
+           if not is_addition(n, replaced or {})]
     out += [f"{n}: written by fastckpt only, and not a documented addition (REFERENCE_ADDITIONS)"
             for n in sorted(fb - fa) if not is_addition(n, additions)]
     for n in sorted(fa & fb):
