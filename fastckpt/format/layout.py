@@ -240,9 +240,9 @@ def plan_save(specs: list[ArraySpec], *, max_shard_bytes: int, chunk_bytes: int,
         if taken:
             raise ValueError(f"weights stem {stem!r} would write {taken[0]!r}, which another stem already writes: "
                              "give every top-level weights key its own stem")
+        meta = metadata if _INTERNAL_STEM.fullmatch(stem) else {"format": "pt", **(metadata or {})}
         for fname, shard in zip(names, shards):
-            prefix, infos = encode_header([(s.name, s.dtype, s.shape, s.nbytes) for s in shard],
-                                          metadata if _INTERNAL_STEM.fullmatch(stem) else {"format": "pt", **(metadata or {})},
+            prefix, infos = encode_header([(s.name, s.dtype, s.shape, s.nbytes) for s in shard], meta,
                                           align=HEADER_ALIGN)
             data_off = len(prefix)
             placed = tuple(PlannedTensor(s, fname, data_off + i.start, stream + i.start)
