@@ -164,15 +164,20 @@ def test_adapter_config_is_peft_own(run):
 
 
 def test_base_weights_under_transformers_names(run, base_dir):
-    """The model*.safetensors files hold the base model (resized when it was), nothing of the adapter."""
+    """The model-*.safetensors files hold the base model (resized when it was), nothing of the adapter."""
     ckpt = run["ckpt"]
-    # one shard: model.safetensors without an index, as save_pretrained writes it
-    assert [p.name for p in ckpt.glob("model*.safetensors*")] == ["model.safetensors"]
-    got = load_file(str(ckpt / "model.safetensors"))
+    got = {}
+    for p in sorted(ckpt.glob("model-*.safetensors")):
+        got.update(load_file(str(p)))
     want = _base(base_dir, run["case"]).state_dict()
     assert sorted(got) == sorted(want)
     for k in want:
         assert_same(got[k], want[k], k)
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(want)
+    # a peft checkpoint keeps model-00001-of-00001.safetensors + index even as one shard: the Trainer's
+    # resume would take a model.safetensors for a full-model checkpoint and not load the adapter
+    assert not (ckpt / "model.safetensors").exists()
 
 
 def test_peft_from_pretrained_same_logits_as_peft_own_save(run, base_dir):
@@ -187,7 +192,7 @@ def test_peft_from_pretrained_on_checkpoint_base(run):
     """The checkpoint alone: its base weights (loaded without the adapter) + its adapter."""
     base = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(run["ckpt"]))
     state = {}
-    for p in sorted(run["ckpt"].glob("model*.safetensors")):
+    for p in sorted(run["ckpt"].glob("model-*.safetensors")):
         state.update(load_file(str(p)))
     base.load_state_dict(state, strict=True)
     _close(_logits(peft.PeftModel.from_pretrained(base, run["ckpt"]), run["ids"]), run["ref"],
@@ -257,7 +262,7 @@ def test_weights_groups_hold_every_tensor_their_readers_expect(tmp_path):
     assert sorted(adapter) == sorted(state["adapter"])
     for k, v in state["adapter"].items():
         assert_same(adapter[k], v, k)
-    model = load_file(str(path / "model.safetensors"))
+    model = load_file(str(path / "model-00001-of-00001.safetensors"))
     assert sorted(model) == ["embed.weight", "k.weight", "q.weight", "t.weight"]  # lm_head tied to embed: alias
     assert_same(model["q.weight"], fused[:4], "q")
     assert_same(model["k.weight"], fused[4:8], "k")
