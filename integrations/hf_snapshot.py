@@ -197,7 +197,8 @@ def model_snapshot(model) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str,
 
     The folder ``fastckpt.save(state, path, weights=weights, extra_files=extra_files)`` writes is
     what the reference writers write for the same model, plus fastckpt's own files
-    (:data:`fastckpt.REFERENCE_ADDITIONS`); tests/reference/ diffs the two for many model kinds.
+    (:data:`fastckpt.format.layout.REFERENCE_ADDITIONS`); tests/reference/ diffs the two for many
+    model kinds.
 
     Args:
         model: a ``PreTrainedModel`` or ``peft.PeftModel`` (tensors on any device), possibly
@@ -324,9 +325,10 @@ def _files_signature(model) -> tuple:
 class ModelFilesCache:
     """:func:`model_files`, built again only when what it depends on changed.
 
-    :func:`model_files` costs a few ms (transformers and peft write the files into a temporary
-    folder); a training run saves the same configs every time. The check each call (configs as
-    JSON, dtype, class, adapters: ~0.1 ms) decides.
+    :func:`model_files` costs milliseconds (transformers and peft write the files into a temporary
+    folder: ~7 ms for a tiny Llama, ~76 ms with a LoRA adapter, peft's model card included,
+    measured on the 2-core dev machine); a training run saves the same configs every time. The
+    check each call (configs as dicts, dtype, class, adapter configs: ~0.07 ms) decides.
 
     Call: ``cache(model) -> {file name: bytes}`` (a new dict each call).
     """
