@@ -201,7 +201,7 @@ def test_trainer_resume_loads_the_adapter_of_a_peft_checkpoint(tmp_path):
             assert torch.equal(v, want[k]), k
 
 
-@pytest.mark.parametrize("kind", ["lora", "lora_modules_to_save"])
+@pytest.mark.parametrize("kind", ["lora", "lora_modules_to_save", "lora_two_adapters", "dora"])
 def test_merged_export_is_merge_and_unload_save_pretrained(kind, tmp_path):
     model, _ = _peft_model(kind)
     state, weights, extra = model_snapshot(model)
