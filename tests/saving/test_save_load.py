@@ -388,15 +388,15 @@ def test_weights_and_extra_files_in_a_sub_folder(tmp_path):
     """peft saves a second adapter as NAME/adapter_model.safetensors + NAME/adapter_config.json:
     a weights stem and an extra file may name a sub-folder; both are committed, listed and verified."""
     state = {"model": {"w": torch.arange(6.0)}, "extra": {"a": torch.ones(3)}}
-    p = fastckpt.save(state, tmp_path / "ck", weights={"model": "model", "extra": "sub/adapter_model.safetensors"},
-                      extra_files={"sub/adapter_config.json": b'{"r": 2}'})
-    assert (p / "sub" / "adapter_config.json").read_bytes() == b'{"r": 2}'
-    assert load_file(str(p / "sub" / "adapter_model.safetensors")).keys() == {"a"}
+    p = fastckpt.save(state, tmp_path / "ck", weights={"model": "model", "extra": "sub/extra.safetensors"},
+                      extra_files={"sub/config.json": b'{"r": 2}'})
+    assert (p / "sub" / "config.json").read_bytes() == b'{"r": 2}'
+    assert load_file(str(p / "sub" / "extra.safetensors")).keys() == {"a"}
     m = manifest(p)
-    assert {"sub/adapter_model.safetensors", "sub/adapter_config.json", "model.safetensors"} <= set(m["files"])
+    assert {"sub/extra.safetensors", "sub/config.json", "model.safetensors"} <= set(m["files"])
     assert_same(fastckpt.load(p)["extra"]["a"], state["extra"]["a"])
     assert fastckpt.verify(p).ok
-    with open(p / "sub" / "adapter_config.json", "r+b") as f:
+    with open(p / "sub" / "config.json", "r+b") as f:
         f.write(b"X")
     assert not fastckpt.verify(p).ok
 
