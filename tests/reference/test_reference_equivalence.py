@@ -213,6 +213,26 @@ def test_merged_export_is_merge_and_unload_save_pretrained(kind, tmp_path):
     _assert_equivalent(tmp_path / "ref", [tmp_path / "merged"])
 
 
+def test_merged_export_of_a_named_adapter(tmp_path, capsys):
+    """Only a named adapter (saved in mine/, as peft does): --merge-lora of the folder refuses naming it
+    (it used to export the base unmerged, exit 0); merging mine/ with --base is merge_and_unload's."""
+    model, _ = _peft_model("lora_named_adapter")
+    state, weights, extra = model_snapshot(model)
+    ck = tmp_path / "ck"
+    fastckpt.save(state, ck, weights=weights, extra_files=extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        capsys.readouterr()
+        assert main(["load", str(ck), "--to", str(tmp_path / "bad"), "--merge-lora", "-q"]) != 0
+        err = capsys.readouterr().err
+        assert "mine" in err and "--base" in err, err
+        assert not (tmp_path / "bad").exists()
+        assert main(["load", str(ck / "mine"), "--base", str(ck), "--to", str(tmp_path / "merged"),
+                     "--merge-lora", "-q"]) == 0
+    model.merge_and_unload().save_pretrained(tmp_path / "ref")
+    _assert_equivalent(tmp_path / "ref", [tmp_path / "merged"])
+
+
 def test_snapshotter_files_follow_a_config_change(tmp_path):
     """The callback caches config.json between saves; a changed config or dtype is written again."""
     model = _llama()
