@@ -28,8 +28,8 @@ contracts (accelerate 1.15.0, ``Accelerator.save_state``/``load_state``):
 - ``register_for_checkpointing`` objects, ``save_on_each_node`` (each node's local main process
   writes its copy).
 
-A checkpoint holds every prepared model (HF layout for the first one: ``model-*.safetensors`` +
-index + ``config.json``; ``model_1`` ... for more), every optimizer and scheduler, the
+A checkpoint holds every prepared model (HF layout for the first one: ``model.safetensors``, or
+``model-*.safetensors`` + index past one shard, + ``config.json``; ``model_1`` ... for more), every optimizer and scheduler, the
 GradScaler, registered custom objects, the Python/NumPy/torch/CUDA RNG states,
 ``accelerator.step``, the automatic-naming iteration, and each prepared dataloader's position.
 
@@ -60,7 +60,7 @@ from fastckpt.storage import prune_checkpoints, step_folders
 
 from . import accelerate_dtensor as dt
 from . import accelerate_state as st
-from .hf_snapshot import capture_rng_state, dedup_tied, restore_rng_state
+from .hf_snapshot import ModelFilesCache, capture_rng_state, dedup_tied, restore_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class FastCkptState:
         self.save_options = save_options
         self._saver = fastckpt.Saver()  # this plugin's own: another accelerator's failure never surfaces here
         self._pending: tuple[Any, Path] | None = None
+        self._model_files = ModelFilesCache()  # config.json as save_pretrained writes it, built once
         self._rotate_error: BaseException | None = None
         self.records: list[dict[str, Any]] = []
         _LIVE.add(self)
@@ -147,10 +148,10 @@ class FastCkptState:
 
     def _config_file(self) -> dict[str, bytes]:
         """``config.json`` of the first model when it has an HF config (from_pretrained reads the folder)."""
-        cfg = getattr(self.acc.unwrap_model(self.acc._models[0]), "config", None) if self.acc._models else None
-        if cfg is not None and hasattr(cfg, "to_json_string"):
-            return {"config.json": cfg.to_json_string().encode()}
-        return {}
+        model = self.acc.unwrap_model(self.acc._models[0]) if self.acc._models else None
+        if model is None or getattr(model, "config", None) is None:
+            return {}
+        return {"config.json": self._model_files(model)["config.json"]}  # as save_pretrained writes it
 
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs) -> str:

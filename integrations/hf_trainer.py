@@ -400,7 +400,7 @@ class FastCkptCallback(_trainer_callback_base()):
         opts = rank_save_options(trainer_group(args), snap, opts)
         t_call = time.perf_counter()
         fut = self._saver.async_save(snap, out, overwrite=True, weights=weights, extra_files=extra,
-                                     step=state.global_step, metadata={"producer": "fastckpt.integrations.hf_trainer"}, **opts)
+                                     step=state.global_step, **opts)  # weights __metadata__: {"format": "pt"}, as the Trainer
         self._inflight = fut  # what the SIGTERM handler waits for (without the lock)
         blocking = time.perf_counter() - t0
         with self._lock:

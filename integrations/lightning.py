@@ -15,7 +15,7 @@ plus a pickled ``meta.pt`` (``torch.save``); this one writes ONE committed fastc
 checkpoint path with :func:`fastckpt.save` on every rank (the DTensor route: each rank writes its
 own chunks of the full tensors, atomic commit after every rank succeeded):
 
-- ``state_dict``: the LightningModule's state, HF layout (``model-*.safetensors`` + index, full
+- ``state_dict``: the LightningModule's state, HF layout (``model.safetensors``; ``model-*`` + index past one shard; full
   tensors, the module's own parameter names), readable by ``safetensors``;
 - ``optimizer_0``, ``optimizer_1``...: ``get_optimizer_state_dict`` of each optimizer (FQN keys);
 - ``lightning``: everything else Lightning puts in a checkpoint (epoch, global_step, loops,

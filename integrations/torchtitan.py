@@ -15,7 +15,7 @@ dedicated gloo group in the async modes) with ``storage_writer=FastCkptWriter(st
 ``planner=FastCkptSavePlanner()``; ``dcp_load`` runs ``dcp.load`` with ``FastCkptReader`` /
 ``FastCkptLoadPlanner``. DCP's planner still places (and reshards) every DTensor chunk; fastckpt
 writes one atomic, committed folder per step: the model (torchtitan's flat FQNs, nested here
-under ``"model"``) as HF-layout full-tensor ``model-*.safetensors`` + index, optimizer /
+under ``"model"``) as HF-layout full-tensor ``model.safetensors`` (``model-*`` + index past one shard), optimizer /
 lr-scheduler / train state beside it, non-tensor values as JSON, no pickle (no ``.metadata``).
 
 Also changed, because fastckpt's folders are committed by a rename: the newest step is the newest
@@ -136,7 +136,8 @@ def _build_manager_class():
         :meth:`load_planner` to pass fastckpt options (threads, ``o_direct``...).
 
         Folder layout of ``step-N``: the model state under ``"model"`` (HF-layout
-        ``model-*.safetensors`` + ``model.safetensors.index.json``, full tensors, loadable by
+        ``model.safetensors``, or ``model-*.safetensors`` + ``model.safetensors.index.json`` past one
+        shard, full tensors, loadable by
         ``safetensors`` / ``transformers``), the rest (optimizer, lr_scheduler, dataloader, train
         state, extra ``states``) under their torchtitan keys, ``manifest.json`` last.
 

@@ -218,7 +218,8 @@ def rank(r, d):
     t = time.perf_counter(); fut = fastckpt.async_save(s, path); res["save_blocking_s"] = round(time.perf_counter() - t, 3)
     fut.result(); res["save_total_s"] = round(time.perf_counter() - t, 3)
     dist.barrier()
-    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]
+    ix = os.path.join(path, "model.safetensors.index.json")  # one shard: model.safetensors, no index
+    index = json.load(open(ix))["weight_map"] if os.path.exists(ix) else {k: "model.safetensors" for k in s["model"]}
     same = True
     for k, v in s["model"].items():
         with safe_open(os.path.join(path, index[k]), "pt") as f:

@@ -46,6 +46,27 @@ def check_adapter(adapter_dir: str) -> None:
             "folder", path=adapter_dir, missing=gaps)
 
 
+def nested_adapters(folder: str) -> list[str]:
+    """Sub-folders of ``folder`` that hold a peft adapter (``adapter_config.json`` +
+    ``adapter_model.safetensors``): where ``PeftModel.save_pretrained`` (and fastckpt) save every
+    adapter not named ``default``. Sorted; empty for a file or a folder without any."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n for n in os.listdir(folder) if not n.startswith(".") and os.path.isfile(
+        os.path.join(folder, n, ADAPTER_WEIGHTS)) and os.path.isfile(os.path.join(folder, n, "adapter_config.json")))
+
+
+def refuse_nested_adapters(folder: str) -> None:
+    """``--merge-lora`` of a folder without a top-level adapter: raise :class:`LoraMergeError` when
+    its adapters are all in sub-folders (the merge would otherwise write the base weights unmerged)."""
+    names = nested_adapters(folder)
+    if names:
+        raise LoraMergeError(
+            f"--merge-lora: {folder} has no adapter at the top (peft's 'default') but adapters in sub-folders "
+            f"({_show(names)}); merge one of them by naming it, e.g. fastckpt load {os.path.join(folder, names[0])} "
+            f"--base {folder} --merge-lora --to DIR", path=folder, missing=[f"{n}/{ADAPTER_WEIGHTS}" for n in names])
+
+
 def _show(names) -> str:
     """The first 4 of ``names``, sorted, then ``...`` when there are more."""
     names = sorted(names)

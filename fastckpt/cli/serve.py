@@ -392,6 +392,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     if args.to:
         check_to(os.path.abspath(args.to), src, args)
     if args.merge_lora and not src.adapter_dir:
+        lora.refuse_nested_adapters(src.path)  # peft's named adapters live in NAME/: never merge nothing silently
         print("fastckpt load: --merge-lora: the source has no adapter; nothing to merge", file=sys.stderr)
     if args.merge_lora and src.adapter_dir and not args.to:
         raise ValueError("--merge-lora writes a new folder: pass --to DIR")

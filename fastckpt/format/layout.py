@@ -9,10 +9,52 @@ same unit, so many small tensors cost one large write.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .dtypes import itemsize, str_to_dtype
 from .safetensors import encode_header
+
+#: Files of a fastckpt checkpoint folder that the reference writers (``save_pretrained`` of
+#: transformers and peft, the Trainer's model files) do not write for the same model, as
+#: ``fnmatch`` patterns -> why. Every other file has the reference writer's name and content
+#: (same tensor names, dtypes and bytes; JSON files equal once parsed): tests/reference/ diffs the
+#: two folders over many model kinds against exactly this list; README.md and docs/FORMAT.md
+#: quote it.
+REFERENCE_ADDITIONS: dict[str, str] = {
+    "manifest.json": "the commit record: written last, it makes the folder a checkpoint; lists every file "
+                     "and tensor with its byte range and xxh3 checksum (fastckpt verify, link_from)",
+    "state.json": "the JSON skeleton of the saved state (non-tensor values, where each tensor is)",
+    "state-*-of-*.safetensors": "tensors that are not model weights (optimizer, scheduler, RNG, ...)",
+    "state-rank*.json": "multi-rank saves: each rank's local skeleton",
+    "rank*-*-of-*.safetensors": "multi-rank saves: each rank's local tensors",
+}
+
+#: Files of the Trainer's own checkpoint that a checkpoint of fastckpt's Trainer callback holds in
+#: another form (``fnmatch`` patterns -> where): all are pickles, which fastckpt never writes or reads.
+REFERENCE_REPLACED: dict[str, str] = {
+    "optimizer.pt": "the optimizer state: state['optimizer'], in the state-*.safetensors files + state.json",
+    "scheduler.pt": "the LR scheduler state: state['scheduler'] in state.json",
+    "rng_state*.pth": "the RNG states (per process): state['rng'] / state-rank*.json",
+    "training_args.bin": "the TrainingArguments: not saved (the resuming run passes its own)",
+}
+
+#: File name of peft's adapter weights; a folder holding it (or a sub-folder holding it: a named
+#: adapter) is a peft checkpoint.
+PEFT_ADAPTER_FILE = "adapter_model.safetensors"
+
+#: What a peft checkpoint holds besides what ``PeftModel.save_pretrained`` writes (and
+#: :data:`REFERENCE_ADDITIONS`): the base model, so that the folder alone can be merged, served
+#: or loaded by ``from_pretrained`` (which attaches the adapter itself). These files equal the base
+#: model's ``save_pretrained`` output except that one shard keeps the sharded name
+#: ``model-00001-of-00001.safetensors`` + index: transformers' ``Trainer`` resumes a folder holding
+#: ``model.safetensors`` as a full-model checkpoint and would then not load the adapter.
+PEFT_BASE_ADDITIONS: dict[str, str] = {
+    "model-*-of-*.safetensors": "the base model's weights under transformers' names",
+    "model.safetensors.index.json": "the index of the base model's weight files",
+    "config.json": "the base model's config, as its save_pretrained writes it",
+    "generation_config.json": "the base model's generation config, as its save_pretrained writes it",
+}
 
 #: Header prefixes are padded to this many bytes so every data region is O_DIRECT aligned.
 HEADER_ALIGN = 4096
@@ -20,6 +62,40 @@ HEADER_ALIGN = 4096
 #: Manifest key prefix of rank ``r``'s local tensors in a multi-rank checkpoint
 #: (``RANK_KEY.format(r) + key path``); their files are ``rank0000r-*.safetensors``.
 RANK_KEY = "@rank{}/"
+
+#: File stem of the tensors that are not model weights (optimizer, RNG, ...): files only fastckpt
+#: reads, ``state-0000k-of-0000n.safetensors`` even as one file.
+STATE_STEM = "state"
+
+#: Stems of files only fastckpt reads (:data:`STATE_STEM`, each rank's local ``rank0000r`` files):
+#: they keep the ``-0000k-of-0000n`` name even as one file. Every other sharded stem is an HF
+#: weights group, named as ``save_pretrained`` names it (:func:`shard_file_names`).
+_INTERNAL_STEM = re.compile(r"state|rank\d+")
+
+
+def shard_file_names(stem: str, n: int, *, peft: bool = False) -> list[str]:
+    """The file names of group ``stem`` cut into ``n`` files (``n >= 1``).
+
+    A stem ending in ``.safetensors`` is exactly that one file. An HF weights stem (``"model"``)
+    is named as transformers' ``save_pretrained`` names it: one file is ``model.safetensors``
+    (no index), more are ``model-0000k-of-0000n.safetensors`` (with ``model.safetensors.index.json``).
+    fastckpt's own stems (``state``, ``rank0000r``) are always ``{stem}-0000k-of-0000n.safetensors``,
+    and so are the base weights of a peft checkpoint (see :data:`PEFT_BASE_ADDITIONS`).
+
+    Args:
+        stem: the group's file stem (:attr:`ArraySpec.group`).
+        n: number of files.
+        peft: the folder is a peft checkpoint (it also holds :data:`PEFT_ADAPTER_FILE`, at the top
+            or in a sub-folder).
+
+    Returns:
+        ``n`` file names, in shard order.
+    """
+    if stem.endswith(".safetensors"):
+        return [stem]
+    if n == 1 and not _INTERNAL_STEM.fullmatch(stem) and not peft:
+        return [f"{stem}.safetensors"]
+    return [f"{stem}-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
 
 
 @dataclass(frozen=True)
@@ -29,8 +105,9 @@ class ArraySpec:
     Attributes:
         key: key path in the state (see :mod:`fastckpt.format.tree`).
         name: tensor name inside the safetensors file.
-        group: file stem: ``"model"`` -> ``model-0000k-of-0000n.safetensors``; a stem
-            ending in ``.safetensors`` -> exactly that single file.
+        group: file stem: ``"model"`` -> ``model.safetensors``, or
+            ``model-0000k-of-0000n.safetensors`` past one shard (:func:`shard_file_names`); a
+            stem ending in ``.safetensors`` -> exactly that single file.
         dtype: safetensors dtype string.
         shape: tuple of ints.
         nbytes: data bytes.
@@ -91,7 +168,9 @@ class SavePlan:
         stream_bytes: size of the stream (staging bytes needed to hold it all at once).
         data_bytes: bytes of tensor data (excluding headers and stream padding).
         chunk_bytes: unit size in bytes.
-        index: HF index per sharded group stem: ``stem -> {tensor name: file name}``.
+        index: tensor name -> file name per group stem cut into files (``stem -> {name: file}``):
+            HF weights stems cut into several files (written as ``{stem}.safetensors.index.json``)
+            and fastckpt's own stems (never written as an index).
     """
 
     files: tuple[FilePlan, ...]
@@ -120,12 +199,6 @@ def _shard(specs: list[ArraySpec], max_shard_bytes: int) -> list[list[ArraySpec]
     return shards
 
 
-def _file_names(stem: str, n: int) -> list[str]:
-    if stem.endswith(".safetensors"):
-        return [stem]
-    return [f"{stem}-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
-
-
 def plan_save(specs: list[ArraySpec], *, max_shard_bytes: int, chunk_bytes: int,
               metadata: dict[str, str] | None = None) -> SavePlan:
     """Plan the files, byte ranges and write units for ``specs``.
@@ -134,30 +207,43 @@ def plan_save(specs: list[ArraySpec], *, max_shard_bytes: int, chunk_bytes: int,
         specs: arrays to write; names must be unique within a group.
         max_shard_bytes: data bytes per shard file before a new shard starts (a larger
             tensor gets a shard of its own). Groups whose stem ends in ``.safetensors``
-            are never split.
+            are never split. File names: :func:`shard_file_names`.
         chunk_bytes: write-unit size in bytes (a multiple of 4096).
-        metadata: ``__metadata__`` for every file (``str -> str``).
+        metadata: ``__metadata__`` for every file (``str -> str``). The files of HF weights
+            stems (every stem but fastckpt's own ``state`` / ``rank0000r``) also get
+            ``"format": "pt"`` unless ``metadata`` sets ``format``, as transformers and peft
+            write it (readers such as transformers check it).
 
     Returns:
         A frozen :class:`SavePlan`; deterministic for equal inputs.
+
+    Raises:
+        ValueError: ``chunk_bytes`` is not a multiple of 4096, or two groups get the same file
+            name (e.g. stems ``"model"`` and ``"model.safetensors"``).
     """
     if chunk_bytes % HEADER_ALIGN:
         raise ValueError(f"chunk_bytes={chunk_bytes} must be a multiple of {HEADER_ALIGN}")
     groups: dict[str, list[ArraySpec]] = {}
     for s in specs:
         groups.setdefault(s.group, []).append(s)
+    peft = any(g == PEFT_ADAPTER_FILE or g.endswith("/" + PEFT_ADAPTER_FILE) for g in groups)  # adapters, any folder
     files: list[FilePlan] = []
     units: list[WriteUnit] = []
     index: dict[str, dict[str, str]] = {}
     stream = 0
     for stem, group in groups.items():
         shards = [group] if stem.endswith(".safetensors") else _shard(group, max_shard_bytes)
-        names = _file_names(stem, len(shards))
-        if not stem.endswith(".safetensors"):
+        names = shard_file_names(stem, len(shards), peft=peft)
+        if not stem.endswith(".safetensors") and (len(names) > 1 or names[0] != f"{stem}.safetensors"):
             index[stem] = {}
+        taken = [n for n in names if any(f.name == n for f in files)]
+        if taken:
+            raise ValueError(f"weights stem {stem!r} would write {taken[0]!r}, which another stem already writes: "
+                             "give every top-level weights key its own stem")
+        meta = metadata if _INTERNAL_STEM.fullmatch(stem) else {"format": "pt", **(metadata or {})}
         for fname, shard in zip(names, shards):
-            prefix, infos = encode_header([(s.name, s.dtype, s.shape, s.nbytes) for s in shard],
-                                          metadata, align=HEADER_ALIGN)
+            prefix, infos = encode_header([(s.name, s.dtype, s.shape, s.nbytes) for s in shard], meta,
+                                          align=HEADER_ALIGN)
             data_off = len(prefix)
             placed = tuple(PlannedTensor(s, fname, data_off + i.start, stream + i.start)
                            for s, i in zip(shard, infos))

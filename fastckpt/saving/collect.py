@@ -12,8 +12,9 @@ never share.
 Every file that another reader opens holds every tensor that reader expects in it (a manifest
 entry is invisible to ``safetensors``, transformers, peft and vLLM): a tensor of a ``weights``
 group (an HF file stem) is written under its own name in that group's files, whatever else
-shares its storage, with one exception: in a sharded model group (a stem without
-``.safetensors``, written as ``{stem}-0000k-of-0000n.safetensors`` + index), a tensor that is
+shares its storage, with one exception: in a model group (a stem without ``.safetensors``,
+written as ``{stem}.safetensors``, or ``{stem}-0000k-of-0000n.safetensors`` + index past one
+file, see :func:`fastckpt.format.layout.shard_file_names`), a tensor that is
 exactly the same view as an earlier one of the same group (tied weights, e.g. ``lm_head.weight``
 = ``embed_tokens.weight``) is an ``alias`` of it, as ``save_pretrained`` and
 ``safetensors.torch.save_model`` drop tied duplicates and transformers re-ties them on load.
@@ -33,12 +34,12 @@ import torch
 
 from ..format.dtypes import dtype_to_str
 from ..errors import UnsupportedDtypeError, UnsupportedValueError
-from ..format.layout import ArraySpec
+from ..format.layout import STATE_STEM, ArraySpec
 from ..format.tree import flatten, join
 
 #: Key-path prefix of storage blobs; ``%s`` can never come out of :func:`fastckpt.format.tree.encode_segment`.
 BLOB_PREFIX = "%storage/"
-STATE_GROUP = "state"
+STATE_GROUP = STATE_STEM
 
 
 @dataclass
@@ -98,8 +99,9 @@ def collect(state: Any, weights: dict[str, str]) -> Collected:
     Args:
         state: nested state (see :func:`fastckpt.format.tree.flatten`).
         weights: top-level key -> HF file stem; tensors directly under ``state[key]`` keep their
-            raw dict key as tensor name and go to that stem's files; all others go to
-            ``state-0000k-of-0000n.safetensors`` under their key path.
+            raw dict key as tensor name and go to that stem's files (``{stem}.safetensors``,
+            more past one shard); all others go to ``state-0000k-of-0000n.safetensors`` under
+            their key path.
 
     Raises:
         UnsupportedValueError, UnsupportedDtypeError: naming the key path.
@@ -156,7 +158,7 @@ def _add_group(out: Collected, members: list[tuple[str, torch.Tensor]], names: d
         stem = names[key][1]
         tied = first.get((stem, _view_key(t)))
         if tied is not None and not stem.endswith(".safetensors"):
-            out.entries[key] = {"alias": tied}  # tied weights within one sharded model group
+            out.entries[key] = {"alias": tied}  # tied weights within one model group
             continue
         _add(out, key, t, names)  # the group's reader expects it in its file: its own bytes
         first.setdefault((stem, _view_key(t)), key)

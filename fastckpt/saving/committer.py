@@ -26,7 +26,7 @@ import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import xxhash
 
@@ -56,8 +56,9 @@ def check_space(folder: Path, need: int) -> None:
             f"{folder}: {free} bytes free, the checkpoint needs {need} bytes; free space or save elsewhere")
 
 
-def create_folder(path: Path, opts: SaveOptions, need_bytes: int) -> str:
-    """Create the folder a save writes into; returns its path.
+def create_folder(path: Path, opts: SaveOptions, need_bytes: int, names: Iterable[str] = ()) -> str:
+    """Create the folder a save writes into, with the sub-folders of ``names`` and of the extra
+    files (``"second/adapter_model.safetensors"``: peft's second adapter); returns its path.
 
     ``commit="rename"``: a hidden sibling temporary folder with an owner record.
     ``commit="marker"``: ``path`` itself (replaced if ``overwrite``), marked uncommitted by an
@@ -70,16 +71,26 @@ def create_folder(path: Path, opts: SaveOptions, need_bytes: int) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     check_space(path.parent, need_bytes + opts.io.min_free_bytes)
     if opts.commit == "rename":
-        return cm.make_temp_dir(str(path))
+        folder = cm.make_temp_dir(str(path))
+        _make_subfolders(folder, [*names, *(opts.extra_files or ())])
+        return folder
     if path.exists():
         if not opts.overwrite:
             raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it")
         shutil.rmtree(path)
     os.makedirs(path)
+    _make_subfolders(str(path), [*names, *(opts.extra_files or ())])
     # until its manifest exists, a state.json marks the folder as an uncommitted fastckpt save
     # (without it readers would take the preallocated safetensors files for a plain HF folder)
     cm.write_small_file(os.path.join(path, cm.STATE_JSON), b"{}")
     return str(path)
+
+
+def _make_subfolders(folder: str, names: Iterable[str]) -> None:
+    """Create the sub-folders the ``/``-separated file ``names`` sit in (fsynced by
+    :func:`fastckpt.saving.metadata.write_side_files` before the manifest)."""
+    for sub in sorted({os.path.dirname(n) for n in names if "/" in n}):
+        os.makedirs(os.path.join(folder, sub), exist_ok=True)
 
 
 def rank_report(rank: int, hashes: dict[str, str], local: Any, folder: str, nbytes: int, linked_bytes: int) -> dict:

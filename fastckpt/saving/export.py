@@ -1,6 +1,7 @@
 """Write HF sharded safetensors folders with parallel large I/O, and warm the page cache.
 
-:func:`plan_shards` (pure) assigns tensors to ``model-0000k-of-0000n.safetensors`` files;
+:func:`plan_shards` (pure) assigns tensors to ``model.safetensors`` (one file) or
+``model-0000k-of-0000n.safetensors`` files, named as ``save_pretrained`` names them;
 :func:`write_shards` streams the tensors in batches of at most ``batch_bytes`` (the next batch
 is fetched while the current one is written) and writes each batch with parallel ``pwrite``
 in ``chunk_bytes`` requests, through the storage layer (:class:`fastckpt.storage.io.FileWriter`
@@ -26,6 +27,7 @@ import xxhash
 
 from ..errors import ChecksumMismatchError, CorruptCheckpointError
 
+from ..format.layout import shard_file_names
 from ..format.safetensors import encode_header, write_index
 from ..storage.commit import write_small_file
 from ..storage.io import DEFAULT_CHUNK_BYTES, FileWriter, default_threads, get_backend, group_by_bytes, read_exact
@@ -61,7 +63,8 @@ def plan_shards(entries: list[Entry], max_shard_bytes: int, stem: str = "model")
     """Split ``entries`` (kept in order) into files of at most ``max_shard_bytes`` data bytes.
 
     A tensor larger than ``max_shard_bytes`` gets a file of its own. One file is named
-    ``{stem}.safetensors``; more are ``{stem}-0000k-of-0000n.safetensors`` (HF naming).
+    ``{stem}.safetensors``; more are ``{stem}-0000k-of-0000n.safetensors`` (HF naming,
+    :func:`fastckpt.format.layout.shard_file_names`).
 
     Raises:
         ValueError: ``max_shard_bytes`` is not positive.
@@ -70,7 +73,7 @@ def plan_shards(entries: list[Entry], max_shard_bytes: int, stem: str = "model")
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
     groups = group_by_bytes(entries, max_shard_bytes)
     n = len(groups)
-    names = [f"{stem}.safetensors"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    names = shard_file_names(stem, n)
     return ShardPlan(tuple((nm, tuple(g)) for nm, g in zip(names, groups)), stem)
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from ..storage import commit as cm
+from ..storage.io import fsync_dir
 from .collect import STATE_GROUP
 from ..format.safetensors import write_index
 from ..format.layout import SavePlan
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 
 def write_side_files(folder: str, plan: SavePlan, skeleton: Any, extra_files: dict[str, bytes] | None, *,
                      replace: bool = False) -> dict[str, dict]:
-    """Write ``state.json``, the HF index files and the extra files into ``folder`` (each fsynced).
+    """Write ``state.json``, the HF index files and the extra files into ``folder`` (each fsynced;
+    sub-folders of ``/``-separated names exist already, see :func:`fastckpt.saving.committer.create_folder`).
 
     Args:
         folder: the (temporary) checkpoint folder.
@@ -52,6 +54,8 @@ def write_side_files(folder: str, plan: SavePlan, skeleton: Any, extra_files: di
         else:
             cm.write_small_file(full, data)
         files[name] = {"bytes": len(data), "xxh3": xxhash.xxh3_64(data).hexdigest()}
+    for sub in sorted({os.path.dirname(n) for n in files if "/" in n}):  # sub-folders' entries are durable
+        fsync_dir(os.path.join(folder, sub))                               # before the manifest commits them
     return files
 
 

@@ -176,8 +176,9 @@ class SaveOptions:
         if io.staging_bytes is not None and (not isinstance(io.staging_bytes, int) or io.staging_bytes <= 0):
             raise ValueError(f"staging_bytes must be a positive int of bytes, got {io.staging_bytes!r}")
         for n in self.extra_files or {}:
-            if "/" in n or n.startswith(".") or n in (cm.MANIFEST, cm.STATE_JSON):
-                raise ValueError(f"extra file name {n!r} is reserved or not a plain file name")
+            if not _plain_path(n) or n in (cm.MANIFEST, cm.STATE_JSON):
+                raise ValueError(f"extra file name {n!r} is reserved or not a plain file name (a sub-folder "
+                                 "is written as 'folder/name', as peft writes a second adapter)")
         for name in ("early_writes", "defer_frozen"):
             if not isinstance(getattr(c, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(c, name)!r}")
@@ -186,10 +187,11 @@ class SaveOptions:
         if c.link_check not in ("hash", "version"):
             raise ValueError(f"link_check must be 'hash' or 'version', got {c.link_check!r}")
         w = self.weights
-        if w is not None and not (isinstance(w, dict) and all(isinstance(k, str) and isinstance(v, str) and v
-                                                               and "/" not in v for k, v in w.items())):
+        if w is not None and not (isinstance(w, dict) and all(isinstance(k, str) and _plain_path(v)
+                                                               for k, v in w.items())):
             raise ValueError(f"weights must be a dict of top-level state key -> HF file stem, e.g. "
-                             f"{{'model': 'model'}} (files model-0000k-of-0000n.safetensors), got {w!r}")
+                             f"{{'model': 'model'}} (file model.safetensors, model-0000k-of-0000n.safetensors "
+                             f"past one shard; 'sub/adapter_model.safetensors' in a sub-folder), got {w!r}")
         if self.commit not in COMMIT_MODES:
             raise ValueError(f"commit must be one of {COMMIT_MODES}, got {self.commit!r}")
         if self.timeout_s is not None and (not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0):
@@ -197,6 +199,13 @@ class SaveOptions:
         if not all(isinstance(k, str) for k in self.local_keys):
             raise ValueError(f"local_keys must be top-level state keys (str), got {self.local_keys!r}")
         check_metadata(self.metadata)
+
+
+def _plain_path(name: object) -> bool:
+    """True for a file name inside the checkpoint folder: ``/``-separated plain names (no empty,
+    hidden, ``..``, backslash or NUL part)."""
+    return isinstance(name, str) and all(seg and not seg.startswith(".") and "\\" not in seg and "\x00" not in seg
+                                         for seg in name.split("/"))
 
 
 _TOP = {"overwrite", "weights", "extra_files", "metadata", "step", "on_commit", "io", "consistency",

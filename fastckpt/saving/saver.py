@@ -350,7 +350,8 @@ class Saver:
         if sv.part.leader:
             try:
                 here = sv.own.files if sv.own is not None else range(len(sv.plan.files))
-                sv.folder = job.tmp = create_folder(sv.path, opts, sum(sv.plan.files[i].size for i in here))
+                sv.folder = job.tmp = create_folder(sv.path, opts, sum(sv.plan.files[i].size for i in here),
+                                                    [sv.plan.files[i].name for i in here])
                 if opts.consistency.link_from is not None:
                     job.link_unchanged(Collected(None, sources=sv.sources, frozen=sv.frozen, trainable=sv.trainable))
                 job.open_files()

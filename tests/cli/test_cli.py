@@ -60,10 +60,10 @@ def test_verify_ok_and_flipped_byte(tmp_path, capsys):
 
 def test_verify_truncated_and_missing_file(tmp_path, capsys):
     root, mgr = make_root(tmp_path, steps=(1, 2))
-    shard = mgr.path(1) / "model-00001-of-00001.safetensors"
+    shard = mgr.path(1) / "model.safetensors"
     os.truncate(shard, os.path.getsize(shard) - 10)
     assert main(["verify", str(mgr.path(1))]) == 1
-    assert "model-00001-of-00001.safetensors" in capsys.readouterr().out
+    assert "model.safetensors" in capsys.readouterr().out
     os.unlink(mgr.path(2) / "state.json")
     assert main(["verify", str(mgr.path(2))]) == 1
     assert "state.json" in capsys.readouterr().out

@@ -25,7 +25,7 @@ def test_verify_foreign_file_validates_headers_and_says_so(tmp_path, capsys):
 
 def test_flip_in_header_is_a_named_problem_exit_1(tmp_path, capsys):
     p = fastckpt.save({"model": {"w": torch.arange(64.0)}}, tmp_path / "ck")
-    shard = p / "model-00001-of-00001.safetensors"
+    shard = p / "model.safetensors"
     raw = bytearray(shard.read_bytes())
     raw[20] ^= 0x01
     shard.write_bytes(bytes(raw))
@@ -38,7 +38,7 @@ def test_flip_in_header_is_a_named_problem_exit_1(tmp_path, capsys):
 def test_a_damaged_header_does_not_hide_damage_in_other_files(tmp_path):
     p = fastckpt.save({"model": {"w": torch.arange(64.0)}, "opt": {"m": torch.arange(32.0)}}, tmp_path / "ck")
     state_shard = p / "state-00001-of-00001.safetensors"
-    model_shard = p / "model-00001-of-00001.safetensors"
+    model_shard = p / "model.safetensors"
     for f, pos in ((state_shard, 20), (model_shard, 4096 + 8)):  # header of one, data of the other
         raw = bytearray(f.read_bytes())
         raw[pos] ^= 0x01

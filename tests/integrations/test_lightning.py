@@ -8,7 +8,6 @@ torchrun-style environment (LOCAL_RANK...) and uses it.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -202,13 +201,14 @@ def test_trainer_save_then_resume_bit_exact(pool, tmp_path):
     assert fastckpt.is_committed(ck)
     names = os.listdir(ck)
     assert not {"meta.pt", ".metadata"} & set(names) and not any(n.endswith(".distcp") for n in names), names
-    # HF layout: the LightningModule's own parameter names, full tensors, read by safetensors
+    # HF layout: the LightningModule's own parameter names, full tensors, read by safetensors;
+    # one shard is model.safetensors without an index, as save_pretrained writes it
     from safetensors import safe_open
-    index = json.load(open(os.path.join(ck, "model.safetensors.index.json")))
+    assert "model.safetensors.index.json" not in names, names
     full = res[0]["full_model"]
-    assert sorted(index["weight_map"]) == sorted(full)
-    for name, fname in index["weight_map"].items():
-        with safe_open(os.path.join(ck, fname), "pt") as f:
+    with safe_open(os.path.join(ck, "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(full)
+        for name in full:
             assert _raw(f.get_tensor(name)) == _raw(full[name]), name
     meta = fastckpt.load(ck, keys="lightning")["lightning"]
     assert meta["global_step"] == 2 and "loops" in meta and meta["lr_schedulers"][0]["last_epoch"] == 2

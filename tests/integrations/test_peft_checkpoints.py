@@ -175,6 +175,9 @@ def test_base_weights_under_transformers_names(run, base_dir):
         assert_same(got[k], want[k], k)
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())
     assert sorted(index["weight_map"]) == sorted(want)
+    # a peft checkpoint keeps model-00001-of-00001.safetensors + index even as one shard: the Trainer's
+    # resume would take a model.safetensors for a full-model checkpoint and not load the adapter
+    assert not (ckpt / "model.safetensors").exists()
 
 
 def test_peft_from_pretrained_same_logits_as_peft_own_save(run, base_dir):

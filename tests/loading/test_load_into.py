@@ -93,7 +93,7 @@ def _expect_mismatch(ck, dst, *needles, strict=None):
 def test_strict_shape_mismatch_names_key_shapes_file_and_writes_nothing(ck):
     dst = _state(0)
     dst["model"]["w"] = torch.full((6, 4), 7.0)
-    e = _expect_mismatch(ck, dst, "'model/w'", "[6, 4]", "[6, 5]", "model-00001-of-00001.safetensors")
+    e = _expect_mismatch(ck, dst, "'model/w'", "[6, 4]", "[6, 5]", "model.safetensors")
     assert e.mismatched and e.mismatched[0][0] == "model/w"
 
 

@@ -28,7 +28,7 @@ def test_unchanged_files_are_linked_changed_rewritten(tmp_path):
     fastckpt.save(_state(base, lora), tmp_path / "c1", weights=W)
     lora["a"].add_(1)
     fastckpt.save(_state(base, lora), tmp_path / "c2", weights=W, link_from=tmp_path / "c1")
-    shard = "model-00001-of-00001.safetensors"
+    shard = "model-00001-of-00001.safetensors"  # a peft checkpoint (adapter_model.safetensors): indexed base
     assert os.stat(tmp_path / "c2" / shard).st_ino == os.stat(tmp_path / "c1" / shard).st_ino
     assert os.stat(tmp_path / "c2" / "adapter_model.safetensors").st_nlink == 1
     # a changed base tensor: the model shard is written anew, not linked
@@ -57,7 +57,7 @@ def test_link_from_uncommitted_or_missing_is_ignored(tmp_path):
     fastckpt.save({"model": t}, tmp_path / "a", link_from=tmp_path / "junk")
     fastckpt.save({"model": t}, tmp_path / "b", link_from=tmp_path / "nope")
     assert torch.equal(fastckpt.load(tmp_path / "b")["model"]["w"], t["w"])
-    assert os.stat(tmp_path / "b" / "model-00001-of-00001.safetensors").st_nlink == 1
+    assert os.stat(tmp_path / "b" / "model.safetensors").st_nlink == 1
 
 
 def test_manager_link_unchanged_and_retention(tmp_path):
@@ -72,7 +72,8 @@ def test_manager_link_unchanged_and_retention(tmp_path):
 
 
 # ---- link_check="version": unchanged tensors proven by storage identity + version counter ----------
-SHARD = "model-00001-of-00001.safetensors"
+SHARD = "model-00001-of-00001.safetensors"  # W is a peft layout: the base keeps the indexed name
+ONE_SHARD = "model.safetensors"  # a plain model folder: one shard, no index
 
 
 def _params():
@@ -189,7 +190,7 @@ def test_plan_memo_follows_metadata(tmp_path):
     t = {"w": torch.arange(6.0)}
     fastckpt.save({"model": t}, tmp_path / "a", metadata={"run": "one"})
     fastckpt.save({"model": t}, tmp_path / "b", metadata={"run": "two"})
-    with safe_open(str(tmp_path / "b" / SHARD), "pt") as f:
+    with safe_open(str(tmp_path / "b" / ONE_SHARD), "pt") as f:
         assert f.metadata()["run"] == "two"
 
 
@@ -209,7 +210,7 @@ def test_version_link_never_trusts_trainable_parameters(tmp_path, fused):
     fastckpt.save(state(), tmp_path / "c2", link_from=tmp_path / "c1", link_check="version")
     out = fastckpt.load(tmp_path / "c2")
     assert _raw(out["model"]["w"]) == _raw(w) and _raw(out["model"]["frozen"]) == _raw(frozen)
-    assert os.stat(tmp_path / "c2" / SHARD).st_nlink == 1
+    assert os.stat(tmp_path / "c2" / ONE_SHARD).st_nlink == 1
 
 
 

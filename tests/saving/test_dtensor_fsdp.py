@@ -158,7 +158,7 @@ def _check_checkpoint(path, res: dict) -> dict:
     from transformers import AutoModelForCausalLM
     full = res["full"]
     got = {}
-    for f in sorted(path.glob("model-*.safetensors")):
+    for f in sorted(path.glob("model*.safetensors")):
         got.update(load_file(str(f)))
     assert set(got) == set(full["model"])
     for k, v in full["model"].items():

@@ -230,7 +230,7 @@ def test_c6_truncated_newer_folder_without_manifest_is_skipped(root100, capsys):
     fake = CheckpointManager(root / "elsewhere").save(300, state_for(300))
     os.rename(fake, root / "step-300")
     os.unlink(root / "step-300" / "manifest.json")
-    shard = root / "step-300" / "model-00001-of-00001.safetensors"
+    shard = root / "step-300" / "model.safetensors"
     os.truncate(shard, os.path.getsize(shard) // 2)
     mgr = CheckpointManager(root)
     assert mgr.latest() == 100 and mgr.steps() == [100]

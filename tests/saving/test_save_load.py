@@ -60,7 +60,7 @@ def test_roundtrip_and_safetensors_reads_our_shards(tmp_path):
                "optimizer/state/0/exp_avg": state["optimizer"]["state"][0]["exp_avg"]}[key]
         assert_same(ref, got, key)
     # model tensors keep their raw names in HF-named shards
-    assert load_file(str(p / "model-00001-of-00001.safetensors")).keys() == {"a.weight", "b", "flag"}
+    assert load_file(str(p / "model.safetensors")).keys() == {"a.weight", "b", "flag"}
     assert fastckpt.verify(p).ok
 
 
@@ -375,12 +375,30 @@ def test_flipped_byte_detected_by_verify_and_load_verify(tmp_path):
 def test_options_validated_before_any_file(tmp_path):
     for opts in ({"chunk_bytes": 1000}, {"max_shard_bytes": 0}, {"threads": 0}, {"staging_bytes": -1},
                  {"extra_files": {"manifest.json": b""}}, {"metadata": {"a": 1}},
-                 {"weights": ["model"]}, {"weights": {"model": "a/b"}}):
+                 {"weights": ["model"]}, {"weights": {"model": "../b"}}, {"weights": {"model": "a//b"}},
+                 {"weights": {"model": ".hidden/b"}}, {"extra_files": {"../x.json": b""}}):
         with pytest.raises((ValueError, UnsupportedValueError)):
             fastckpt.save(small_state(), tmp_path / "ck", **opts)
     with pytest.raises(TypeError):
         fastckpt.save(small_state(), tmp_path / "ck", no_such_option=1)
     assert listing(tmp_path) == []
+
+
+def test_weights_and_extra_files_in_a_sub_folder(tmp_path):
+    """peft saves a second adapter as NAME/adapter_model.safetensors + NAME/adapter_config.json:
+    a weights stem and an extra file may name a sub-folder; both are committed, listed and verified."""
+    state = {"model": {"w": torch.arange(6.0)}, "extra": {"a": torch.ones(3)}}
+    p = fastckpt.save(state, tmp_path / "ck", weights={"model": "model", "extra": "sub/extra.safetensors"},
+                      extra_files={"sub/config.json": b'{"r": 2}'})
+    assert (p / "sub" / "config.json").read_bytes() == b'{"r": 2}'
+    assert load_file(str(p / "sub" / "extra.safetensors")).keys() == {"a"}
+    m = manifest(p)
+    assert {"sub/extra.safetensors", "sub/config.json", "model.safetensors"} <= set(m["files"])
+    assert_same(fastckpt.load(p)["extra"]["a"], state["extra"]["a"])
+    assert fastckpt.verify(p).ok
+    with open(p / "sub" / "config.json", "r+b") as f:
+        f.write(b"X")
+    assert not fastckpt.verify(p).ok
 
 
 def test_extra_files_and_step_in_manifest(tmp_path):
@@ -465,7 +483,7 @@ def test_many_small_mixed_tensors_stage_in_batched_runs(tmp_path):
     back = fastckpt.load(tmp_path / "c")["model"]
     for k, v in state["model"].items():
         assert raw(back[k]) == raw(v), k
-    theirs = load_file(str(tmp_path / "c" / "model-00001-of-00001.safetensors"))
+    theirs = load_file(str(tmp_path / "c" / "model.safetensors"))
     for k, v in state["model"].items():
         assert raw(theirs[k]) == raw(v), k
 

@@ -1,0 +1,53 @@
+"""File naming of the save plan (fastckpt.format.layout): HF weights named as save_pretrained names them."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastckpt.format.layout import ArraySpec, plan_save, shard_file_names
+from fastckpt.format.safetensors import read_header
+
+
+def _spec(key, group, nbytes=16):
+    return ArraySpec(key, key.rsplit("/", 1)[-1], group, "F32", (nbytes // 4,), nbytes)
+
+
+def _plan(specs, max_shard_bytes=1 << 20, metadata=None):
+    return plan_save(specs, max_shard_bytes=max_shard_bytes, chunk_bytes=4096, metadata=metadata)
+
+
+def test_one_shard_is_stem_safetensors_without_index():
+    plan = _plan([_spec("model/a", "model"), _spec("model/b", "model"), _spec("opt/x", "state")])
+    assert [f.name for f in plan.files] == ["model.safetensors", "state-00001-of-00001.safetensors"]
+    assert "model" not in plan.index  # no model.safetensors.index.json
+
+
+def test_several_shards_keep_hf_shard_names_and_index():
+    plan = _plan([_spec(f"model/w{i}", "model", 64) for i in range(3)], max_shard_bytes=64)
+    assert [f.name for f in plan.files] == [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
+    assert set(plan.index["model"]) == {"w0", "w1", "w2"}
+
+
+def test_fastckpt_own_stems_and_peft_base_keep_indexed_names():
+    assert shard_file_names("state", 1) == ["state-00001-of-00001.safetensors"]
+    assert shard_file_names("rank00003", 1) == ["rank00003-00001-of-00001.safetensors"]
+    assert shard_file_names("model", 1) == ["model.safetensors"]
+    assert shard_file_names("sub/adapter_model.safetensors", 1) == ["sub/adapter_model.safetensors"]
+    # a peft checkpoint (adapter at the top or in a sub-folder): the base stays model-00001-of-00001 + index
+    for adapter in ("adapter_model.safetensors", "second/adapter_model.safetensors"):
+        plan = _plan([_spec("model/a", "model"), _spec("adapter/x", adapter)])
+        assert [f.name for f in plan.files] == ["model-00001-of-00001.safetensors", adapter]
+        assert set(plan.index["model"]) == {"a"}
+
+
+def test_two_stems_writing_one_file_name_are_refused():
+    with pytest.raises(ValueError, match="model.safetensors"):
+        _plan([_spec("model/a", "model"), _spec("other/b", "model.safetensors")])
+
+
+def test_weights_files_carry_format_pt_state_files_only_the_given_metadata(tmp_path):
+    plan = _plan([_spec("model/a", "model"), _spec("opt/x", "state")], metadata={"run": "1"})
+    for f in plan.files:
+        (tmp_path / f.name).write_bytes(f.prefix + b"\0" * f.data_bytes)
+    assert read_header(str(tmp_path / "model.safetensors")).metadata == {"format": "pt", "run": "1"}
+    assert read_header(str(tmp_path / "state-00001-of-00001.safetensors")).metadata == {"run": "1"}
