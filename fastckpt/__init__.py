@@ -10,6 +10,7 @@ Public API::
     fastckpt.Saver(process_group=None)        # a saver of your own (its failures stay its own)
     fastckpt.SaveOptions / IOTuning / Consistency, fastckpt.Shard
     fastckpt.verify(path) -> VerifyReport
+    fastckpt.check_servable(folder) -> ServableReport   # the servability gate of `fastckpt load`
     fastckpt.is_committed(path) -> bool
 
 The package is laid out by layers, imports pointing one way (DESIGN.md):
@@ -39,6 +40,7 @@ from .saving.options import Consistency, IOTuning, SaveOptions
 from .saving.ranks import Shard
 from .saving.saver import Saver, no_gc
 from .loading.verify import VerifyReport, verify
+from .loading.servable import ServableReport, check_servable
 
 __version__ = "0.1.0"
 
@@ -170,6 +172,6 @@ def wait() -> None:
 
 __all__ = ["save", "async_save", "load", "load_into", "wait", "reserve", "prime_hashes", "verify", "is_committed", "read_manifest", "open_checkpoint",
            "CheckpointManager", "Saver", "no_gc", "resolve_source", "Source", "SaveFuture", "SaveOptions", "IOTuning", "Consistency", "Shard", "LOCAL",
-           "VerifyReport", "errors", "FastCkptError", "DistributedSaveError", "SaveConflictError",
+           "VerifyReport", "check_servable", "ServableReport", "errors", "FastCkptError", "DistributedSaveError", "SaveConflictError",
            "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError", "HeaderError",
            "ChecksumMismatchError", "UnsupportedValueError", "UnsupportedDtypeError", "InsufficientSpaceError"]

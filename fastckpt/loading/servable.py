@@ -22,6 +22,7 @@ checks, in order:
    be equal (transformers and vLLM would silently keep one). Untied, both must be present (2.).
 
 No code from the checkpoint runs: a config with ``auto_map`` (``trust_remote_code`` models), a
+quantized model (``quantization_config``: other tensor names and shapes), a
 ``model_type`` transformers does not know, or an ``architectures`` class transformers lacks
 (a vLLM-only model) gets checks 1 only, and :attr:`ServableReport.warnings` says that the
 parameters were not checked.
@@ -107,6 +108,10 @@ def _expected(cfg: dict, folder: str) -> tuple[dict, dict, list[list[str]], str 
     one parameter in the model (first: the name kept). ``skip_reason`` is set (and the rest empty)
     when the architecture is not one transformers builds without remote code."""
     arch = cfg["architectures"][0]
+    if cfg.get("quantization_config"):
+        return {}, {}, [], (f"config.json has a quantization_config ({(cfg['quantization_config'] or {}).get('quant_method')}): "
+                            "quantized tensors have other names and shapes than the architecture's parameters, "
+                            "which were NOT checked")
     if "auto_map" in cfg:
         return {}, {}, [], (f"config.json has auto_map (a trust_remote_code model, {arch}): fastckpt runs no code "
                             "from a checkpoint, so the parameters were NOT checked against the architecture "
