@@ -27,7 +27,8 @@ naming the pickle file.
    Without ``--to``: warm the page cache with parallel sequential reads of the weights (and
    check them against the manifest checksums while reading, saying whether it could).
 4. Servability gate (:mod:`fastckpt.loading.servable`), on the folder built for ``--to`` before
-   it is renamed into place, else on the source: ``config.json`` names an architecture
+   it is renamed into place (without ``--to``, on the source: a failure there is a WARNING, no
+   command printed, exit 0 since the warm-up was done): ``config.json`` names an architecture
    (``architectures``) and a dtype (``dtype``/``torch_dtype``); every parameter of that
    architecture (transformers builds it from the config on the meta device: no weights, no code
    from the checkpoint) is in the folder with its shape; tied parameters stored twice are equal.
@@ -37,8 +38,8 @@ naming the pickle file.
    gets only the config checks, with a WARNING that the parameters were not checked.
 5. Print the ``vllm serve ...`` command to run (only after the gate passed).
 
-Exit status: 0: the folder is ready to serve (command printed); 2: an error, a failed gate included (named
-on stderr, no command printed).
+Exit status with ``--to``: 0: the folder is ready to serve (command printed); 2: an error, a failed
+gate included (named on stderr, no command printed, nothing at ``--to``).
 """
 
 from __future__ import annotations
@@ -424,12 +425,16 @@ def cmd_load(args: argparse.Namespace) -> int:
     else:
         _warm_source(src, args)
         out, adapter = src.path, src.adapter_dir
-        if not os.path.isdir(out):
-            raise NotServableError(
-                f"vllm serve cannot serve {out}: it is a file and vLLM needs a model folder with a config.json "
-                "(write one with --to DIR --config HF_DIR, a folder providing config.json and tokenizer, or "
-                "--base BASE_MODEL_DIR); no vllm serve command printed", path=out, problems=["a file"])
-        gate(out, out)
+        try:  # warming was the job and it is done: a source that fails the gate gets no command, exit 0
+            if not os.path.isdir(out):
+                raise NotServableError(
+                    f"vllm serve cannot serve {out}: it is a file and vLLM needs a model folder with a config.json "
+                    "(write one with --to DIR --config HF_DIR, a folder providing config.json and tokenizer, or "
+                    "--base BASE_MODEL_DIR)", path=out, problems=["a file"])
+            gate(out, out)
+        except NotServableError as e:
+            print(f"fastckpt load: WARNING: warmed, but {e}", file=sys.stderr)
+            return 0
     print(vllm_command(out, adapter))
     return 0
 
