@@ -172,6 +172,7 @@ def wait() -> None:
 
 __all__ = ["save", "async_save", "load", "load_into", "wait", "reserve", "prime_hashes", "verify", "is_committed", "read_manifest", "open_checkpoint",
            "CheckpointManager", "Saver", "no_gc", "resolve_source", "Source", "SaveFuture", "SaveOptions", "IOTuning", "Consistency", "Shard", "LOCAL",
-           "VerifyReport", "check_servable", "ServableReport", "errors", "FastCkptError", "DistributedSaveError", "SaveConflictError",
+           "VerifyReport", "errors", "FastCkptError", "DistributedSaveError", "SaveConflictError",
            "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError", "HeaderError",
            "ChecksumMismatchError", "UnsupportedValueError", "UnsupportedDtypeError", "InsufficientSpaceError"]
+__all__ += ["check_servable", "ServableReport"]
