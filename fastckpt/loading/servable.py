@@ -125,9 +125,13 @@ def _expected(cfg: dict, folder: str) -> tuple[dict, dict, list[list[str]], str 
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         return {}, {}, [], (f"architectures names {arch}, which transformers {transformers.__version__} does not "
                             "have (a vLLM-only model class?): the parameters were NOT checked")
-    config = transformers.AutoConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        model = cls._from_config(config)
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            model = cls._from_config(config)
+    except Exception as e:  # noqa: BLE001 - transformers' own refusal, reported as what was not checked
+        return {}, {}, [], (f"transformers {transformers.__version__} could not build {arch} from config.json on the "
+                            f"meta device ({type(e).__name__}: {e}): the parameters were NOT checked")
     params = dict(model.named_parameters(remove_duplicate=False))
     groups: dict[int, list[str]] = {}
     for n, p in params.items():

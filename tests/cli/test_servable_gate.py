@@ -211,3 +211,18 @@ def test_remote_code_config_is_not_built_and_warns(tmp_path, capsys):
     assert rep.checked == 0 and "auto_map" in rep.warnings[0] and "NOT checked" in rep.warnings[0]
     rc, cmd, err = _run(capsys, src, "--to", tmp_path / "out")
     assert rc == 0 and cmd.startswith("vllm serve") and "WARNING" in err and "NOT checked" in err
+
+
+def test_quantized_config_checks_names_only(tmp_path):
+    """A quantized model's tensors (qweight, scales, ...) are not the architecture's parameters: the
+    gate checks architecture and dtype, and warns that the parameters were not checked."""
+    src = tmp_path / "hf"
+    _llama(False).save_pretrained(src)
+    sd = _weights(src)
+    sd["model.layers.0.mlp.down_proj.qweight"] = sd.pop("model.layers.0.mlp.down_proj.weight")[:, :8].contiguous()
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (src / "config.json").write_text(json.dumps(cfg))
+    rep = check_servable(src)
+    assert rep.checked == 0 and "quantization_config (awq)" in rep.warnings[0] and "NOT checked" in rep.warnings[0]
