@@ -7,8 +7,10 @@ the full fp32 weights are rebuilt from every rank's ZeRO-1/2/3 partitions
 written as HF sharded safetensors (:func:`fastckpt.saving.export.write_shards`) into a hidden
 sibling of ``DIR`` together with ``config.json``, generation config and tokenizer files (taken
 from ``--config HF_DIR`` first, then the tag folder, then ``save_dir``: HF Trainer puts them next
-to ``global_stepN``), and the folder is renamed into place. Nothing appears at ``DIR`` unless
-all of it succeeded.
+to ``global_stepN``), the servability gate checks it (:func:`fastckpt.loading.servable.check_servable`:
+``config.json`` names architecture and dtype, every parameter of the architecture is there with its
+shape; a frozen parameter a save left out is named there), and the folder is renamed into place.
+Nothing appears at ``DIR`` unless all of it succeeded.
 """
 
 from __future__ import annotations
