@@ -34,8 +34,9 @@ naming the pickle file.
    from the checkpoint) is in the folder with its shape; tied parameters stored twice are equal.
    A failure exits non-zero naming the missing or mis-shaped keys and leaves nothing at ``--to``
    (fix: ``--config HF_DIR`` with the config.json the model's ``save_pretrained`` wrote). A
-   ``trust_remote_code`` config (``auto_map``), or an architecture transformers does not have,
-   gets only the config checks, with a WARNING that the parameters were not checked.
+   ``trust_remote_code`` config (``auto_map``), a quantized model (``quantization_config``) or an
+   architecture transformers does not have gets only the config checks, with a WARNING that the
+   parameters were not checked.
 5. Print the ``vllm serve ...`` command to run (only after the gate passed).
 
 Exit status with ``--to``: 0: the folder is ready to serve (command printed); 2: an error, a failed
