@@ -11,6 +11,7 @@ Public API::
     fastckpt.Saver(process_group=None)        # a saver of your own (its failures stay its own)
     fastckpt.SaveOptions / IOTuning / Consistency, fastckpt.Shard
     fastckpt.verify(path) -> VerifyReport
+    fastckpt.check_servable(folder) -> ServableReport   # the servability gate of `fastckpt load`
     fastckpt.is_committed(path) -> bool
 
 The package is laid out by layers, imports pointing one way (DESIGN.md):
@@ -41,6 +42,7 @@ from .saving.options import Consistency, IOTuning, SaveOptions
 from .saving.ranks import Shard
 from .saving.saver import Saver, no_gc
 from .loading.verify import VerifyReport, verify
+from .loading.servable import ServableReport, check_servable
 
 __version__ = "0.1.0"
 
@@ -187,3 +189,4 @@ __all__ = ["save", "async_save", "load", "load_into", "LoadIntoReport", "wait", 
            "VerifyReport", "errors", "FastCkptError", "DistributedSaveError", "RankValuesDifferError", "SaveConflictError",
            "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError", "HeaderError",
            "ChecksumMismatchError", "UnsupportedValueError", "UnsupportedDtypeError", "InsufficientSpaceError"]
+__all__ += ["check_servable", "ServableReport"]

@@ -315,3 +315,24 @@ class AccelerateFSDP1Error(FastCkptError, NotImplementedError):
     """The accelerate plugin was enabled on, or asked to save, an FSDP1 model
     (``FullyShardedDataParallel``, ``FullyShardedDataParallelPlugin(fsdp_version=1)``). A
     ``NotImplementedError`` as before; FSDP2 (``fsdp_version=2`` / ``fully_shard``) is supported."""
+
+
+class NotServableError(FastCkptError, ValueError):
+    """A model folder that ``vllm serve`` / ``from_pretrained`` would not load as the model its
+    ``config.json`` describes: no architecture or dtype named, parameters of that architecture
+    missing or of another shape, or tying flags that disagree with the files.
+
+    Attributes:
+        path: the folder checked.
+        problems: one line per problem (what, which keys, the numbers, how to fix).
+        missing: parameter names the architecture has and the folder lacks.
+        mismatched: ``{name: (shape expected, shape in the folder)}``.
+    """
+
+    def __init__(self, message: str, *, path: str = "", problems: Iterable[str] = (), missing: Iterable[str] = (),
+                 mismatched: dict | None = None):
+        super().__init__(message)
+        self.path = path
+        self.problems = list(problems)
+        self.missing = sorted(missing)
+        self.mismatched = dict(mismatched or {})

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
-from fastckpt import resolve_source
+from fastckpt import check_servable, resolve_source
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,20 @@ class FastCkptLoaderMixin:
                                  allow_patterns=_HF_PATTERNS)
 
     def download_model(self, model_config: Any) -> None:
-        """Fetch a hub model if needed and validate its headers/index/manifest (no tensor data read)."""
-        resolve_source(self._local_path(model_config))
+        """Fetch a hub model if needed, validate its headers/index/manifest (no tensor data read) and
+        run the servability gate (:func:`fastckpt.check_servable`): ``config.json`` names an
+        architecture and a dtype, and the folder holds every parameter of that architecture with
+        its shape (tied ones may be stored once). Skipped, with a logged warning, for what the gate
+        cannot build without running checkpoint code (``auto_map``) or for quantized models.
+
+        Raises:
+            NotServableError: naming the missing or mis-shaped keys (before any weight is read).
+            CheckpointNotFoundError, HeaderError, CorruptCheckpointError: invalid files.
+        """
+        src = resolve_source(self._local_path(model_config))
+        rep = check_servable(src.path)  # the checkpoint chosen (a run root's newest step)
+        for w in rep.warnings:
+            logger.warning("fastckpt: %s: %s", src.path, w)
 
     def get_weights_iterator(self, path: str) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(HF tensor name, tensor)`` for every weight of ``path``, file order.

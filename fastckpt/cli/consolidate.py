@@ -7,8 +7,10 @@ the full fp32 weights are rebuilt from every rank's ZeRO-1/2/3 partitions
 written as HF sharded safetensors (:func:`fastckpt.saving.export.write_shards`) into a hidden
 sibling of ``DIR`` together with ``config.json``, generation config and tokenizer files (taken
 from ``--config HF_DIR`` first, then the tag folder, then ``save_dir``: HF Trainer puts them next
-to ``global_stepN``), and the folder is renamed into place. Nothing appears at ``DIR`` unless
-all of it succeeded.
+to ``global_stepN``), the servability gate checks it (:func:`fastckpt.loading.servable.check_servable`:
+``config.json`` names architecture and dtype, every parameter of the architecture is there with its
+shape; a frozen parameter a save left out is named there), and the folder is renamed into place.
+Nothing appears at ``DIR`` unless all of it succeeded.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import glob
 import os
 import shutil
 import sys
+from typing import Callable
 
 from ..errors import CheckpointExistsError
 from ..format.dtypes import dtype_to_str
@@ -53,7 +56,8 @@ def check_to_zero(to: str, tag_dir: str, config: str | None) -> None:
                              "consolidation reads; choose a --to elsewhere")
 
 
-def export_zero(tag_dir: str, to: str, args: argparse.Namespace, meta_patterns: tuple[str, ...]) -> str:
+def export_zero(tag_dir: str, to: str, args: argparse.Namespace, meta_patterns: tuple[str, ...],
+                gate: Callable[[str, str], None] | None = None) -> str:
     """Write the servable HF folder ``to`` from the ZeRO tag ``tag_dir``; returns ``to``.
 
     Args:
@@ -62,11 +66,15 @@ def export_zero(tag_dir: str, to: str, args: argparse.Namespace, meta_patterns: 
         args: ``fastckpt load``'s arguments (``config``, ``overwrite``, ``threads``,
             ``max_shard_size``, ``quiet``).
         meta_patterns: glob patterns of the config/tokenizer files to copy.
+        gate: called as ``gate(hidden_folder, to)`` once the folder is complete and before it is
+            renamed into place (``fastckpt load``'s servability gate); what it raises leaves
+            nothing at ``to``.
 
     Raises:
         CheckpointExistsError: ``to`` exists and ``--overwrite`` was not given.
         IncompleteTagError, CorruptCheckpointError, ChecksumMismatchError: from the checkpoint
             (nothing at ``to``).
+        NotServableError: from ``gate`` (nothing at ``to``).
     """
     config = getattr(args, "config", None)
     check_to_zero(to, tag_dir, config)
@@ -83,14 +91,16 @@ def export_zero(tag_dir: str, to: str, args: argparse.Namespace, meta_patterns: 
                    for n, t in sd.items()]
         plan = plan_shards(entries, args.max_shard_size)
         write_shards(plan, lambda names: {n: sd[n].contiguous() for n in names}, tmp, threads=args.threads)
+        if "config.json" not in copied:
+            print(f"fastckpt load: no config.json in {', '.join(meta_folders(tag_dir, config))}; pass "
+                  "--config HF_DIR (the model's config and tokenizer folder)", file=sys.stderr)
+        if gate is not None:
+            gate(tmp, to)
         os.unlink(os.path.join(tmp, cm.OWNER))
         cm.commit_dir(tmp, to, overwrite=args.overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if "config.json" not in copied:
-        print(f"fastckpt load: WARNING: no config.json in {', '.join(meta_folders(tag_dir, config))}; pass "
-              "--config HF_DIR (the model's config and tokenizer folder)", file=sys.stderr)
     return to
 
 

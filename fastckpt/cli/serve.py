@@ -6,7 +6,7 @@ SOURCE may also be a DeepSpeed ``save_dir`` (or tag folder) written by fastckpt'
 engine: ``--to DIR`` then consolidates its ZeRO-1/2/3 partitions (any number of ranks) into a
 servable HF folder of fp32 weights (:mod:`fastckpt.cli.consolidate`). An FSDP2 checkpoint
 written by fastckpt (full tensors under ``model/``) exports like any fastckpt checkpoint.
-``--config HF_DIR`` supplies ``config.json`` / tokenizer files the checkpoint lacks. Native
+``--config HF_DIR`` supplies ``config.json`` / tokenizer files (over the checkpoint's). Native
 DeepSpeed (pickled ``*_model_states.pt``) and DCP (pickled ``.metadata``) folders are refused,
 naming the pickle file.
 
@@ -26,7 +26,21 @@ naming the pickle file.
    peft (``--merge-lora``) or laid out as ``DIR/adapter`` for ``vllm serve --enable-lora``.
    Without ``--to``: warm the page cache with parallel sequential reads of the weights (and
    check them against the manifest checksums while reading, saying whether it could).
-4. Print the ``vllm serve ...`` command to run (none, and a WARNING, without ``config.json``).
+4. Servability gate (:mod:`fastckpt.loading.servable`), on the folder built for ``--to`` before
+   it is renamed into place (without ``--to``, on the source: a failure there is a WARNING, no
+   command printed, exit 0 since the warm-up was done): ``config.json`` names an architecture
+   (``architectures``) and a dtype (``dtype``/``torch_dtype``); every parameter of that
+   architecture (transformers builds it from the config on the meta device: no weights, no code
+   from the checkpoint) is in the folder with its shape; tied parameters stored twice are equal.
+   A failure exits non-zero naming the missing or mis-shaped keys and leaves nothing at ``--to``
+   (fix: ``--config HF_DIR`` with the config.json the model's ``save_pretrained`` wrote). A
+   ``trust_remote_code`` config (``auto_map``), a quantized model (``quantization_config``) or an
+   architecture transformers does not have gets only the config checks, with a WARNING that the
+   parameters were not checked.
+5. Print the ``vllm serve ...`` command to run (only after the gate passed).
+
+Exit status with ``--to``: 0: the folder is ready to serve (command printed); 2: an error, a failed
+gate included (named on stderr, no command printed, nothing at ``--to``).
 """
 
 from __future__ import annotations
@@ -42,12 +56,13 @@ import shutil
 import sys
 import warnings
 
-from ..errors import CheckpointExistsError, CorruptCheckpointError, FastCkptError
+from ..errors import CheckpointExistsError, CorruptCheckpointError, FastCkptError, NotServableError
 from ..loading.source import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Source, adapter_base_dir, file_checks,
                               resolve_source)
 from ..saving.export import Entry, copy_checked, plan_shards, read_checked, warm_files, write_shards
 from ..storage import commit as cm
 from ..storage.io import copy_file, fsync_dir
+from ..loading.servable import check_servable
 from ..loading.zero import find_zero_tag
 from . import lora
 from .common import parse_bytes
@@ -149,10 +164,17 @@ def _meta_fallbacks(src: Source, args: argparse.Namespace) -> list[str]:
 
 
 def _copy_all_meta(src: Source, dst: str, args: argparse.Namespace, checked: _Checked) -> list[str]:
-    """Copy config/generation/tokenizer files from the source, then the missing ones from the
-    base model folder when known (each checked against its folder's manifest when it lists it);
-    warn when the result has no tokenizer."""
-    copied = _copy_meta(src.meta_dir, dst, checked)
+    """Copy config/generation/tokenizer files from ``--config`` (over the source's: the user named
+    that folder, e.g. to replace a config.json that fails the servability gate), then from the
+    source, then the missing ones from the base model folder when known (each checked against its
+    folder's manifest when it lists it); warn when the result has no tokenizer."""
+    copied = []
+    config = getattr(args, "config", None)
+    if config and os.path.isdir(config):
+        copied = _copy_meta(config, dst, checked)
+        if copied:
+            print(f"fastckpt load: copied {', '.join(copied)} from --config {config}", file=sys.stderr)
+    copied += _copy_meta(src.meta_dir, dst, checked)
     for d in _meta_fallbacks(src, args):
         if _has_tokenizer(dst) and all(os.path.exists(os.path.join(dst, n))
                                        for n in ("config.json", "generation_config.json")):
@@ -336,6 +358,7 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
             write_shards(plan, fetch, tmp, threads=args.threads, progress=bar.update)
         if src.adapter_dir and not args.merge_lora:
             _layout_adapter(src.adapter_dir, os.path.join(tmp, "adapter"), to, checked)
+        gate(tmp, to)  # a folder vllm serve cannot load as its config.json says never appears at --to
         os.unlink(os.path.join(tmp, cm.OWNER))
         cm.commit_dir(tmp, to, overwrite=args.overwrite)
     except BaseException as e:
@@ -378,12 +401,8 @@ def cmd_load(args: argparse.Namespace) -> int:
         if not args.to:
             raise ValueError(f"{args.source} is a DeepSpeed ZeRO checkpoint: pass --to DIR to consolidate it into "
                              "a servable HF folder")
-        out = export_zero(zero_tag, os.path.abspath(args.to), args, META_PATTERNS)
+        out = export_zero(zero_tag, os.path.abspath(args.to), args, META_PATTERNS, gate)
         print(f"wrote {out}", file=sys.stderr)
-        missing = _unservable(out)
-        if missing:
-            print(f"fastckpt load: WARNING: vllm serve cannot serve {out}: {missing}", file=sys.stderr)
-            return 0
         print(vllm_command(out, None))
         return 0
     src = resolve_source(args.source, base=args.base)
@@ -408,24 +427,40 @@ def cmd_load(args: argparse.Namespace) -> int:
     else:
         _warm_source(src, args)
         out, adapter = src.path, src.adapter_dir
-    missing = _unservable(out)
-    if missing:
-        print(f"fastckpt load: WARNING: vllm serve cannot serve {out}: {missing}; no vllm serve command printed",
-              file=sys.stderr)
-        return 0
+        try:  # warming was the job and it is done: a source that fails the gate gets no command, exit 0
+            if not os.path.isdir(out):
+                raise NotServableError(
+                    f"vllm serve cannot serve {out}: it is a file and vLLM needs a model folder with a config.json "
+                    "(write one with --to DIR --config HF_DIR, a folder providing config.json and tokenizer, or "
+                    "--base BASE_MODEL_DIR)", path=out, problems=["a file"])
+            gate(out, out)
+        except NotServableError as e:
+            print(f"fastckpt load: WARNING: warmed, but {e}", file=sys.stderr)
+            return 0
     print(vllm_command(out, adapter))
     return 0
 
 
-def _unservable(model_dir: str) -> str | None:
-    """Why ``vllm serve model_dir`` cannot work (vLLM reads the architecture from its config.json), or None."""
-    if not os.path.isdir(model_dir):
-        return ("it is a file and vLLM needs a model folder with a config.json (write one with --to DIR "
-                "--config HF_DIR, a folder providing config.json and tokenizer, or --base BASE_MODEL_DIR)")
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        return ("it has no config.json, from which vLLM reads the model's architecture. Copy the base model's "
-                "config.json into it, or export with --to DIR --config HF_DIR (or --base BASE_MODEL_DIR) to take it from there")
-    return None
+def gate(folder: str, shown: str) -> None:
+    """The servability gate (:func:`fastckpt.loading.servable.check_servable`) of ``folder``, reported
+    as ``shown`` (``--to``, not the hidden folder it is built in); its warnings go to stderr.
+
+    Raises:
+        NotServableError: naming the problems, missing and mis-shaped keys and how to fix them
+            (the caller then removes the hidden folder: nothing appears at ``--to``).
+    """
+    try:
+        rep = check_servable(folder)
+    except NotServableError as e:
+        msg = str(e).replace(folder, shown)
+        raise NotServableError(f"{msg}\nno vllm serve command printed" + (
+            f"; nothing was written to {shown}" if folder != shown else ""), path=shown, problems=e.problems,
+            missing=e.missing, mismatched=e.mismatched) from None
+    for w in rep.warnings:
+        print(f"fastckpt load: WARNING: {shown}: {w}", file=sys.stderr)
+    if rep.checked:
+        print(f"fastckpt load: servable: config.json names {rep.architecture} ({rep.dtype}); all {rep.checked} "
+              "of its parameters are in the folder with their shapes", file=sys.stderr)
 
 
 def _warm_source(src: Source, args: argparse.Namespace) -> None:
@@ -489,7 +524,8 @@ def add_load_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="parallel I/O requests (default 8-16)")
     p.add_argument("--max-shard-size", type=parse_bytes, default=5_000_000_000, help="bytes per shard (default 5GB)")
     p.add_argument("--base", default=None, help="base model folder when SOURCE is an adapter-only folder")
-    p.add_argument("--config", default=None, help="HF folder with config.json / tokenizer files the checkpoint lacks")
+    p.add_argument("--config", default=None, help="HF folder whose config.json / tokenizer files are used (over the "
+                   "checkpoint's): one the model's save_pretrained wrote")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --to folder atomically")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_load)

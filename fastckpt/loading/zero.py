@@ -22,8 +22,9 @@ The reconstruction follows DeepSpeed 0.19's own offline converter
   pieces, the last one zero-padded; rank ``r``'s ``fp32_flat_groups`` (concatenated) holds its
   piece of every parameter in ``param_shapes`` order. Parameter ``i`` is the concatenation of the
   ranks' pieces at the same offset, cut to ``n`` elements.
-* Frozen parameters (``frozen_param_fragments``: whole for ZeRO-1/2, per-rank pieces for ZeRO-3)
-  and persistent buffers (``module`` entries named in ``buffer_names``) are taken as stored;
+* Frozen parameters (``frozen_param_fragments``: whole for ZeRO-2, per-rank pieces for ZeRO-3;
+  ZeRO-1 stores none, so a frozen ZeRO-1 parameter is taken whole from the ``module`` state, where
+  ``zero_to_fp32`` drops it) and persistent buffers (``module`` entries named in ``buffer_names``) are taken as stored;
   ``shared_params`` (tied weights) are left out of the result, as ``save_pretrained`` leaves out
   tied weights (transformers ties them again from ``config.json``).
 
@@ -222,15 +223,50 @@ def consolidate(tag_dir: str) -> tuple["OrderedDict[str, torch.Tensor]", ZeroInf
     else:
         raise CorruptCheckpointError(f"{tag_dir}: unknown ZeRO stage {stage!r}", path=tag_dir)
     shared = set((first.get("shared_params") or {}).keys())
+    frozen = _frozen_from_module(params, module, buffers, shared, int(stage), tag_dir)
     for k in module:  # module order first (HF order), then what the module did not list
         if k in params and k not in shared:
             out[k] = params.pop(k)
+        elif k in frozen:
+            out[k] = frozen[k]
         elif k in buffers and isinstance(module[k], torch.Tensor):
             out[k] = module[k]
     for k, v in params.items():
         if k not in shared:
             out[k] = v
     return out, ZeroInfo(int(stage), int(world), tag_dir, torch.float32)
+
+
+def _frozen_from_module(params: dict, module: dict, buffers: set, shared: set, stage: int,
+                        where: str) -> dict[str, torch.Tensor]:
+    """Module parameters the optimizer partitions and ``frozen_param_fragments`` do not hold.
+
+    DeepSpeed stores ``frozen_param_fragments`` only when ZeRO partitions gradients (stage 2
+    and 3); under ZeRO-1 a ``requires_grad=False`` parameter is only in the ``module`` state
+    (rank 0's full tensor), and DeepSpeed's own ``zero_to_fp32`` leaves it out. Under ZeRO-1/2
+    the module state holds every parameter whole, so such a parameter is taken from it, as
+    ``load_checkpoint`` restores it. Under ZeRO-3 the module state holds empty placeholders: a
+    parameter found nowhere else cannot be rebuilt.
+
+    Raises:
+        CorruptCheckpointError: ZeRO-3 module parameters with neither an fp32 partition nor a
+            frozen fragment (or an empty ZeRO-1/2 module tensor), named.
+    """
+    out, lost = {}, []
+    for k, v in module.items():
+        if k in params or k in buffers or k in shared or not isinstance(v, torch.Tensor):
+            continue
+        if stage == 3 or v.numel() == 0:
+            lost.append(k)
+        else:
+            out[k] = v
+    if lost:
+        raise CorruptCheckpointError(
+            f"{where}: ZeRO-{stage} module parameters {sorted(lost)[:8]}{' ...' if len(lost) > 8 else ''} "
+            f"({len(lost)}) are in no optimizer partition and not in frozen_param_fragments, so their values "
+            "were not saved (a save with exclude_frozen_parameters=True?). Save again without "
+            "exclude_frozen_parameters, or export the weights with engine.save_16bit_model", path=where)
+    return out
 
 
 def _dtype(sd: dict) -> torch.dtype:

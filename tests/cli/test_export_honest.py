@@ -29,6 +29,16 @@ ADAPTER = "adapter_model.safetensors"
 TOK_CFG = json.dumps({"model_max_length": 64, "tokenizer_class": "PreTrainedTokenizerFast"}).encode()
 
 
+def _named(model):
+    """``model`` with a config that names its architecture and dtype, as a model loaded with
+    ``from_pretrained`` has (a config built in code has neither: the servability gate refuses
+    such an export, tests/cli/test_servable_gate.py)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.config.architectures = [type(base).__name__]
+    base.config.dtype = torch.float32
+    return model
+
+
 def _run(capsys, *argv) -> tuple[int, str, str]:
     rc = main(["load", *map(str, argv), "-q"])
     cap = capsys.readouterr()
@@ -40,7 +50,7 @@ def _run(capsys, *argv) -> tuple[int, str, str]:
 def run_root(tmp_path_factory):
     """A run root holding one committed PEFT checkpoint (base shard, adapter, config, tokenizer config)."""
     root = tmp_path_factory.mktemp("honest") / "run"
-    pm = peft.get_peft_model(tiny_llama(3, dropout=0.0).eval(), peft.LoraConfig(
+    pm = peft.get_peft_model(_named(tiny_llama(3, dropout=0.0).eval()), peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).eval()
     state, weights, extra = model_snapshot(pm)
     extra["tokenizer_config.json"] = TOK_CFG
@@ -214,17 +224,19 @@ def test_to_equal_to_base_model_folder_refused(tmp_path, capsys):
     assert (base / "config.json").is_file() and (base / "model.safetensors").is_file()
 
 
-def test_no_config_json_warns_and_prints_no_vllm_line(tmp_path, capsys):
+def test_no_config_json_fails_the_gate_and_leaves_nothing(tmp_path, capsys):
+    """No config.json: not servable, so --to exits non-zero, prints no vllm line and leaves nothing
+    (this exited 0 with a WARNING and left the folder behind before the servability gate)."""
     hf = tmp_path / "hf"
     tiny_llama(6).save_pretrained(hf)
     (hf / "config.json").unlink()
     out = tmp_path / "out"
     rc, cmd, err = _run(capsys, hf, "--to", out)
-    assert rc == 0 and (out / "model.safetensors").is_file()
+    assert rc != 0 and not out.exists() and not list(tmp_path.glob(".out*"))
     assert cmd == "" and "vllm serve" not in cmd
-    assert f"WARNING: vllm serve cannot serve {out}: it has no config.json" in err
-    rc, cmd, err = _run(capsys, hf, "--warm")
-    assert rc == 0 and cmd == "" and f"cannot serve {hf}: it has no config.json" in err
+    assert f"{out}: no config.json" in err and "--config HF_DIR" in err
+    rc, cmd, err = _run(capsys, hf, "--warm")  # warmed (exit 0), but no vllm line for it
+    assert rc == 0 and cmd == "" and f"WARNING: warmed, but {hf}: no config.json" in err
 
 
 def test_missing_config_json_taken_from_base(tmp_path, capsys):

@@ -23,6 +23,7 @@ def _tiny_llama(seed: int = 0):
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                    tie_word_embeddings=False)
+    cfg.architectures, cfg.dtype = ["LlamaForCausalLM"], torch.float32  # as from_pretrained gives it: servable
     return transformers.LlamaForCausalLM(cfg).eval()
 
 

@@ -149,6 +149,41 @@ def rank_roundtrip(stage: int, folder: str, native: str | None = None) -> dict:
     return out
 
 
+#: Parameters rank_frozen trains with ``requires_grad=False`` (3 of the model's 21).
+FROZEN = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight")
+
+
+def rank_frozen(stage: int, folder: str, native: str, excluded: str) -> int:
+    """Train 1 step with :data:`FROZEN` frozen; save through fastckpt's engine (``folder``, tag s1),
+    with ``exclude_frozen_parameters=True`` (``excluded``) and through DeepSpeed's own torch
+    engine (``native``, for ``zero_to_fp32``). Rank 0 writes the parameters DeepSpeed gathers."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    ds = _deepspeed()
+    from fastckpt.integrations.deepspeed import install
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(), dtype=torch.float32)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in FROZEN)
+    eng, *_ = ds.initialize(model=model, optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                                                     lr=1e-2),
+                            config={"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                                    "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+                                    "steps_per_print": 10 ** 9})
+    install(eng)
+    _step(eng, 1)
+    eng.save_checkpoint(folder, tag="s1")
+    eng.save_checkpoint(excluded, tag="s1", exclude_frozen_parameters=True)
+    ref = _gathered(eng)
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(folder, "..", "ref.safetensors"))
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    eng.checkpoint_engine = eng.optimizer.checkpoint_engine = TorchCheckpointEngine()
+    eng.checkpoint_engine.zipfile_serialization = True  # zero_to_fp32 mmaps the files
+    eng.save_checkpoint(native, tag="s1")
+    return len(ref)
+
+
 class _FailingWrites:
     """An I/O backend whose writes fail with EIO (the posix backend otherwise)."""
 
@@ -214,7 +249,8 @@ def hf_config_dir(tmp_path_factory) -> Path:
     """config.json + a small real tokenizer (WordLevel), as an HF model folder holds them."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     d = tmp_path_factory.mktemp("hfcfg")
-    _config().save_pretrained(d)
+    transformers.AutoModelForCausalLM.from_config(_config(), dtype=torch.float32).save_pretrained(d)
+    (d / "model.safetensors").unlink()  # config.json as save_pretrained writes it (architectures, dtype)
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB - 1)} | {"<unk>": VOCAB - 1}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(d)
@@ -292,6 +328,40 @@ def test_zero_failing_rank_keeps_latest(pool, tmp_path, stage):
         assert o["loaded_s1"], (r, o)
         assert o["latest_after"] == "s3", (r, o)
     assert (folder / "s3" / "fastckpt_tag.json").is_file()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_frozen_parameters_exported(pool, tmp_path, hf_config_dir, stage):
+    """``requires_grad=False`` parameters: the export holds all 21 weights, each equal to DeepSpeed's
+    own ``zero_to_fp32`` of the same run where that gives it, and the frozen ones to what the
+    engine holds (ZeRO-1 stores frozen parameters only in the module state, and zero_to_fp32 drops
+    them: before, so did the export, 18 of 21, exit 0). Saved with exclude_frozen_parameters=True
+    the values are gone: the export is refused naming them, nothing at --to."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+    folder, native, excluded = tmp_path / "run", tmp_path / "native", tmp_path / "excluded"
+    out = pool.run(rank_frozen, stage=stage, folder=str(folder), native=str(native), excluded=str(excluded),
+                   timeout_s=CALL_TIMEOUT_S)
+    assert out == {0: 21, 1: 21}
+    hf = tmp_path / "hf"
+    res = _fastckpt_load(str(folder), "--to", str(hf), "--config", str(hf_config_dir))
+    assert res.returncode == 0 and res.stdout.strip() == f"vllm serve {hf}", res.stderr
+    got = load_file(str(hf / "model.safetensors"))
+    ref = load_file(str(tmp_path / "ref.safetensors"))
+    ds = get_fp32_state_dict_from_zero_checkpoint(str(native), tag="s1")
+    assert sorted(got) == sorted(ref) and len(got) == 21
+    assert (set(FROZEN) & set(ds)) == (set() if stage == 1 else set(FROZEN))  # DeepSpeed's own converter
+    for k, v in ds.items():
+        assert torch.equal(got[k], v), k
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(hf, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+
+    res = _fastckpt_load(str(excluded), "--to", str(tmp_path / "hf-ex"), "--config", str(hf_config_dir))
+    assert res.returncode != 0 and res.stdout == "" and not (tmp_path / "hf-ex").exists(), res.stderr
+    assert "3 of the 21 parameters of LlamaForCausalLM are not in the folder" in res.stderr, res.stderr
+    assert all(k in res.stderr for k in FROZEN), res.stderr
 
 
 def test_native_dcp_folder_refused(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 import fastckpt
-from fastckpt.errors import ChecksumMismatchError, HeaderError
+from fastckpt.errors import ChecksumMismatchError, HeaderError, NotServableError
 from integrations import vllm as plugin
 
 
@@ -44,6 +45,9 @@ def hf_dir(tmp_path):
     sd = {"a": torch.randn(64, 32), "b": torch.randn(32)}
     save_file({"a": sd["a"]}, tmp_path / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
     save_file({"b": sd["b"]}, tmp_path / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    # a model only vLLM knows: the gate checks the config's names and warns that it built nothing
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["TinyModel"], "model_type": "tiny",
+                                                       "dtype": "float32"}))
     return tmp_path, sd
 
 
@@ -93,6 +97,39 @@ def test_fastckpt_run_root_and_checksums(tmp_path):
         f.write(b"\xff\xff\xff\xff")
     with pytest.raises(ChecksumMismatchError):
         plugin.FastCkptModelLoader(load_config).load_weights(TinyModel(), model_config)
+
+
+def test_download_model_runs_the_servability_gate(tmp_path, caplog):
+    """A folder save_pretrained wrote passes; one without the untied lm_head, or whose config names
+    no architecture, is refused naming it before a weight is read; a vLLM-only architecture warns."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False))
+    model.save_pretrained(tmp_path / "hf")
+    model_config, load_config = _cfg(tmp_path / "hf")
+    plugin.FastCkptModelLoader(load_config).download_model(model_config)
+    sd = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    del sd["lm_head.weight"]
+    save_file(sd, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(NotServableError, match="lm_head.weight") as e:
+        plugin.FastCkptModelLoader(load_config).download_model(model_config)
+    assert e.value.missing == ["lm_head.weight"]
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg.pop("architectures")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(NotServableError, match="names no architecture"):
+        plugin.FastCkptModelLoader(load_config).download_model(model_config)
+
+
+def test_vllm_only_architecture_warns(hf_dir, caplog):
+    path, _ = hf_dir
+    model_config, load_config = _cfg(path)
+    with caplog.at_level("WARNING", logger=plugin.logger.name):
+        plugin.FastCkptModelLoader(load_config).download_model(model_config)
+    assert "NOT checked" in caplog.text
 
 
 def test_bad_header_refused_before_reading(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -14,8 +15,12 @@ from fastckpt.loading.source import find_checkpoint
 
 @pytest.mark.parametrize("layout", ["step-{}", "checkpoint-{}", "checkpoints/checkpoint_{}"])
 def test_run_root_of_each_layout_resolves_to_its_newest_committed_step(tmp_path, layout):
+    # a config.json naming an architecture (one transformers lacks: only its names are checked) and a
+    # dtype, so the export passes the servability gate of `fastckpt load`
+    cfg = json.dumps({"architectures": ["WModel"], "model_type": "w", "dtype": "float32"}).encode()
     for step in (1, 2):
-        fastckpt.save({"model": {"w": torch.full((3,), float(step))}}, tmp_path / layout.format(step))
+        fastckpt.save({"model": {"w": torch.full((3,), float(step))}}, tmp_path / layout.format(step),
+                      extra_files={"config.json": cfg})
     os.makedirs(tmp_path / layout.format(3))  # a newer folder that never committed
     assert find_checkpoint(tmp_path) == str(tmp_path / layout.format(2))
     out = tmp_path.parent / (tmp_path.name + "-out")

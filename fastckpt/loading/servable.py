@@ -1,0 +1,222 @@
+"""The servability gate: does a model folder hold what its ``config.json`` says the model is?
+
+``fastckpt load --to DIR`` runs :func:`check_servable` on the folder it built (before renaming it
+into place, so a folder that fails never appears at ``DIR``), ``fastckpt load SOURCE`` on the
+source before it prints a ``vllm serve`` line, and the vLLM plugin on the folder it loads. The
+checks, in order:
+
+1. ``config.json`` exists, is a JSON object, names an architecture (``architectures``, what vLLM
+   and ``AutoModel`` pick the model class by) and a dtype (``dtype``, or the older ``torch_dtype``:
+   what vLLM serves in by default). ``save_pretrained`` writes both; a config built in code
+   (``LlamaConfig(...)``) has neither until a model saved it.
+2. The folder's weights (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` with
+   ``model.safetensors.index.json``, or a fastckpt checkpoint; headers and index validated, no
+   tensor data read) hold every parameter of that architecture with its shape. The expected
+   names and shapes are what ``save_pretrained`` of the model would write: transformers builds
+   the class named in ``architectures`` from the config on the ``meta`` device (no memory, no
+   weights), drops tied duplicates (``remove_tied_weights_from_state_dict``) and applies its own
+   save-time renaming (``revert_weight_conversion``). Persistent buffers are checked for shape
+   when the folder has them.
+3. Tying: where the model ties a parameter to another (``tie_word_embeddings`` and the model's
+   own tying rules), the folder may hold only the kept name; if it holds both, their values must
+   be equal (transformers and vLLM would silently keep one). Untied, both must be present (2.).
+
+No code from the checkpoint runs: a config with ``auto_map`` (``trust_remote_code`` models), a
+quantized model (``quantization_config``: other tensor names and shapes), a
+``model_type`` transformers does not know, or an ``architectures`` class transformers lacks
+(a vLLM-only model) gets checks 1 only, and :attr:`ServableReport.warnings` says that the
+parameters were not checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import NotServableError
+from .source import open_source
+
+#: How many names a message lists of each kind before ``...``.
+SHOW = 8
+
+
+@dataclass(frozen=True)
+class ServableReport:
+    """What :func:`check_servable` found in a folder that passed.
+
+    Attributes:
+        path: the folder.
+        architecture: ``architectures[0]`` of its ``config.json``.
+        dtype: the config's ``dtype`` (or ``torch_dtype``), e.g. ``"bfloat16"``.
+        checked: parameters checked for presence and shape (0 when the check was skipped).
+        warnings: what could not be checked and why (one line each).
+    """
+
+    path: str
+    architecture: str
+    dtype: str
+    checked: int
+    warnings: list[str] = field(default_factory=list)
+
+
+def _names(names) -> str:
+    names = sorted(names)
+    return ", ".join(names[:SHOW]) + (f", ... ({len(names)} in all)" if len(names) > SHOW else "")
+
+
+def _read_config(folder: str) -> dict:
+    p = os.path.join(folder, "config.json")
+    if not os.path.isfile(p):
+        raise NotServableError(
+            f"{folder}: no config.json, from which vLLM and transformers read the model's architecture. "
+            "Export with --config HF_DIR (a folder holding the config.json and tokenizer that the model's "
+            "save_pretrained wrote) or --base BASE_MODEL_DIR", path=folder, problems=["no config.json"])
+    try:
+        with open(p, "rb") as f:
+            cfg = json.loads(f.read())
+    except ValueError as e:
+        raise NotServableError(f"{p}: not valid JSON ({e}); pass --config HF_DIR with the model's config.json",
+                               path=folder, problems=[f"config.json: {e}"]) from None
+    if not isinstance(cfg, dict):
+        raise NotServableError(f"{p}: not a JSON object; pass --config HF_DIR with the model's config.json",
+                               path=folder, problems=["config.json is not an object"])
+    return cfg
+
+
+def _name_problems(cfg: dict) -> list[str]:
+    out = []
+    arch = cfg.get("architectures")
+    if not (isinstance(arch, list) and arch and all(isinstance(a, str) and a for a in arch)):
+        out.append(f"config.json names no architecture (architectures={arch!r}); vLLM picks the model class by it. "
+                   "A config built in code gets it only from model.save_pretrained: pass --config HF_DIR with the "
+                   "config.json the model's save_pretrained wrote (or set config.architectures = "
+                   "[type(model).__name__] before saving)")
+    dt = cfg.get("dtype", cfg.get("torch_dtype"))
+    if not (isinstance(dt, str) and isinstance(getattr(torch, dt, None), torch.dtype)):
+        out.append(f"config.json names no dtype (dtype={cfg.get('dtype')!r}, torch_dtype={cfg.get('torch_dtype')!r}); "
+                   "vLLM serves in it. Pass --config HF_DIR with the config.json the model's save_pretrained wrote "
+                   "(or set config.dtype, e.g. \"bfloat16\", before saving)")
+    return out
+
+
+def _expected(cfg: dict, folder: str) -> tuple[dict, dict, list[list[str]], str | None]:
+    """``(params, buffers, tied_groups, skip_reason)``: name -> shape of what ``save_pretrained`` of
+    the architecture writes (parameters; persistent buffers), and the groups of names that share
+    one parameter in the model (first: the name kept). ``skip_reason`` is set (and the rest empty)
+    when the architecture is not one transformers builds without remote code."""
+    arch = cfg["architectures"][0]
+    if cfg.get("quantization_config"):
+        return {}, {}, [], (f"config.json has a quantization_config ({(cfg['quantization_config'] or {}).get('quant_method')}): "
+                            "quantized tensors have other names and shapes than the architecture's parameters, "
+                            "which were NOT checked")
+    if "auto_map" in cfg:
+        return {}, {}, [], (f"config.json has auto_map (a trust_remote_code model, {arch}): fastckpt runs no code "
+                            "from a checkpoint, so the parameters were NOT checked against the architecture "
+                            "(vllm serve needs --trust-remote-code)")
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if cfg.get("model_type") not in CONFIG_MAPPING:
+        return {}, {}, [], (f"model_type {cfg.get('model_type')!r} is not one transformers "
+                            f"{transformers.__version__} knows: the parameters were NOT checked")
+    cls = getattr(transformers, arch, None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        return {}, {}, [], (f"architectures names {arch}, which transformers {transformers.__version__} does not "
+                            "have (a vLLM-only model class?): the parameters were NOT checked")
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            model = cls._from_config(config)
+    except Exception as e:  # noqa: BLE001 - transformers' own refusal, reported as what was not checked
+        return {}, {}, [], (f"transformers {transformers.__version__} could not build {arch} from config.json on the "
+                            f"meta device ({type(e).__name__}: {e}): the parameters were NOT checked")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    groups: dict[int, list[str]] = {}
+    for n, p in params.items():
+        groups.setdefault(id(p), []).append(n)
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    kept = remove_tied_weights_from_state_dict(dict(params), model)
+    tied = [[k for k in g if k in kept] + [k for k in g if k not in kept] for g in groups.values() if len(g) > 1]
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+        kept = revert_weight_conversion(model, kept)
+    except ImportError:  # a transformers without save-time renaming writes the names as they are
+        pass
+    pnames = set(params)
+    buffers = {n: tuple(b.shape) for n, b in model.state_dict().items() if n not in pnames}
+    return {n: tuple(t.shape) for n, t in kept.items()}, buffers, tied, None
+
+
+def check_servable(folder: str | os.PathLike) -> ServableReport:
+    """Check that ``folder`` is a model folder ``vllm serve`` loads as its ``config.json`` describes.
+
+    See the module docstring for the checks. Reads ``config.json``, the safetensors headers and
+    index; tensor data only where one tied parameter is stored under two names (to compare them).
+
+    Args:
+        folder: an HF model folder (``model.safetensors``, or shards + ``model.safetensors.index.json``)
+            or a fastckpt checkpoint folder.
+
+    Returns:
+        A :class:`ServableReport` (with warnings for what could not be checked).
+
+    Raises:
+        NotServableError: naming every problem found (``problems``), the missing parameters
+            (``missing``) and the mis-shaped ones (``mismatched``), and how to fix it.
+        HeaderError, CorruptCheckpointError, CheckpointNotFoundError: invalid or no weight files.
+    """
+    folder = os.fspath(folder)
+    cfg = _read_config(folder)
+    problems = _name_problems(cfg)
+    if problems:
+        raise NotServableError(f"{folder} is not servable:\n  - " + "\n  - ".join(problems), path=folder,
+                               problems=problems)
+    src = open_source(folder)
+    have = {n: tuple(src.resolved.tensors[k][1].shape) for n, k in src.weights.items()}
+    params, buffers, tied, skip = _expected(cfg, folder)
+    arch, dtype = cfg["architectures"][0], cfg.get("dtype", cfg.get("torch_dtype"))
+    if skip:
+        return ServableReport(folder, arch, dtype, 0, [skip])
+    missing = sorted(n for n in params if n not in have)
+    bad = {n: (s, have[n]) for n, s in {**params, **buffers}.items() if n in have and have[n] != s}
+    for g in tied:  # a name dropped as a tied duplicate, present anyway: its shape and values must agree
+        for n in g[1:]:
+            if n in have and g[0] in have:
+                if have[n] != have[g[0]]:
+                    bad[n] = (have[g[0]], have[n])
+    problems = []
+    if missing:
+        unexpected = sorted(set(have) - set(params) - set(buffers) - {n for g in tied for n in g})
+        problems.append(f"{len(missing)} of the {len(params)} parameters of {arch} are not in the folder: "
+                        f"{_names(missing)}" + (f" (the folder has instead: {_names(unexpected)})" if unexpected else ""))
+    if bad:
+        problems.append(f"{len(bad)} tensors have another shape than {arch} built from config.json has: "
+                        + "; ".join(f"{n} {list(b)} in the folder, {list(a)} expected" for n, (a, b) in
+                                    sorted(bad.items())[:SHOW]))
+    hint = ("The config.json does not describe these weights: pass --config HF_DIR with the config.json "
+            "(and tokenizer) of the model that was trained, as its save_pretrained wrote it")
+    if not problems:
+        problems = _tie_values(src, tied, have, cfg)
+        hint = "Set tie_word_embeddings in config.json to what the weights are, or save them tied"
+    if problems:
+        raise NotServableError(f"{folder} is not servable:\n  - " + "\n  - ".join(problems) + f"\n{hint}",
+                               path=folder, problems=problems, missing=missing, mismatched=bad)
+    return ServableReport(folder, arch, dtype, len(params))
+
+
+def _tie_values(src, tied: list[list[str]], have: dict, cfg: dict) -> list[str]:
+    """Problems where a tied group is stored under two names with different values."""
+    out = []
+    for g in tied:
+        both = [n for n in g if n in have]
+        if len(both) < 2:
+            continue
+        got = src.read(both)
+        for n in both[1:]:
+            if not torch.equal(got[n], got[both[0]]):
+                out.append(f"{n} and {both[0]} are one tied parameter for this config "
+                           f"(tie_word_embeddings={cfg.get('tie_word_embeddings')!r}) but differ in the folder: "
+                           f"transformers and vLLM would serve {both[0]} for both")
+    return out
