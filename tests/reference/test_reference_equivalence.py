@@ -275,15 +275,12 @@ def trainer_checkpoints(tmp_path_factory):
 
 def test_trainer_callback_checkpoint_is_the_trainers_own(trainer_checkpoints):
     """Model files, trainer_state.json: as the Trainer writes them; its pickles (REFERENCE_REPLACED) are in
-    fastckpt's state files instead. total_flos is checked by the test below."""
+    fastckpt's state files instead."""
     own, ours = trainer_checkpoints
-    diffs = [d for d in diff_folders(own, ours, replaced=REFERENCE_REPLACED)
-             if not d.startswith("trainer_state.json: 'total_flos'")]
+    diffs = diff_folders(own, ours, replaced=REFERENCE_REPLACED)
     assert not diffs, "the callback's checkpoint differs from the Trainer's own:\n  " + "\n  ".join(diffs)
 
 
-@pytest.mark.xfail(strict=True, reason="the Trainer adds the step's FLOs to state.total_flos in "
-                   "Trainer._save_checkpoint (store_flos), which the callback's save replaces: issue 20 item 6")
 def test_trainer_callback_trainer_state_total_flos(trainer_checkpoints):
     own, ours = trainer_checkpoints
     assert [d for d in diff_folders(own, ours, replaced=REFERENCE_REPLACED) if "total_flos" in d] == []

@@ -281,3 +281,19 @@ class RankPool:
             q.cancel_join_thread()
             q.close()
         self._tasks, self._results = [], None
+
+
+def full_values(v):
+    """A rank's state with every DTensor gathered to its full tensor (``full_tensor()``, a collective: every
+    rank calls) and every plain tensor cloned, nesting kept: what the state holds, comparable across ranks."""
+    import torch
+
+    if hasattr(v, "full_tensor"):
+        return v.full_tensor()
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, dict):
+        return {k: full_values(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(full_values(x) for x in v)
+    return v

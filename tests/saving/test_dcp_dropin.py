@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ranks import RankPool  # noqa: E402
+from ranks import RankPool, full_values  # noqa: E402
 
 import fastckpt  # noqa: E402
 from fastckpt.dcp import FastCkptReader, FastCkptSavePlanner, FastCkptWriter  # noqa: E402
@@ -145,9 +145,10 @@ def _check_folder(path: Path, state: dict) -> None:
     from safetensors.torch import load_file
     names = sorted(os.listdir(path))
     assert "manifest.json" in names and ".metadata" not in names and not any(n.endswith(".distcp") for n in names)
-    idx = json.loads((path / "model.safetensors.index.json").read_text())
+    index = path / "model.safetensors.index.json"  # past one shard; one shard: model.safetensors (HF naming)
+    files = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() else {"model.safetensors"}
     got = {}
-    for f in sorted(set(idx["weight_map"].values())):
+    for f in sorted(files):
         got.update(load_file(str(path / f)))
     assert _same(got, {k: v for k, v in state["model"].items()}) == []
     report = fastckpt.verify(path)
@@ -264,17 +265,6 @@ def _fsdp(seed: int):
     return m, opt
 
 
-def _gather(v):
-    if hasattr(v, "full_tensor"):
-        return v.full_tensor()
-    if isinstance(v, torch.Tensor):
-        return v.clone()
-    if isinstance(v, dict):
-        return {k: _gather(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return type(v)(_gather(x) for x in v)
-    return v
-
 
 def rank_fsdp_dropin(folder: str) -> dict:
     import torch.distributed as dist
@@ -293,7 +283,7 @@ def rank_fsdp_dropin(folder: str) -> dict:
                 dcp.load(ours, storage_reader=FastCkptReader(os.path.join(folder, how)), **kw())
             dcp.load(ref, storage_reader=FileSystemReader(os.path.join(folder, "reference")), **kw())
             out[f"{how}/{lp}"] = {"vs_ref": _same(ours, ref), "vs_saved": _same(ours, state)}
-    full = _gather(state)
+    full = full_values(state)
     dist.barrier()
     out["full"] = full if dist.get_rank() == 0 else None
     return out

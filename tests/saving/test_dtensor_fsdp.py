@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ranks import RankPool  # noqa: E402
+from ranks import RankPool, full_values  # noqa: E402
 
 import fastckpt  # noqa: E402
 
@@ -65,18 +65,6 @@ def _eval_ids():
     return torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(123))
 
 
-def _full(v):
-    from torch.distributed.tensor import DTensor
-    if isinstance(v, DTensor):
-        return v.full_tensor()
-    if isinstance(v, torch.Tensor):
-        return v.clone()
-    if isinstance(v, dict):
-        return {k: _full(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return type(v)(_full(x) for x in v)
-    return v
-
 
 def rank_fsdp_save(folder: str, mode: str) -> dict:
     import torch.distributed as dist
@@ -99,7 +87,7 @@ def rank_fsdp_save(folder: str, mode: str) -> dict:
         fut = fastckpt.async_save(state, path, extra_files={"config.json": cfg}, timeout_s=60)
         fut.result(timeout_s=120)
         by_rank = fut.bytes_by_rank
-    full = _full(state)
+    full = full_values(state)
     with torch.no_grad():
         logits = model(input_ids=_eval_ids()).logits
     dist.barrier()
@@ -110,7 +98,7 @@ def rank_async_during_training(folder: str, via: str) -> dict:
     import torch.distributed as dist
     model, optim = _setup()
     state = {"model": model.state_dict(), "optim": optim.state_dict()}
-    snap = _full(state)  # the values at the call
+    snap = full_values(state)  # the values at the call
     path = os.path.join(folder, via)
     if via == "dcp":
         import torch.distributed.checkpoint as dcp
@@ -126,7 +114,7 @@ def rank_async_during_training(folder: str, via: str) -> dict:
         _step(model, optim, s)
     wait()
     dist.barrier()
-    after = _full({"model": model.state_dict()})
+    after = full_values({"model": model.state_dict()})
     return {"snap": snap, "after": after} if dist.get_rank() == 0 else {}
 
 
@@ -143,7 +131,7 @@ def rank_default_planner(folder: str) -> dict:
         out = {"error": None}
     except BaseException as e:  # DCP's CheckpointException derives from BaseException
         out = {"error": type(e).__name__, "message": str(e)}
-    full = _full({"model": model.state_dict()})
+    full = full_values({"model": model.state_dict()})
     dist.barrier()
     out["exists"] = os.path.exists(refused)
     out["listing"] = sorted(os.listdir(folder))

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ranks import RankPool  # noqa: E402
+from ranks import RankPool, full_values  # noqa: E402
 
 import fastckpt  # noqa: E402
 
@@ -68,17 +68,6 @@ def _state(fsdp: bool, per_rank: bool) -> dict:
             "seen": torch.tensor([400 + rank if per_rank else 400])}  # a tensor counter (samples this rank saw)
 
 
-def _full(v):
-    if hasattr(v, "full_tensor"):
-        return v.full_tensor()
-    if isinstance(v, torch.Tensor):
-        return v.clone()
-    if isinstance(v, dict):
-        return {k: _full(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return type(v)(_full(x) for x in v)
-    return v
-
 
 def _same(a, b, path="") -> list[str]:
     if isinstance(a, torch.Tensor):
@@ -115,7 +104,7 @@ def rank_save(folder: str, route: str, per_rank: bool, local_keys: tuple) -> dic
     import torch.distributed as dist
     fsdp = route == "fsdp2"
     state = _state(fsdp, per_rank)
-    want = _full(state)
+    want = full_values(state)
     path = os.path.join(folder, f"{route}-{per_rank}-{'-'.join(local_keys) or 'none'}")
     pg = None if fsdp else dist.group.WORLD
     try:
@@ -134,7 +123,7 @@ def rank_save(folder: str, route: str, per_rank: bool, local_keys: tuple) -> dic
     expect = torch.rand(4)
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
-    return {"error": None, "diff": _same(want, _full(out)), "counter": out["counter"], "seen": int(out["seen"]),
+    return {"error": None, "diff": _same(want, full_values(out)), "counter": out["counter"], "seen": int(out["seen"]),
             "rng_continues": torch.equal(after, expect), "verify": bool(fastckpt.verify(path).ok),
             "files": sorted(os.listdir(path)), "tensor_keys": sorted(manifest["tensors"]),
             "rank_local": manifest["distributed"]["rank_local"]}
@@ -223,7 +212,7 @@ def rank_fsdp2_app_state(folder: str) -> dict:
     import torch.distributed.checkpoint as dcp
     model, optim = _model(True)
     app = _AppState(model, optim)
-    want = _full(app.state_dict())
+    want = full_values(app.state_dict())
     fastckpt.save({"app": app, "epoch": 2}, os.path.join(folder, "fck"), timeout_s=60)
     dcp.save({"app": app, "epoch": 2}, storage_writer=dcp.FileSystemWriter(os.path.join(folder, "dcp")))
     got = {}
@@ -239,7 +228,7 @@ def rank_fsdp2_app_state(folder: str) -> dict:
             dcp.load(state, storage_reader=dcp.FileSystemReader(os.path.join(folder, "dcp")))
             out = state
         assert out["app"] is app2
-        got[via] = {"values": _full(app2.state_dict()), "epoch": out["epoch"]}
+        got[via] = {"values": full_values(app2.state_dict()), "epoch": out["epoch"]}
     return {"fck": _same(want, got["fck"]["values"]), "dcp": _same(want, got["dcp"]["values"]),
             "between": _same(got["dcp"]["values"], got["fck"]["values"]),
             "epochs": (got["fck"]["epoch"], got["dcp"]["epoch"])}
