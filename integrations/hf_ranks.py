@@ -10,8 +10,9 @@ rank-local subtrees (``local_keys``: ``rank{r:05d}-*.safetensors`` + ``state-ran
 docs/FORMAT.md "Multi-rank"). A failure on one rank fails the save on every rank
 (:class:`~fastckpt.errors.DistributedSaveError`) and nothing is committed.
 
-States holding DTensors (FSDP2 ``fully_shard``) take the DCP route of :func:`fastckpt.async_save`,
-which refuses ``local_keys`` and wants the same state on every rank: there each RNG state is packed
+States holding DTensors (FSDP2 ``fully_shard``) take the DCP route of :func:`fastckpt.async_save`.
+That route accepts ``local_keys`` now (issue 20), but the callback keeps the layout its FSDP2
+checkpoints already have, so that they stay resumable: each RNG state is packed
 into a fixed-layout ``uint8`` row (:func:`pack_rng`) and the rows of all ranks form one DTensor
 ``Shard(0)`` over the ranks of the model's device mesh (``rng_by_rank``/``epoch_rng_by_rank``, shape
 ``[world_size, n]``, row ``r`` saved by rank ``r``, stored as a full safetensors tensor; a 2-D mesh such
@@ -36,7 +37,8 @@ logger = logging.getLogger("fastckpt.integrations.hf_trainer")
 #: The callback's rank-local top-level keys (one RNG state per rank).
 RNG_KEYS = ("rng", "epoch_rng")
 
-#: :func:`fastckpt.async_save` options the DCP route (DTensor states) refuses.
+#: :func:`fastckpt.async_save` options the callback drops for DTensor states (the RNG states go into
+#: packed rows there, not ``local_keys``; the others the DCP route refuses).
 _DTENSOR_REFUSED = ("link_from", "defer", "defer_frozen", "staging_bytes", "local_keys")
 
 
