@@ -17,7 +17,11 @@
 # (download.pytorch.org) is not reachable from these machines. The script asks pip which torch it
 # would take (`pip install --dry-run`, constraints applied) and installs that; it never lifts the cap.
 # The torch it takes is a CUDA build (about 5.5 GB in the venv) that runs on the CPU here.
-# FASTCKPT_NEWEST_TORCH=X.Y.Z chooses another torch (with PIP_CONSTRAINT=/dev/null to pass the cap).
+# FASTCKPT_NEWEST_TORCH=X.Y.Z chooses another torch; past the cap, give it PIP_CONSTRAINT=/dev/null (the
+# cap stays for everything else) and its own venv, e.g. for the index's newest (CUDA 13.2 libraries,
+# about 4 GB downloaded): FASTCKPT_NEWEST_TORCH=2.15.0 PIP_CONSTRAINT=/dev/null
+# FASTCKPT_NEWEST_VENV=.venv-newest-215 bash scripts/test_newest.sh
+# Do not run two of these on one venv at once: each run reinstalls transformers (below).
 #
 # Usage: bash scripts/test_newest.sh [extra pytest args]   (e.g. -x, or -k NAME)
 # Measured on the project's 2-core machine: see README.md, "Tested versions".
