@@ -40,6 +40,12 @@ TOTAL_TIMEOUT=${FASTCKPT_NEWEST_TOTAL_TIMEOUT:-1140}  # 19 min, then SIGINT: pyt
 # push the run past 20 minutes on the shared 2-core machine.
 TESTS=(
   tests/saving/test_save_load.py
+  tests/saving/test_stateful.py
+  tests/saving/test_dcp_dropin.py
+  tests/loading/test_exact_reads.py
+  tests/reference/test_reference_equivalence.py
+  tests/cli/test_servable_gate.py
+  tests/integrations/test_hf_trainer_position.py
   tests/saving/test_dedupe.py
   tests/saving/test_byte_order.py
   tests/saving/test_dtensor.py
