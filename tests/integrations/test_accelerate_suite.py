@@ -45,6 +45,7 @@ def _counts(out: str) -> dict[str, int]:
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_accelerate_suite_passes_with_fastckpt(mode, tmp_path):
     env = dict(os.environ, TMPDIR=str(tmp_path))
+    env.pop("PYTEST_ADDOPTS", None)  # the outer run's options (e.g. --basetemp) are not for accelerate's suite
     proc = subprocess.run(["bash", str(SCRIPT), mode], capture_output=True, text=True, timeout=1800, env=env,
                           cwd=REPO)
     out = proc.stdout + proc.stderr
