@@ -330,7 +330,7 @@ def test_zero_failing_rank_keeps_latest(pool, tmp_path, stage):
     assert (folder / "s3" / "fastckpt_tag.json").is_file()
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_frozen_parameters_exported(pool, tmp_path, hf_config_dir, stage):
     """``requires_grad=False`` parameters: the export holds all 21 weights, each equal to DeepSpeed's
     own ``zero_to_fp32`` of the same run where that gives it, and the frozen ones to what the
