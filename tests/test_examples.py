@@ -37,3 +37,21 @@ def test_dcp_dropin_round_trip_and_safetensors_reads_it(tmp_path):
     assert "restored 4 model tensors bit-exactly" in out
     from safetensors.torch import load_file
     assert set(load_file(str(tmp_path / "c" / "model.safetensors"))) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+def run(script: str, *args: str) -> str:
+    """Runs ``examples/SCRIPT`` as a user would (fastckpt installed; bounded); returns stdout."""
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return r.stdout
+
+
+def test_trainer_callback_stop_and_resume_gives_the_losses_of_an_unbroken_run(tmp_path):
+    stopped = run("trainer_callback.py", "--out", str(tmp_path / "a"), "--stop-at", "6")
+    assert sorted(losses(stopped)) == [1, 2, 3, 4, 5, 6]
+    resumed = run("trainer_callback.py", "--out", str(tmp_path / "a"), "--resume")
+    unbroken = run("trainer_callback.py", "--out", str(tmp_path / "b"))
+    assert sorted(losses(unbroken)) == list(range(1, 13))
+    assert losses(resumed) == losses(unbroken)
+    assert (tmp_path / "a" / "checkpoint-6" / "manifest.json").exists()
