@@ -20,6 +20,7 @@ def torchrun(script: str, *args: str, nprocs: int = 2) -> str:
 
 
 def losses(out: str) -> dict[int, str]:
+    """``step N loss L`` lines of an example's output, by step."""
     return {int(s): v for s, v in re.findall(r"^step (\d+) loss (\S+)$", out, re.M)}
 
 
@@ -55,3 +56,15 @@ def test_trainer_callback_stop_and_resume_gives_the_losses_of_an_unbroken_run(tm
     assert sorted(losses(unbroken)) == list(range(1, 13))
     assert losses(resumed) == losses(unbroken)
     assert (tmp_path / "a" / "checkpoint-6" / "manifest.json").exists()
+
+
+def test_accelerate_plugin_resume_gives_the_losses_of_accelerates_own_resume(tmp_path):
+    ours = run("accelerate_plugin.py", "--dir", str(tmp_path / "a"), "--stop-at", "6")
+    ours_resumed = run("accelerate_plugin.py", "--dir", str(tmp_path / "a"), "--resume")
+    ref = run("accelerate_plugin.py", "--dir", str(tmp_path / "r"), "--stop-at", "6", "--reference")
+    ref_resumed = run("accelerate_plugin.py", "--dir", str(tmp_path / "r"), "--resume", "--reference")
+    assert sorted(losses(ours)) == [1, 2, 3, 4, 5, 6] and sorted(losses(ours_resumed)) == list(range(7, 13))
+    assert losses(ours) == losses(ref) and losses(ours_resumed) == losses(ref_resumed)
+    assert "resumed from checkpoint_1 at step 6" in ours_resumed
+    assert (tmp_path / "a" / "checkpoints" / "checkpoint_3" / "manifest.json").exists()   # fastckpt's folder
+    assert not (tmp_path / "r" / "checkpoints" / "checkpoint_3" / "manifest.json").exists()
