@@ -235,3 +235,87 @@ def test_dtensor_save_waits_for_every_device_copy(pool, tmp_path):
     calls = pool.run(rank_save_dtensor_slow, folder=str(tmp_path), timeout_s=120)
     assert all(n > 0 for n in calls.values()), calls
     _assert_same_bytes(fastckpt.load(tmp_path / "dt", verify=True)["model"], _full()["model"])
+
+
+# -- the CUDA/NPU strategy, run on CPU with a recording stand-in for torch.cuda ------------------
+
+class _RecMod:
+    """Stand-in for ``torch.cuda``: records the order of copies, event records and waits."""
+
+    log: list = []
+
+    class Event:
+        def record(self, stream):
+            _RecMod.log.append(("record", stream))
+
+        def synchronize(self):
+            _RecMod.log.append(("event.synchronize",))
+
+        def query(self):
+            return True
+
+    class Stream:
+        def __init__(self, device=None):
+            self.device = device
+
+        def wait_stream(self, other):
+            _RecMod.log.append(("wait_stream", other))
+
+        def synchronize(self):
+            _RecMod.log.append(("stream.synchronize",))
+
+    @staticmethod
+    def current_stream(device=None):
+        return f"current:{device}"
+
+    @staticmethod
+    def stream(s):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def test_accelerator_copies_complete_on_an_event_recorded_after_them(monkeypatch):
+    """CUDA/NPU staging: the copy is issued, then an event is recorded on the source device's current
+    stream; waiting for the completion synchronizes that event (not before)."""
+    from fastckpt.device import EventCompletion, to_host
+    from fastckpt.device.copies import AcceleratorBackend
+    _RecMod.log = []
+    copied = []
+
+    be = AcceleratorBackend(lambda: _RecMod)
+    real_copy = torch.Tensor.copy_
+
+    def copy_(self, src, non_blocking=False):
+        copied.append(non_blocking)
+        _RecMod.log.append(("copy",))
+        return real_copy(self, src)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    monkeypatch.setitem(BACKENDS, "cpu", be)  # CPU tensors take the accelerator strategy here
+    src = torch.arange(12, dtype=torch.float32).view(3, 4)
+    dst = torch.empty(48, dtype=torch.uint8)
+    done = to_host(dst, src)
+    assert isinstance(done, EventCompletion) and copied == [True]
+    assert _RecMod.log == [("copy",), ("record", "current:cpu")]
+    done.wait()
+    assert _RecMod.log[-1] == ("event.synchronize",)
+    monkeypatch.undo()
+    assert torch.equal(dst.view(torch.float32).view(3, 4), src)
+
+
+def test_npu_support_is_imported_only_for_npu_tensors():
+    """``import fastckpt`` and CPU saves never import torch_npu; asking for the npu backend does."""
+    import subprocess
+    code = ("import sys, torch, fastckpt, fastckpt.device\n"
+            "fastckpt.save({'w': torch.ones(3)}, sys.argv[1])\n"
+            "assert 'torch_npu' not in sys.modules\n"
+            "from fastckpt.device import BACKENDS\n"
+            "try:\n    BACKENDS['npu']._module()\nexcept ImportError as e:\n    print('ImportError', e.name)\n")
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        out = subprocess.run([sys.executable, "-c", code, os.path.join(d, "ck")], capture_output=True, text=True,
+                             timeout=120)
+    assert out.returncode == 0, out.stderr
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        assert out.stdout.strip() == "ImportError torch_npu"
