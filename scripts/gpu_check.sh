@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check for fastckpt's device loaders (issue 4) and DTensor saves/loads on CUDA (issue 13). One prepared script,
-# no network; each step has a timeout (180 + 200 + 150 + 120 s worst case); step 5 moves 512 MiB (seconds on a GPU).
+# no network; each step has a timeout (180 + 200 + 150 + 120 + 300 s worst case); step 5 moves 512 MiB, step 6
+# DT_GIB GiB (default 4; seconds on a GPU).
 # Runs from the source tree through PYTHONPATH with the machine's own Python/torch build:
 #   1. environment: torch/CUDA, pinned memory, kvikio (GDS) status;
 #   2. the CUDA tests of tests/loading/test_device.py and test_device_memory.py (skipped on CPU) if pytest is there;
@@ -10,9 +11,11 @@
 #   4. peak device memory of load_weights against the bound stated in load_tensors' docstring
 #      (issue 15): torch.cuda.max_memory_allocated growth <= R + S with dtype conversion, R without;
 #   5. 2 ranks with a CUDA DTensor state (issue 13): staging to (pinned) host memory, async_save,
-#      load_into bit-exact and its device memory growth against its bound.
-# Usage: bash scripts/gpu_check.sh [GIB]
-# Output: human lines + JSON lines "RESULT {...}", "RESULT_MEM {...}", "RESULT_DIST {...}".
+#      load_into bit-exact and its device memory growth against its bound;
+#   6. a multi-GB CUDA DTensor state on a 1-rank mesh (issue 21): save / async_save with the sources
+#      overwritten after the call, loaded back on the host and on the GPU, compared byte for byte.
+# Usage: [DT_GIB=4] bash scripts/gpu_check.sh [GIB]
+# Output: human lines + JSON lines "RESULT {...}", "RESULT_MEM {...}", "RESULT_DIST {...}", "RESULT_DTENSOR {...}".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -260,3 +263,97 @@ if __name__ == "__main__":
 PY
 # a file, not stdin: the spawned ranks import the script's functions from it
 timeout 120 "$PY" "$WORK/dist_check.py" "$DISTDIR" || echo "DISTRIBUTED CHECK FAILED"
+
+# ---------------------------------------------------------------------------------------------
+# 6. Multi-GB CUDA DTensor save compared after load (issue 21, the device-copy layer): one process,
+#    a 1-rank DeviceMesh on cuda:0 (two ranks cannot share one GPU under torchrun), DT_GIB GiB
+#    (default 4) of DTensors (Shard(0) fp32 and bf16, a Replicate() tensor) generated on the GPU
+#    from fixed seeds. a. fastckpt.save, then fastckpt.load(verify=True) on the host and on cuda:0:
+#    every tensor equals its regenerated source byte for byte; b. fastckpt.async_save, then the
+#    sources are overwritten on the GPU as soon as the call returned: the checkpoint still holds the
+#    values of the call (the device->host copies completed before async_save returned, and before
+#    any byte was hashed or written). Prints "DTENSOR ok|FAIL: ..." lines and one
+#    "RESULT_DTENSOR {...}" JSON line; never stops the script. No GPU: skipped (FASTCKPT_GPU_CHECK_CPU=1
+#    runs it on CPU with 64 MiB, a dry run of the logic).
+# ---------------------------------------------------------------------------------------------
+echo "== 1-rank CUDA DTensor save of ${DT_GIB:-4} GiB, compared after load"
+DTDIR="$WORK/dt"; mkdir -p "$DTDIR"
+timeout 300 "$PY" - "$DTDIR" "${DT_GIB:-4}" <<'PY' || echo "DTENSOR CHECK FAILED"
+import json, os, sys, time
+import torch
+import torch.distributed as dist
+
+d, gib = sys.argv[1], float(sys.argv[2])
+CPU = os.environ.get("FASTCKPT_GPU_CHECK_CPU") == "1"
+if not CPU and not torch.cuda.is_available():
+    print("DTENSOR skipped: no CUDA device")
+    sys.exit(0)
+import fastckpt
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+dev = "cpu" if CPU else "cuda:0"
+if not CPU:
+    torch.cuda.set_device(0)
+dist.init_process_group("gloo" if CPU else "cpu:gloo,cuda:nccl", init_method=f"file://{d}/store", rank=0,
+                        world_size=1)
+mesh = init_device_mesh("cpu" if CPU else "cuda", (1,))
+each = (64 << 20) if CPU else (256 << 20)            # bytes per tensor
+total = (64 << 20) if CPU else int(gib * (1 << 30))
+n = max(3, total // each)
+cols = 4096
+
+
+def make(i):
+    """Tensor i, regenerated from its seed on the device (fp32 Shard(0), bf16 Shard(0), fp32 Replicate)."""
+    g = torch.Generator(device=dev).manual_seed(i)
+    dt = torch.bfloat16 if i % 3 == 1 else torch.float32
+    rows = each // (cols * dt.itemsize)
+    return torch.randn(rows, cols, generator=g, device=dev, dtype=torch.float32).to(dt)
+
+
+def state():
+    return {"model": {f"w{i}": DTensor.from_local(make(i), mesh, [Replicate() if i % 3 == 2 else Shard(0)],
+                                                  run_check=False) for i in range(n)}, "step": 1}
+
+
+def same(loaded, where):
+    bad = []
+    for i in range(n):
+        got = loaded["model"][f"w{i}"]
+        got = got.full_tensor() if isinstance(got, DTensor) else got
+        if not torch.equal(got.to(dev).view(torch.uint8), make(i).view(torch.uint8)):
+            bad.append(f"w{i}")
+    return bad
+
+
+def sync():
+    if not CPU:
+        torch.cuda.synchronize()
+
+
+res, ok_all = {"GiB": round(n * each / 2**30, 2), "tensors": n, "cpu_dry_run": CPU}, True
+s = state(); sync()
+t = time.perf_counter(); fastckpt.save(s, os.path.join(d, "a")); res["save_s"] = round(time.perf_counter() - t, 2)
+del s
+for where in dict.fromkeys(("cpu", dev)):
+    t = time.perf_counter(); out = fastckpt.load(os.path.join(d, "a"), device=where); sync()
+    res[f"load_{where}_s"] = round(time.perf_counter() - t, 2)
+    bad = same(out, where); del out
+    ok_all &= not bad
+    print(f"DTENSOR {'ok' if not bad else 'FAIL'}: save, load(verify) on {where}: {'bytes equal' if not bad else bad}")
+s = state(); sync()
+t = time.perf_counter(); fut = fastckpt.async_save(s, os.path.join(d, "b"))
+res["async_blocking_s"] = round(time.perf_counter() - t, 2)
+for v in s["model"].values():             # allowed once async_save returned: overwrite on the device now
+    v.to_local().fill_(-1)
+fut.result(); res["async_total_s"] = round(time.perf_counter() - t, 2)
+del s
+bad = same(fastckpt.load(os.path.join(d, "b")), "cpu")
+ok_all &= not bad
+print(f"DTENSOR {'ok' if not bad else 'FAIL'}: async_save, sources overwritten after the call: "
+      f"{'checkpoint holds the call-time bytes' if not bad else bad}")
+res["all_ok"] = bool(ok_all)
+print("RESULT_DTENSOR " + json.dumps(res))
+dist.destroy_process_group()
+PY

@@ -10,21 +10,29 @@ from typing import Any, Callable
 
 import torch
 
+from ..device import BACKENDS, Completion, CopyStream, copy_stream
+from ..device.copies import AcceleratorStream
 from ..errors import DeviceUnavailableError
 from ..storage.memory import host_buffer
 
 
 class Engine:
-    """Synchronous CPU engine; base of the accelerator engines.
+    """CPU engine; base of the accelerator engines. Its copies go through the device-copy layer
+    (:func:`fastckpt.device.copy_stream`: synchronous on CPU; a device type without a copy backend,
+    e.g. a test's registered engine, copies synchronously too).
 
     Call order for one load: ``empty`` (every destination) -> ``reserve`` (only when converting)
     -> ``begin`` -> for each piece: ``wait(slot)`` -> read into ``slot(i)`` -> ``copy`` or
-    ``convert`` ... -> ``record(slot)`` -> ``finish``.
+    ``convert`` ... -> ``record(slot)`` -> ``finish``. A slot is read into again only after the
+    completion ``record`` took for it was waited for; the destinations are returned only after
+    ``finish`` (every copy complete).
     All calls come from the loading thread; only the file reads run in worker threads.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.copies: CopyStream = copy_stream(device) if device.type in BACKENDS else CopyStream(device)
+        self.events: dict[int, Completion] = {}
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """A new 1-D uint8 tensor of ``nbytes`` on the device (the destination's own memory)."""
@@ -38,10 +46,12 @@ class Engine:
 
     def begin(self) -> None:
         """Called after every destination is allocated, before the first copy."""
+        self.copies.begin()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy host ``src`` into device ``dst`` (same shape, uint8)."""
-        dst.copy_(src)
+        """Issue the copy of host ``src`` into device ``dst`` (same shape, uint8); ``src`` is reused
+        only after the completion :meth:`record` takes next."""
+        self.copies.to_device(dst, src)
 
     def reserve(self, nbytes: int) -> None:
         """Called before :meth:`begin` when a load converts dtypes: no piece is larger than ``nbytes``."""
@@ -55,29 +65,36 @@ class Engine:
         """
         if src.data_ptr() % stored.itemsize:
             src = torch.empty_like(src, memory_format=torch.contiguous_format).copy_(src)
-        dst.copy_(src.view(stored))
+        self.copies.to_device(dst, src.view(stored))
 
     def record(self, slot: int) -> None:
-        """Mark that every copy from ``slot`` issued so far must finish before it is reused."""
+        """Take the completion of every copy issued so far: ``slot`` is reused only after it."""
+        self.events[slot] = self.copies.mark()
 
     def wait(self, slot: int) -> None:
-        """Block until the copies recorded for ``slot`` are done."""
+        """Block until the copies recorded for ``slot`` are done (their completion waited for)."""
+        done = self.events.pop(slot, None)
+        if done is not None:
+            done.wait()
 
     def finish(self) -> None:
-        """Block until every copy is done."""
+        """Block until every copy is done (the copy stream synchronized)."""
+        self.copies.synchronize()
+        self.events.clear()
 
 
 class AcceleratorEngine(Engine):
-    """CUDA or NPU engine: pinned slots, copies on a side stream, one event per slot.
+    """CUDA or NPU engine: pinned slots, copies on a side stream of the device-copy layer
+    (:class:`fastckpt.device.copies.AcceleratorStream`), one event per slot.
 
     ``mod`` is ``torch.cuda`` or ``torch.npu`` (both expose ``Stream``, ``Event``, ``stream``).
     """
 
     def __init__(self, device: torch.device, mod):
-        super().__init__(device)
+        self.device = device
         self.mod = mod
-        self.stream = mod.Stream(device=device)
-        self.events: dict[int, object] = {}
+        self.copies = AcceleratorStream(device, mod)
+        self.events = {}
         self.scratch: torch.Tensor | None = None
 
     def host_slot(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
@@ -87,39 +104,20 @@ class AcceleratorEngine(Engine):
     def reserve(self, nbytes: int) -> None:
         # one device scratch for the whole load, owned by the side stream: every H2D copy into it
         # and the conversion kernel reading it are ordered on that stream
-        with self.mod.stream(self.stream):
+        with self.copies.issuing():
             self.scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def convert(self, dst: torch.Tensor, src: torch.Tensor, stored: torch.dtype) -> None:
         n = src.numel()
         if self.scratch is None or self.scratch.numel() < n:
             raise RuntimeError(f"convert of {n} bytes without reserve() of at least that much")
-        with self.mod.stream(self.stream):
-            raw = self.scratch[:n]
-            raw.copy_(src.reshape(-1), non_blocking=True)
+        raw = self.scratch[:n]
+        self.copies.to_device(raw, src.reshape(-1))
+        with self.copies.issuing():
             dst.copy_(raw.view(stored).view(dst.shape))
 
-    def begin(self) -> None:
-        # destinations were allocated on the current stream: order the side stream after it
-        self.stream.wait_stream(self.mod.current_stream(self.device))
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with self.mod.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-
-    def record(self, slot: int) -> None:
-        ev = self.mod.Event()
-        ev.record(self.stream)
-        self.events[slot] = ev
-
-    def wait(self, slot: int) -> None:
-        ev = self.events.pop(slot, None)
-        if ev is not None:
-            ev.synchronize()
-
     def finish(self) -> None:
-        self.stream.synchronize()
-        self.events.clear()
+        super().finish()
         self.scratch = None
 
 
@@ -128,8 +126,8 @@ def _cuda_engine(device: torch.device) -> Engine:
 
 
 def _npu_engine(device: torch.device) -> Engine:
-    import torch_npu  # noqa: F401  (registers torch.npu)
-    return AcceleratorEngine(device, torch.npu)
+    from ..device.npu import npu_module  # torch_npu: imported only for npu loads
+    return AcceleratorEngine(device, npu_module())
 
 
 #: Engine registry: device type -> factory(device). Tests register fake devices here.

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from ..device import to_host
 from ..coordination import LOCAL, Coordinator, forget_session, group_timeout_s, numbered_session, path_tag
 from ..errors import CheckpointExistsError, DistributedSaveError, RankValuesDifferError, UnsupportedValueError
 from ..format.tree import join
 from ..storage.memory import host_buffer, pin_if_possible
-from ..storage.staging import copy_into
 from .agree import array_digest, check_agreement, combined, json_leaves
 from .collect import collect
 from .committer import fmt, remove_uncommitted
@@ -84,7 +84,7 @@ class FastCkptStager(AsyncStager):
             t = local(v)
             n = t.numel() * t.element_size()
             dst = self._buf[off:off + n]
-            copy_into(dst, t)
+            to_host(dst, t).wait()  # the copy completed (CUDA/NPU: its event) before DCP reads dst
             c = dst.view(t.dtype).view(t.shape) if t.numel() else torch.empty(t.shape, dtype=t.dtype)
             if isinstance(v, DTensor):
                 c = _host_dtensor(c, v)

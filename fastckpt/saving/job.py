@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import xxhash
 
+from ..device import DONE, AllOf, Completion, cat_to_host, to_host
 from ..format.layout import SavePlan
 from ..storage.io import ALIGN, FileWriter, default_threads, get_backend, write_all
-from ..storage.staging import StagingPool, copy_into, copy_pieces, copy_runs
+from ..storage.staging import StagingPool, copy_pieces, copy_runs
 from . import dedupe
 from .dedupe import LinkUnchanged
 from .deferred import DeferredStaging
@@ -226,28 +227,33 @@ class SaveJob(LinkUnchanged, DeferredStaging):
             # disk works while the caller copies (save total ~ max(copy, write), not the sum)
             early = self.cons.early_writes and host and not self.deferred
             units, owned, nxt = self.plan.units, self.owned, 0
+            copies: list[Completion] = []
             for run in copy_runs(tensors, sources):
-                b = self._copy_run(run, sources)
+                b, done = self._copy_run(run, sources)
+                copies.append(done)
                 if early:
+                    done.wait()  # (host: complete at once) its units are written only once their bytes are there
                     while nxt < len(owned) and units[owned[nxt]].stream_offset + units[owned[nxt]].nbytes <= b:
                         i = owned[nxt]
                         if units[i].file_index not in self.linked:
                             self.unit_futs[i] = self.exec.submit(self._write_unit, i, self._at(units[i].stream_offset))
                         nxt += 1
-            _sync_devices(sources)
+            AllOf(copies).wait()  # every staged byte is there before write_all hashes or writes it
             return
         self._stage_streaming(tensors, sources, size // chunk)
 
-    def _copy_run(self, run: list, sources: dict) -> int:
-        """Stage one run of :func:`_copy_runs`; returns the stream offset just past it."""
+    def _copy_run(self, run: list, sources: dict) -> tuple[int, Completion]:
+        """Start staging one run of :func:`~fastckpt.storage.staging.copy_runs` through the device-copy
+        layer; returns the stream offset just past it and the copy's completion (wait for it before
+        hashing or writing any byte of the run: a CUDA/NPU event, :data:`~fastckpt.device.DONE` on CPU)."""
         a, b = run[0].stream_offset, run[-1].stream_offset + run[-1].spec.nbytes
         x = self._at(a)
+        if b == a:
+            return b, DONE
         if len(run) == 1:
-            copy_into(self.buf[x:x + b - a], sources[run[0].spec.key])
-        else:  # one op for many small tensors: per-tensor views and copies cost ~10 us each
-            torch.cat([sources[t.spec.key].reshape(-1) for t in run],
-                      out=self.buf[x:x + b - a].view(sources[run[0].spec.key].dtype))
-        return b
+            return b, to_host(self.buf[x:x + b - a], sources[run[0].spec.key])
+        # one op for many small tensors: per-tensor views and copies cost ~10 us each
+        return b, cat_to_host(self.buf[x:x + b - a], [sources[t.spec.key] for t in run])
 
     def _stage_streaming(self, tensors: list, sources: dict, n_slots: int) -> None:
         chunk = self.plan.chunk_bytes
@@ -279,8 +285,7 @@ class SaveJob(LinkUnchanged, DeferredStaging):
             if not t.spec.nbytes:
                 continue
             h = xxhash.xxh3_64()
-            copy_pieces(sources[t.spec.key], t.stream_offset, chunk, slot_of, h)
-            _sync_devices({0: sources[t.spec.key]})
+            copy_pieces(sources[t.spec.key], t.stream_offset, chunk, slot_of, h)  # waits for each piece
             self.hashes[t.spec.key] = h.hexdigest()
             submit_ready(t.stream_offset + t.spec.nbytes)
         submit_ready(self.plan.stream_bytes)
@@ -357,11 +362,3 @@ class _Pick:
 
     def result(self) -> Any:
         return self.fut.result()[self.i]
-
-
-def _sync_devices(sources: dict) -> None:
-    for t in sources.values():
-        if t.device.type == "cuda":
-            import torch
-            torch.cuda.synchronize()
-            return

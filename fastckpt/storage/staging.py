@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from ..device import to_host
 from .memory import HUGE_MIN_BYTES, host_buffer, pin_if_possible
 
 
@@ -71,25 +72,20 @@ class StagingPool:
             self._tensor = self._view = None
 
 
-def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ``src`` (any device, any strides) into the contiguous ``uint8`` range ``dst``.
-
-    ``dst`` must hold exactly ``src.numel() * src.element_size()`` bytes.
-    """
-    if src.numel() == 0:
-        return
-    dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=src.device.type != "cpu")
-
-
 def copy_pieces(src: torch.Tensor, start: int, chunk: int, slot_of: Callable[[int], torch.Tensor],
                 hasher=None) -> None:
     """Copy ``src``'s bytes to stream position ``start`` piece by piece across ring slots.
 
+    Each piece is copied through :func:`fastckpt.device.to_host` and its completion (a CUDA/NPU
+    event after the copy; at once on CPU) is waited for before the piece is hashed and before the
+    next ``slot_of`` call (which may submit the writes of everything staged before it): when this
+    returns, every byte of ``src`` is in its slots.
+
     Args:
-        src: tensor to copy (made contiguous first if it is not).
+        src: tensor to copy (any device; made contiguous first if it is not).
         start: stream byte offset of the tensor.
         chunk: slot size in bytes.
-        slot_of: grid index -> the slot's ``uint8`` tensor (waits until the slot is free).
+        slot_of: grid index -> the slot's ``uint8`` host tensor (waits until the slot is free).
         hasher: optional object with ``update(buffer)``, fed the staged bytes in order.
     """
     flat = src.reshape(-1).contiguous().view(torch.uint8) if src.numel() else None
@@ -100,7 +96,7 @@ def copy_pieces(src: torch.Tensor, start: int, chunk: int, slot_of: Callable[[in
         off = pos % chunk
         m = min(n - a, chunk - off)
         piece = slot_of(pos // chunk)[off:off + m]
-        piece.copy_(flat[a:a + m])
+        to_host(piece, flat[a:a + m]).wait()
         if hasher is not None:
             hasher.update(piece.numpy())
         a += m
