@@ -390,7 +390,7 @@ class _Parser:
         out = Manifest(
             files={n: self.file(n, f) for n, f in files.items()},
             tensors={k: self.tensor(k, e) for k, e in tensors.items()},
-            step=self.get(m, "step", "", "an integer or null", _int, optional=True),
+            step=self.get(m, "step", "", "an integer or null", _integer, optional=True),
             world_size=self.get(m, "world_size", "", "a positive integer", lambda x: _nat(x) and x >= 1,
                                 optional=True) or 1,
             metadata=self.get(m, "metadata", "", "an object of strings or null", _str_map, optional=True),
@@ -467,7 +467,7 @@ class _Parser:
                             f"chunks that tile the tensor of shape {list(shape)} ({math.prod(shape)} elements)", key)
         for i, a in enumerate(out):
             for b in out[i + 1:]:
-                if _overlap(a.box, b.box):
+                if _boxes_overlap(a.box, b.box):
                     raise self.fail(where, f"chunks at offsets {list(a.offsets)} and {list(b.offsets)} overlap",
                                     "chunks that do not overlap", key)
         return out
@@ -531,12 +531,12 @@ class _Parser:
         return out
 
 
-def _int(x: Any) -> bool:
+def _integer(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _nat(x: Any) -> bool:
-    return _int(x) and x >= 0
+    return _integer(x) and x >= 0
 
 
 def _num(x: Any) -> bool:
@@ -559,7 +559,7 @@ def _str_map(x: Any) -> bool:
     return isinstance(x, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in x.items())
 
 
-def _overlap(a: Box, b: Box) -> bool:
+def _boxes_overlap(a: Box, b: Box) -> bool:
     return all(max(ao, bo) < min(ao + an, bo + bn) for ao, an, bo, bn in zip(a[0], a[1], b[0], b[1])) \
         and math.prod(a[1]) > 0 and math.prod(b[1]) > 0
 
