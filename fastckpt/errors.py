@@ -44,6 +44,25 @@ class ChecksumMismatchError(CorruptCheckpointError):
     """A tensor's or file's bytes do not match the checksum in the manifest."""
 
 
+class ManifestError(CorruptCheckpointError):
+    """A ``manifest.json`` field is missing or malformed (names the file, the key and the value).
+
+    Attributes:
+        key: the manifest key at fault, as a path (``tensors/model%2Fw/offsets``).
+        value: the value found there (``None`` when missing).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None, value: object = None,
+                 tensor: str | None = None):
+        super().__init__(message, path=path, tensor=tensor)
+        self.key = key
+        self.value = value
+
+
+class ManifestVersionError(ManifestError):
+    """The manifest's ``format_version`` is newer than this fastckpt reads: upgrade fastckpt."""
+
+
 class UnsupportedValueError(FastCkptError, TypeError):
     """A value in the state cannot be saved (names its key path and type)."""
 

@@ -200,10 +200,9 @@ def unpack_rng(row: Any) -> dict:
 
 def _saved_world(ckpt: str) -> tuple[int, bool]:
     """``(world_size, rank_local_rng)`` of checkpoint ``ckpt``'s manifest."""
-    m = fastckpt.read_manifest(ckpt) or {}
-    dist = m.get("distributed") or {}
-    keys = (dist.get("rank_local") or {}).get("keys") or ()
-    return int(m.get("world_size") or 1), "rng" in keys
+    m = fastckpt.read_manifest(ckpt)
+    keys = m.distributed.rank_local_keys if m.distributed is not None else ()
+    return m.world_size, "rng" in keys
 
 
 def load_replicated(ckpt: str, skip: tuple[str, ...] = ()) -> dict:
@@ -251,7 +250,7 @@ def load_rank_rng(ckpt: str, snap: dict, rank: int, world_size: int) -> tuple[di
         return snap.get("rng"), snap.get("epoch_rng")
     tmpl = {"rng": capture_rng_state(), "epoch_rng": capture_rng_state()}
     man = fastckpt.read_manifest(ckpt)
-    if not any(k.startswith(f"@rank{rank}/") and "/epoch_rng/" in k for k in man.get("tensors", {})):
+    if not any(k.startswith(f"@rank{rank}/") and "/epoch_rng/" in k for k in man.tensors):
         tmpl.pop("epoch_rng")  # None at that save (no epoch began yet)
     got = fastckpt.load_into(tmpl, ckpt, strict=False, local_rank=rank)
     return got["rng"], got.get("epoch_rng")
@@ -310,11 +309,12 @@ def restore_sharded(ckpt: str, model, optimizer, model_state: dict) -> None:
     state = {"model": model_state}
     if opt is not None:
         state["optimizer"] = get_optimizer_state_dict(model, opt)
-    stored = fastckpt.read_manifest(ckpt).get("tensors", {})
+    stored = fastckpt.read_manifest(ckpt).tensors
     leaves = _tensor_paths(state)
     missing = [k for k in leaves if k not in stored]
-    bad = [(k, tuple(t.shape), tuple(stored[k].get("shape", t.shape))) for k, t in leaves.items()
-           if k in stored and tuple(stored[k].get("shape", t.shape)) != tuple(t.shape)]
+    shapes = {k: tuple(t.shape if stored[k].shape is None else stored[k].shape) for k, t in leaves.items()
+              if k in stored}
+    bad = [(k, tuple(t.shape), shapes[k]) for k, t in leaves.items() if k in shapes and shapes[k] != tuple(t.shape)]
     if bad:
         from fastckpt.errors import StateMismatchError
 

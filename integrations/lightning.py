@@ -148,7 +148,7 @@ def _refuse_unexpected_module_keys(path: Path, module_state: dict) -> None:
     from fastckpt.errors import StateMismatchError
     from fastckpt.format.tree import join
     have = {join(STATE_KEY, k) for k in module_state}
-    extra = sorted(k for k in fastckpt.read_manifest(path)["tensors"]
+    extra = sorted(k for k in fastckpt.read_manifest(path).tensors
                    if k.startswith(STATE_KEY + "/") and k not in have)
     if extra:
         raise StateMismatchError(

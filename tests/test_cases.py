@@ -246,7 +246,7 @@ def test_c4_metadata_kept_by_a_save_without_tensors(tmp_path):
     meta = {"epoch": "3", "note": "no tensors here"}
     p = fastckpt.save({"step": 1, "cfg": {"lr": 0.5}}, tmp_path / "ck", metadata=meta)
     assert not [n for n in os.listdir(p) if n.endswith(".safetensors")]
-    assert fastckpt.read_manifest(str(p))["metadata"] == meta
+    assert fastckpt.read_manifest(str(p)).metadata == meta
     assert fastckpt.load(p) == {"step": 1, "cfg": {"lr": 0.5}}
 
 

@@ -29,9 +29,8 @@ def missing_adapter_tensors(adapter_dir: str) -> list[str]:
     if not os.path.isfile(os.path.join(adapter_dir, MANIFEST)):
         return []
     man = read_manifest_shared(adapter_dir)
-    tops = [top for top, stem in (man.get("weights") or {}).items() if stem == ADAPTER_WEIGHTS]
-    return sorted(k for k, e in man["tensors"].items()
-                  if k.split("/", 1)[0] in tops and e.get("file") != ADAPTER_WEIGHTS)
+    tops = [top for top, stem in man.weights.items() if stem == ADAPTER_WEIGHTS]
+    return sorted(k for k, e in man.tensors.items() if k.split("/", 1)[0] in tops and e.file != ADAPTER_WEIGHTS)
 
 
 def check_adapter(adapter_dir: str) -> None:

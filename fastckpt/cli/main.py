@@ -30,8 +30,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'tensors':>7}  path")
         for s, p in run.scan.committed:
             m = read_manifest(str(p))
-            size = m.get("bytes_total", 0) + os.path.getsize(p / MANIFEST)  # the manifest cannot list itself
-            print(f"{s:>10}  {human_bytes(size):>10}  {len(m['files']) + 1:>5}  {len(m['tensors']):>7}  {p}")
+            size = (m.bytes_total or 0) + os.path.getsize(p / MANIFEST)  # the manifest cannot list itself
+            print(f"{s:>10}  {human_bytes(size):>10}  {len(m.files) + 1:>5}  {len(m.tensors):>7}  {p}")
         newest = run.scan.newest()  # by commit time, as CheckpointManager.latest() and prune
         print(f"latest committed: {newest[0] if newest else '-'}")
         for name, why in run.scan.skipped():

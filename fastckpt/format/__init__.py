@@ -11,6 +11,10 @@ else of the layer):
   ``*.safetensors.index.json``), :func:`safe_join`, :data:`INDEX_SUFFIX`.
 * The dtype table (:mod:`.dtypes`): :func:`dtype_to_str`, :func:`str_to_dtype`, :func:`itemsize`.
 
+* The manifest (:mod:`.manifest`, imported from there): :class:`~.manifest.Manifest` and its
+  entries, :data:`~.manifest.FORMAT_VERSION`, :func:`~.manifest.parse` (validating) and
+  :meth:`~.manifest.Manifest.to_json`, :class:`~.manifest.RangeCheck` (one checksummed range).
+
 The key-path tree (:mod:`.tree`) and the shard layout (:mod:`.layout`) serve the save and load
 engines and are not re-exported.
 """

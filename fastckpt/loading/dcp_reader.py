@@ -131,7 +131,7 @@ DCP_METADATA = "dcp_metadata.json"
 def _saved_dcp_metadata(idx: CheckpointIndex) -> dict | None:
     """``dcp_metadata.json`` of a fastckpt checkpoint (JSON, listed in its manifest), or ``None``."""
     m = idx.resolved.manifest
-    if not m or DCP_METADATA not in m.get("files", {}) or os.path.isfile(idx.resolved.root):
+    if m is None or DCP_METADATA not in m.files or os.path.isfile(idx.resolved.root):
         return None
     path = os.path.join(idx.resolved.root, DCP_METADATA)
     try:

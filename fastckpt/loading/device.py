@@ -221,7 +221,7 @@ def load_tensors(r: Resolved, keys: Iterable[str], device: str | torch.device, *
              for t, cv in zip(targets, convs)]
     want = {}
     if verify and r.manifest is not None:
-        want = {i: r.manifest["tensors"][t.key].get("xxh3") for i, t in enumerate(targets) if t.slice is None}
+        want = {i: r.manifest.tensors[t.key].xxh3 for i, t in enumerate(targets) if t.slice is None}
     use_kv = kvikio_usable(engine.device) if use_kvikio is None else use_kvikio
     direct = [i for i, t in enumerate(targets)
               if use_kv and i not in want and convs[i] is None and flat_ranges(t)]
@@ -244,8 +244,8 @@ def load_tensors(r: Resolved, keys: Iterable[str], device: str | torch.device, *
     out = {t.key: _finish(t, d, cv) for t, d, cv in zip(targets, dests, convs)}
     if verify and r.manifest is not None:  # format 2: per-chunk checksums of whole, unconverted tensors
         for i, t in enumerate(targets):
-            e = r.manifest["tensors"][t.key]
-            if t.slice is None and convs[i] is None and "chunks" in e and "xxh3" not in e:
+            e = r.manifest.tensors[t.key]
+            if t.slice is None and convs[i] is None and e.chunks is not None and e.xxh3 is None:
                 check_chunks(out[t.key], t.key, e, t.file)
     return out
 

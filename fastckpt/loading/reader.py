@@ -28,6 +28,7 @@ import xxhash
 from ..format.dtypes import str_to_dtype
 from ..errors import ChecksumMismatchError, CheckpointNotFoundError, DeviceUnavailableError, KeysNotFoundError  # noqa: F401  (re-exported)
 from ..format.safetensors import TensorInfo
+from ..format.manifest import TensorEntry
 from ..storage.io import ALIGN, O_DIRECT, PosixBackend, get_backend, read_exact, readv_exact
 from ..storage.memory import aligned_buffer, host_buffer
 from .resolve import Resolved, resolve
@@ -254,17 +255,17 @@ def read_tensors(r: Resolved, keys: Iterable[str], *, threads: int | None = None
             for fu in futs:
                 fu.result()
             if verify and r.manifest is not None:
-                list(ex.map(lambda d: _check(d, r.manifest["tensors"][d.key]), dests))
+                list(ex.map(lambda d: _check(d, r.manifest.tensors[d.key]), dests))
     finally:
         for fd in list(fds.values()) + list(dfds.values()):
             be.close(fd)
     return {d.key: d.tensor for d in dests}
 
 
-def _check(d: _Dest, entry: dict) -> None:
+def _check(d: _Dest, entry: TensorEntry) -> None:
     """Check a tensor read whole against its manifest entry: ``xxh3``, or each format-2 chunk."""
-    want = entry.get("xxh3")
-    if want is None and "chunks" in entry:
+    want = entry.xxh3
+    if want is None and entry.chunks is not None:
         check_chunks(d.tensor, d.key, entry, d.file)
         return
     got = xxhash.xxh3_64(d.view).hexdigest()
@@ -327,36 +328,36 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
         seen: set[str] = set()
         unflatten(r.skeleton, lambda k, kind: None, lambda p: seen.add(p) or keep(p))  # no data read
         _check_keys_found(keys, seen, r.root)
-    entries = r.manifest["tensors"]
+    entries = r.manifest.tensors
     wanted = [k for k in entries if keep is None or keep(k)]
     stored = set()
     for k in wanted:
         e = entries[k]
-        target = e.get("alias") or e.get("view") or k
+        target = e.target or k
         stored.add(target)
-    stored.update(piece_keys(r.manifest, keep))  # multi-rank Shard pieces: assembled below
+    stored.update(piece_keys(r.manifest.to_dict(), keep))  # multi-rank Shard pieces: assembled below
     raw = _read(r, sorted(stored), device, threads=threads, chunk_bytes=chunk_bytes, io_backend=io_backend,
                        verify=verify)
     raw = {k: _to(t, device) for k, t in raw.items()}
 
     def get(key: str, kind: str) -> Any:
         e = entries[key]
-        if "alias" in e:
-            t = raw[e["alias"]]
-        elif "view" in e:
-            blob = raw[e["view"]]
-            dt = str_to_dtype(e["dtype"], tensor=key, path=r.root)
+        if e.alias is not None:
+            t = raw[e.alias]
+        elif e.view is not None:
+            blob = raw[e.view]
+            dt = str_to_dtype(e.dtype, tensor=key, path=r.root)
             isz = torch.empty((), dtype=dt).element_size()
-            base = blob.storage_offset() + e["offset"]
+            base = blob.storage_offset() + e.offset
             t = torch.empty(0, dtype=dt, device=blob.device).set_(
-                blob.untyped_storage(), base // isz, e["shape"], e["stride"])
+                blob.untyped_storage(), base // isz, e.shape, e.stride)
         else:
             t = raw[key]
         return t.numpy() if kind == "ndarray" else t
 
     tree = unflatten(r.skeleton, get, keep)
-    if r.manifest.get("distributed"):  # never return {"__shard__": ...} placeholders
-        tree = fill_placeholders(tree, r.manifest, lambda k: get(k, "tensor"), r.root)
+    if r.manifest.distributed is not None:  # never return {"__shard__": ...} placeholders
+        tree = fill_placeholders(tree, r.manifest.to_dict(), lambda k: get(k, "tensor"), r.root)
     return tree
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
+from ..format.manifest import Box  # noqa: F401  (offsets, shape): the manifest's element box
 
 
 @dataclass(frozen=True)

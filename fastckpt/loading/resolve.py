@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from ..storage import commit as cm
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, HeaderError
 from ..format.safetensors import INDEX_SUFFIX, Header, TensorInfo, read_header, read_index, safe_join
+from ..format.manifest import Manifest
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Resolved:
     root: str
     headers: dict[str, Header] = field(default_factory=dict)
     tensors: dict[str, tuple[str, TensorInfo]] = field(default_factory=dict)
-    manifest: dict | None = None
+    manifest: Manifest | None = None
     skeleton: object = None
 
     def file_path(self, name: str) -> str:
@@ -85,30 +86,27 @@ def _resolve_fastckpt(path: str) -> Resolved:
         raise CheckpointNotFoundError(f"{path}: hidden folders are uncommitted temporaries, not checkpoints")
     m = cm.read_manifest(path)
     r = Resolved(path, manifest=m)
-    for name, info in m["files"].items():
+    for name, info in m.files.items():
         full = safe_join(path, name)
         try:
             size = os.stat(full).st_size
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path}: manifest lists {name!r}, which is missing", path=full) from None
-        if size != info.get("bytes"):
-            raise CorruptCheckpointError(f"{full}: {size} bytes on disk, manifest says {info.get('bytes')} "
+        if size != info.bytes:
+            raise CorruptCheckpointError(f"{full}: {size} bytes on disk, manifest says {info.bytes} "
                                          "(truncated or replaced)", path=full)
         if name.endswith(".safetensors"):
             r.headers[name] = read_header(full)
-    for key, e in m["tensors"].items():
-        if not isinstance(e, dict):
-            raise CorruptCheckpointError(f"{path}: manifest entry of tensor {key!r} is not an object",
-                                         path=os.path.join(path, cm.MANIFEST), tensor=key)
-        if "file" not in e:
+    for key, e in m.tensors.items():
+        if e.file is None:
             continue
-        h = r.headers.get(e["file"]) if isinstance(e["file"], str) else None
-        t = h.tensors.get(e.get("name")) if h and isinstance(e.get("name"), str) else None
-        if t is None or t.dtype != e.get("dtype") or list(t.shape) != e.get("shape") \
-                or [h.data_offset + t.start, h.data_offset + t.end] != e.get("offsets"):
+        h = r.headers.get(e.file)
+        t = h.tensors.get(e.name) if h and e.name is not None else None
+        if t is None or t.dtype != e.dtype or tuple(t.shape) != e.shape \
+                or (h.data_offset + t.start, h.data_offset + t.end) != e.offsets:
             raise CorruptCheckpointError(f"{path}: tensor {key!r} in manifest does not match the header of "
-                                         f"{e['file']!r}", path=os.path.join(path, e["file"]), tensor=key)
-        r.tensors[key] = (e["file"], t)
+                                         f"{e.file!r}", path=os.path.join(path, e.file), tensor=key)
+        r.tensors[key] = (e.file, t)
     spath = safe_join(path, cm.STATE_JSON)
     try:
         with open(spath, "rb") as f:

@@ -99,10 +99,11 @@ def load(path: str | os.PathLike, *, process_group: Any = None, rank: int | None
     rank = coord.rank if rank is None else rank
     world_size = coord.world_size if world_size is None else world_size
     r = open_checkpoint(path)
-    dist = r.manifest.get("distributed") if r.manifest else None
+    m = r.manifest.to_dict() if r.manifest else {}  # deprecated reader: reads the JSON form
+    dist = m.get("distributed")
     if dist is None:
         return load_single(path, keys=keys, device=device, threads=threads, verify=verify)
-    entries = r.manifest["tensors"]
+    entries = m["tensors"]
     keep = key_filter(keys)
     need: set[str] = set()
     markers: dict[str, Any] = {}
@@ -127,7 +128,7 @@ def load(path: str | os.PathLike, *, process_group: Any = None, rank: int | None
     if any(m[0] == "__rank_local__" for m in markers.values()):
         name = dist["rank_local"]["skeletons"].get(str(src))
         if name is None:
-            raise CheckpointNotFoundError(f"{path}: rank-local state was saved by {r.manifest['world_size']} ranks; "
+            raise CheckpointNotFoundError(f"{path}: rank-local state was saved by {m['world_size']} ranks; "
                                           f"saved rank {src} has none (pass local_rank_from=)")
         with open(os.path.join(r.root, name), "rb") as f:
             local_skel = json.loads(f.read())

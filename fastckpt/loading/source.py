@@ -19,7 +19,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 import torch
 
@@ -28,7 +28,7 @@ from ..format.safetensors import safe_join
 from ..storage.commit import MANIFEST, read_manifest_shared
 from ..storage.retention import scan_checkpoints
 from ..format.dtypes import itemsize, str_to_dtype
-from .chunks import chunk_boxes
+from ..format.manifest import RangeCheck
 from .reader import read_tensors
 from .regions import Stored, box_runs
 from .resolve import Resolved, resolve
@@ -117,33 +117,25 @@ class Source:
         if os.path.isfile(os.path.join(self.adapter_dir, MANIFEST)):
             r = self.resolved if os.path.abspath(self.adapter_dir) == os.path.abspath(self.path) \
                 else resolve(self.adapter_dir)
-            keys = {k: r.manifest["tensors"][k]["name"] for k, (f, _) in r.tensors.items() if f == ADAPTER_WEIGHTS}
+            keys = {k: r.manifest.tensors[k].name for k, (f, _) in r.tensors.items() if f == ADAPTER_WEIGHTS}
             got = read_tensors(r, list(keys), threads=threads, verify=True)
             return {keys[k]: t for k, t in got.items()}
         r = resolve(os.path.join(self.adapter_dir, ADAPTER_WEIGHTS))
         return read_tensors(r, list(r.tensors), threads=threads)
 
 
-class RangeCheck(NamedTuple):
-    """Bytes ``[start, end)`` of a file must hash to ``xxh3`` (xxh3-64 hex); ``what`` names them
-    (the tuple form is :data:`fastckpt.saving.export.Check`)."""
-
-    what: str
-    start: int
-    end: int
-    xxh3: str
-
-
 def file_checks(folder: str | os.PathLike, name: str) -> tuple[int, list[RangeCheck]] | None:
     """Size and checksummed byte ranges of file ``name`` of the fastckpt checkpoint ``folder``.
 
     The ranges are the whole file (small files: config, tokenizer, adapter config), the header
-    of a safetensors file, and each of its tensors, as the manifest lists them, sorted by start
-    (format 2: each chunk that is one contiguous byte range, see :func:`_chunk_checks`).
+    of a safetensors file, and each of its tensors, as the manifest lists them
+    (:meth:`~fastckpt.format.manifest.Manifest.checks`), sorted by start; a format-2 chunk only
+    when it is one contiguous byte range of the file (every chunk of a dim-0 split, e.g. FSDP2's;
+    other chunks are checked by ``fastckpt verify`` and ``load(verify=True)``).
 
     Returns:
-        ``(bytes, ranges)``, or ``None`` when ``folder`` has no manifest or the manifest does not
-        list ``name`` (nothing to check it against).
+        ``(bytes, ranges)`` (each range with ``box=None``), or ``None`` when ``folder`` has no
+        manifest or the manifest does not list ``name`` (nothing to check it against).
 
     Raises:
         CorruptCheckpointError: an unreadable manifest. UnsafePathError: ``name`` leaves the folder.
@@ -152,39 +144,25 @@ def file_checks(folder: str | os.PathLike, name: str) -> tuple[int, list[RangeCh
     if not os.path.isfile(os.path.join(folder, MANIFEST)):
         return None
     m = read_manifest_shared(folder)
-    info = m["files"].get(name)
+    info = m.files.get(name)
     if info is None:
         return None
-    safe_join(folder, name)
+    fpath = safe_join(folder, name)
     out = []
-    if "xxh3" in info:
-        out.append(RangeCheck(f"file {name!r}", 0, info["bytes"], info["xxh3"]))
-    if "header_xxh3" in info:
-        out.append(RangeCheck(f"header of {name!r}", 0, info["header_bytes"], info["header_xxh3"]))
-    for key, e in m["tensors"].items():
-        if isinstance(e, dict) and e.get("file") == name and "xxh3" in e:
-            out.append(RangeCheck(f"tensor {key!r}", e["offsets"][0], e["offsets"][1], e["xxh3"]))
-        elif isinstance(e, dict) and e.get("file") == name and "chunks" in e:
-            out.extend(_chunk_checks(folder, key, e))
-    out.sort(key=lambda c: (c.start, c.end))
-    return info["bytes"], out
-
-
-def _chunk_checks(folder: str, key: str, e: dict) -> list[RangeCheck]:
-    """Range checks of the format-2 chunks of ``e`` that are one contiguous byte range of the file
-    (every chunk of a dim-0 split, e.g. FSDP2's); other chunks are checked by ``fastckpt verify``
-    and ``load(verify=True)``, not by these ranges."""
-    fpath = os.path.join(folder, e["file"])
-    isz = itemsize(str_to_dtype(e["dtype"], tensor=key, path=fpath))
-    whole = Stored(key, fpath, e["offsets"][0], tuple(e["shape"]), e["dtype"], isz, (0,) * len(e["shape"]))
-    out = []
-    for box, want in chunk_boxes(key, e, os.path.join(folder, MANIFEST)):
-        runs = box_runs(whole, box, box)
+    for c in m.checks(name):
+        if c.box is None:
+            out.append(c)
+            continue
+        assert c.key is not None and c.shape is not None and c.dtype is not None
+        isz = itemsize(str_to_dtype(c.dtype, tensor=c.key, path=fpath))
+        whole = Stored(c.key, fpath, c.start, c.shape, c.dtype, isz, (0,) * len(c.shape))
+        runs = box_runs(whole, c.box, c.box)
         if len(runs) == 1:
             r = runs[0]
-            out.append(RangeCheck(f"tensor {key!r} chunk at offsets {list(box[0])}", r.file_offset,
-                                  r.file_offset + r.nbytes, want))
-    return out
+            out.append(RangeCheck(f"tensor {c.key!r} chunk at offsets {list(c.box[0])}", c.file, r.file_offset,
+                                  r.file_offset + r.nbytes, c.xxh3, c.key))
+    out.sort(key=lambda c: (c.start, c.end))
+    return info.bytes, out
 
 
 def find_checkpoint(source: str | os.PathLike) -> str:
@@ -244,11 +222,9 @@ def open_source(path: str | os.PathLike, base: str | os.PathLike | None = None) 
         resolve(os.path.join(path, ADAPTER_WEIGHTS))  # header validation of the adapter
     r = resolve(path)
     if r.manifest is not None:
-        stem = (r.manifest.get("weights") or {"model": "model"}).get("model", "model")
-        ents = r.manifest["tensors"]
-        weights = {e["name"]: k for k, e in ents.items() if "file" in e and k.startswith("model/")
-                   and (e["file"].startswith(stem + "-") or e["file"] == stem + ".safetensors"
-                        or e["file"] == stem)}
+        stem = r.manifest.weights.get("model", "model")
+        weights = {e.name: k for k, e in r.manifest.tensors.items() if e.file is not None and k.startswith("model/")
+                   and (e.file.startswith(stem + "-") or e.file == stem + ".safetensors" or e.file == stem)}
     else:
         weights = {n: n for n, (f, _) in r.tensors.items() if f != ADAPTER_WEIGHTS}
     if not weights:

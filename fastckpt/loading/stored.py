@@ -25,8 +25,7 @@ from ..format.dtypes import itemsize, str_to_dtype
 from ..format.layout import RANK_KEY
 from ..format.safetensors import safe_join
 from ..format.tree import join, unflatten
-from ..storage.commit import MANIFEST
-from .chunks import chunk_boxes
+from ..format.manifest import ShardInfo
 from .regions import Box, Stored
 from .resolve import Resolved, resolve
 
@@ -97,23 +96,22 @@ class Leaf:
 
 def _stored(r: Resolved, key: str, origin: tuple[int, ...] | None = None) -> Stored:
     """The :class:`Stored` of manifest key ``key`` (aliases followed, contiguous views resolved)."""
-    entries = r.manifest["tensors"]
-    e = entries[key]
-    if "alias" in e:
-        return _stored(r, e["alias"], origin)
-    if "view" in e:
-        base = _stored(r, e["view"])
-        shape = tuple(e["shape"])
+    assert r.manifest is not None
+    key, e = r.manifest.resolve(key)
+    if e.view is not None:
+        assert e.shape is not None and e.stride is not None and e.dtype is not None and e.offset is not None
+        base = _stored(r, e.view)
+        shape = e.shape
         want, acc = [], 1
         for n in reversed(shape):
             want.insert(0, acc)
             acc *= n
-        if math.prod(shape) > 1 and list(e["stride"]) != want:
+        if math.prod(shape) > 1 and list(e.stride) != want:
             raise UnsupportedValueError(
-                f"{r.root}: tensor {key!r} is stored as a strided view (stride {e['stride']}) of "
-                f"{e['view']!r}; read it with fastckpt.load(), load_into fills only dense regions")
-        isz = itemsize(str_to_dtype(e["dtype"], tensor=key, path=r.root))
-        return Stored(key, base.file, base.abs_offset + e["offset"], shape, e["dtype"], isz,
+                f"{r.root}: tensor {key!r} is stored as a strided view (stride {list(e.stride)}) of "
+                f"{e.view!r}; read it with fastckpt.load(), load_into fills only dense regions")
+        isz = itemsize(str_to_dtype(e.dtype, tensor=key, path=r.root))
+        return Stored(key, base.file, base.abs_offset + e.offset, shape, e.dtype, isz,
                       origin or (0,) * len(shape))
     fname, info = r.tensors[key]
     isz = itemsize(str_to_dtype(info.dtype, tensor=key, path=r.file_path(fname)))
@@ -122,16 +120,13 @@ def _stored(r: Resolved, key: str, origin: tuple[int, ...] | None = None) -> Sto
 
 
 def _checks(r: Resolved, key: str, st: Stored) -> list[Check]:
-    entries = r.manifest["tensors"]
-    e = entries[key]
-    while "alias" in e:
-        key, e = e["alias"], entries[e["alias"]]
+    assert r.manifest is not None
+    key, e = r.manifest.resolve(key)
     where = f"tensor {key!r} in {os.path.basename(st.file)!r}"
-    if "xxh3" in e and "view" not in e:
-        return [Check(where, st, st.box, e["xxh3"])]
-    mpath = os.path.join(r.root, MANIFEST)
-    return [Check(f"{where} chunk at offsets {list(b[0])} of shape {list(b[1])}", st, b, h)
-            for b, h in chunk_boxes(key, e, mpath)]
+    if e.xxh3 is not None and e.view is None:
+        return [Check(where, st, st.box, e.xxh3)]
+    return [Check(f"{where} chunk at offsets {list(c.offsets)} of shape {list(c.shape)}", st, c.box, c.xxh3)
+            for c in e.chunks or ()]
 
 
 def open_index(path: str | os.PathLike, local_rank: int | None = None) -> CheckpointIndex:
@@ -159,17 +154,19 @@ def open_index(path: str | os.PathLike, local_rank: int | None = None) -> Checkp
         idx.tree = {name: Leaf(name) for name in r.tensors}
         return idx
     idx.tree = unflatten(r.skeleton, lambda k, kind: Leaf(k))
-    shards = (r.manifest.get("distributed") or {}).get("shards") or {}
+    shards = r.manifest.distributed.shards if r.manifest.distributed is not None else {}
     _walk(idx, idx.tree, "", shards)
     if idx.rank_local and local_rank is not None:
         _add_rank_local(idx, local_rank, shards)
     return idx
 
 
-def _add_rank_local(idx: CheckpointIndex, rank: int, shards: dict) -> None:
+def _add_rank_local(idx: CheckpointIndex, rank: int, shards: dict[str, ShardInfo]) -> None:
     """Index saved rank ``rank``'s rank-local subtrees (``state-rank*.json``, keys ``@rank{r}/...``)."""
     r = idx.resolved
-    name = r.manifest["distributed"].get("rank_local", {}).get("skeletons", {}).get(str(rank))
+    assert r.manifest is not None
+    dist = r.manifest.distributed
+    name = dist.rank_local_skeletons.get(rank) if dist is not None else None
     if name is None:
         return  # that rank saved none: the state's keys under them stay missing
     spath = safe_join(r.root, name)
@@ -188,7 +185,7 @@ def _add_rank_local(idx: CheckpointIndex, rank: int, shards: dict) -> None:
             del idx.rank_local[path]
 
 
-def _walk(idx: CheckpointIndex, v: Any, path: str, shards: dict) -> None:
+def _walk(idx: CheckpointIndex, v: Any, path: str, shards: dict[str, ShardInfo]) -> None:
     r = idx.resolved
     if isinstance(v, Leaf):
         st = _stored(r, v.key)
@@ -199,19 +196,19 @@ def _walk(idx: CheckpointIndex, v: Any, path: str, shards: dict) -> None:
             idx.rank_local[path] = v["__rank_local__"]
             return
         info = shards.get(v["__shard__"])
-        if not isinstance(info, dict):
+        if info is None:
             raise CorruptCheckpointError(f"{r.root}: state.json has a shard placeholder at {path!r} that the "
                                          "manifest's distributed.shards lacks", path=r.root, tensor=path)
-        desc = TensorDesc(path, tuple(info["global_shape"]), info["dtype"], [])
-        for p in info["pieces"]:
-            st = _stored(r, p["key"], tuple(p["offsets"]))
-            if list(st.shape) != list(p["shape"]) or len(st.shape) != len(desc.shape) \
+        desc = TensorDesc(path, info.global_shape, info.dtype, [])
+        for p in info.pieces:
+            st = _stored(r, p.key, p.offsets)
+            if tuple(st.shape) != p.shape or len(st.shape) != len(desc.shape) \
                     or any(o + n > m for o, n, m in zip(st.origin, st.shape, desc.shape)):
-                raise CorruptCheckpointError(f"{r.root}: shard piece {p['key']!r} of {path!r} (shape {list(st.shape)} "
+                raise CorruptCheckpointError(f"{r.root}: shard piece {p.key!r} of {path!r} (shape {list(st.shape)} "
                                              f"at {list(st.origin)}) does not fit global shape {list(desc.shape)}",
                                              path=st.file, tensor=path)
             desc.pieces.append(st)
-            desc.checks.extend(_checks(r, p["key"], st))
+            desc.checks.extend(_checks(r, p.key, st))
         idx.tensors[path] = desc
         return
     if isinstance(v, dict):

@@ -11,9 +11,9 @@ import xxhash
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FastCkptError, UnsafePathError
 from ..format.safetensors import safe_join
 from ..storage.io import get_backend, read_exact
-from ..storage.commit import MANIFEST, read_manifest
+from ..storage.commit import read_manifest
+from ..format.manifest import Manifest
 from ..format.dtypes import itemsize, str_to_dtype
-from .chunks import chunk_boxes
 from .regions import Stored, box_runs
 from .resolve import Resolved, resolve
 from ..storage.io import DEFAULT_CHUNK_BYTES, default_threads
@@ -61,38 +61,21 @@ def _hash_range(path: str, runs: list[tuple[int, int]], chunk: int) -> str:
     return h.hexdigest()
 
 
-def _chunk_jobs(path: str, key: str, e: dict) -> list[tuple[str, str, list[tuple[int, int]], int, str]]:
-    """One job per format-v2 chunk of tensor entry ``e``: the chunk's byte runs in row-major order."""
-    fpath = safe_join(path, e["file"])
-    isz = itemsize(str_to_dtype(e["dtype"], tensor=key, path=fpath))
-    shape = tuple(e["shape"])
-    whole = Stored(key, fpath, e["offsets"][0], shape, e["dtype"], isz, (0,) * len(shape))
-    jobs = []
-    for box, want in chunk_boxes(key, e, os.path.join(path, MANIFEST)):
-        runs = [(r.file_offset, r.nbytes) for r in box_runs(whole, box, box)]
-        what = f"tensor {key!r} chunk at offsets {list(box[0])} of shape {list(box[1])} in {e['file']!r}"
-        jobs.append((what, fpath, runs, sum(n for _, n in runs), want))
-    return jobs
-
-
-def _jobs(path: str, manifest: dict) -> list[tuple[str, str, list[tuple[int, int]], int, str]]:
+def _jobs(path: str, manifest: Manifest) -> list[tuple[str, str, list[tuple[int, int]], int, str]]:
     """``(what, file path, byte runs, nbytes, xxh3)`` for every checksummed range of ``manifest``
-    (format 2: one job per chunk of a tensor that has ``"chunks"``)."""
+    (:meth:`~fastckpt.format.manifest.Manifest.checks`; a format-2 chunk: its byte runs in row-major order)."""
     jobs = []
-    for name, info in manifest["files"].items():
-        if "xxh3" in info:
-            jobs.append((f"file {name!r}", safe_join(path, name), [(0, info["bytes"])], info["bytes"], info["xxh3"]))
-        if "header_xxh3" in info:  # header + padding: a flip there can leave valid JSON (e.g. metadata)
-            jobs.append((f"header of {name!r}", safe_join(path, name), [(0, info["header_bytes"])],
-                         info["header_bytes"], info["header_xxh3"]))
-    for key, e in manifest["tensors"].items():
-        if "file" not in e:
-            continue
-        if "chunks" in e and "xxh3" not in e:
-            jobs.extend(_chunk_jobs(path, key, e))
-            continue
-        s, end = e["offsets"]
-        jobs.append((f"tensor {key!r} in {e['file']!r}", safe_join(path, e["file"]), [(s, end - s)], end - s, e["xxh3"]))
+    for c in manifest.checks():
+        fpath = safe_join(path, c.file)
+        if c.box is None:
+            runs = [(c.start, c.end - c.start)]
+        else:
+            assert c.key is not None and c.shape is not None and c.dtype is not None
+            isz = itemsize(str_to_dtype(c.dtype, tensor=c.key, path=fpath))
+            whole = Stored(c.key, fpath, c.start, c.shape, c.dtype, isz, (0,) * len(c.shape))
+            runs = [(r.file_offset, r.nbytes) for r in box_runs(whole, c.box, c.box)]
+        what = c.what if c.key is None else f"{c.what} in {c.file!r}"
+        jobs.append((what, fpath, runs, sum(n for _, n in runs), c.xxh3))
     return jobs
 
 

@@ -37,7 +37,8 @@ from ..storage import commit as cm
 from .collect import Collected
 from .future import SaveFuture
 from .job import Part, SaveJob
-from .metadata import manifest_doc, tensor_entries, write_manifest, write_side_files
+from ..format.manifest import FileEntry, parse_distributed
+from .metadata import manifest_doc, merge_entry, tensor_entries, write_manifest, write_side_files
 from .options import SaveOptions
 from .ranks import Ownership, local_stem
 
@@ -145,19 +146,18 @@ def write_metadata(folder: str, plan: SavePlan, files_here: tuple[int, ...] | No
     stems = {f.name.split("-", 1)[0] for f in own}
     rep_plan = replace(plan, files=tuple(shared), index={k: v for k, v in plan.index.items() if k not in stems})
     files = write_side_files(folder, rep_plan, skeleton, opts.extra_files, replace=opts.commit == "marker")
-    files.update({f.name: {"bytes": f.size} for f in own})
+    files.update({f.name: FileEntry(f.size) for f in own})
     hashes: dict[str, str] = {}
     all_entries = dict(entries)
     for rep in reports.values():
         hashes.update(rep["hashes"])
-        files.update(rep["files"])
+        files.update({n: FileEntry(**d) for n, d in rep["files"].items()})
         all_entries.update(rep["entries"])
     tensors = tensor_entries(replace(plan, files=tuple(shared + own)), hashes, {})
     for k, e in all_entries.items():
-        tensors[k] = {**tensors.get(k, {}), **e}
-    manifest = manifest_doc(opts, files, tensors, world_size=world)
-    if dist is not None:
-        manifest["distributed"] = dist
+        tensors[k] = merge_entry(tensors.get(k), e)
+    manifest = manifest_doc(opts, files, tensors, world_size=world,
+                            distributed=None if dist is None else parse_distributed(dist))
     return write_manifest(folder, manifest)
 
 

@@ -66,7 +66,8 @@ from .chunk_job import ChunkJob, run_job
 from .chunks import Chunk, check_tiling
 from .collect import Collected, collect
 from .committer import commit_folder, create_folder, fmt, remove_uncommitted
-from .metadata import manifest_doc, tensor_entries, write_manifest, write_side_files
+from ..format.manifest import Distributed, FileEntry, TensorChunk
+from .metadata import manifest_doc, merge_entry, tensor_entries, write_manifest, write_side_files
 from .options import SaveOptions
 from .ranks import RANK_KEY, local_stem, rank_specs, spec_list, specs_from_list
 
@@ -369,29 +370,28 @@ class FastCkptWriter(StorageWriter):
         files = write_side_files(self.folder, replace(plan, index={k: v for k, v in plan.index.items() if k not in stems}),
                                  skeleton, extra)
         for r in sorted(ranks):
-            files.update(ranks[r].get("side", {}))  # rank-local skeletons (local_keys)
+            files.update({n: FileEntry(**d) for n, d in ranks[r].get("side", {}).items()})  # rank-local skeletons
         tensors = tensor_entries(plan, single, info["entries"])
         for loc in self.local:
             for k, e in loc["entries"].items():
-                tensors[k] = {**tensors.get(k, {}), **e}
-        for k, cs in multi.items():
-            tensors[k].pop("xxh3", None)
-            tensors[k]["chunks"] = sorted(cs, key=lambda c: c["offsets"])
+                tensors[k] = merge_entry(tensors.get(k), e)
+        for k, cs in multi.items():  # the manifest's version follows from the chunks (format 2)
+            tensors[k].xxh3 = None
+            tensors[k].chunks = [TensorChunk(tuple(c["offsets"]), tuple(c["shape"]), c["xxh3"])
+                                 for c in sorted(cs, key=lambda c: c["offsets"])]
             if k in info.get("placement", {}):  # informational (docs/FORMAT.md, "Version 2")
-                tensors[k]["placement"] = info["placement"][k]
-        manifest = manifest_doc(opts, files, tensors, world_size=len(results))
-        if multi:
-            manifest["format_version"] = CHUNKS_FORMAT_VERSION
+                tensors[k].placement = info["placement"][k]
         written_by: dict[str, list[int]] = {}
         for r in sorted(ranks):
             for name in ranks[r]["files"]:
                 written_by.setdefault(name, []).append(r)
-        manifest["distributed"] = {
-            "mode": "rename", "node": None, "nodes": [os.environ.get("FASTCKPT_NODE") or socket.gethostname()],
-            "written_by": written_by, "bytes_by_rank": {str(r): ranks[r]["bytes"] for r in sorted(ranks)},
-            "rank_local": {"keys": list(opts.local_keys),
-                           "skeletons": {str(r): n for r in sorted(ranks) for n in ranks[r].get("side", {})}},
-            "shards": {}, "planner": "dcp"}
+        section = Distributed(
+            mode="rename", node=None, nodes=[os.environ.get("FASTCKPT_NODE") or socket.gethostname()],
+            written_by=written_by, bytes_by_rank={r: ranks[r]["bytes"] for r in sorted(ranks)},
+            rank_local_keys=list(opts.local_keys),
+            rank_local_skeletons={r: n for r in sorted(ranks) for n in ranks[r].get("side", {})},
+            planner="dcp")
+        manifest = manifest_doc(opts, files, tensors, world_size=len(results), distributed=section)
         write_manifest(self.folder, manifest)
         commit_folder(self.folder, self.path, opts)
         self.committed = True
@@ -400,10 +400,6 @@ class FastCkptWriter(StorageWriter):
         """DCP's ``StorageMeta`` of this save (``checkpoint_id``: the folder; ``save_id``: new per save),
         as DCP's ``FileSystemWriter`` gives it; recorded in ``dcp_metadata.json``."""
         return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
-
-
-#: ``format_version`` of a manifest with at least one ``"chunks"`` entry (docs/FORMAT.md, "Version 2").
-CHUNKS_FORMAT_VERSION = 2
 
 
 def _ours(plan: SavePlan) -> bool:
@@ -572,7 +568,6 @@ def _write_local_skeleton(folder: str, local: dict | None) -> dict[str, dict]:
 
 def read_manifest_bytes(path: Path) -> dict:
     """``bytes_total`` and ``bytes_by_rank`` of a committed checkpoint (every rank reads them after the commit)."""
-    with open(os.path.join(path, cm.MANIFEST), "rb") as f:
-        m = json.loads(f.read())
-    return {"bytes_total": m.get("bytes_total", 0),
-            "bytes_by_rank": {int(r): b for r, b in m.get("distributed", {}).get("bytes_by_rank", {}).items()}}
+    m = cm.read_manifest(path)
+    return {"bytes_total": m.bytes_total or 0,
+            "bytes_by_rank": dict(m.distributed.bytes_by_rank) if m.distributed is not None else {}}

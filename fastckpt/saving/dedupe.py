@@ -25,9 +25,10 @@ import xxhash
 from ..storage.commit import read_manifest_shared
 from ..errors import CorruptCheckpointError, LinkedTensorChangedError
 from ..format.layout import FilePlan
+from ..format.manifest import Manifest
 
 
-def previous_manifest(link_from: str | os.PathLike | None) -> dict | None:
+def previous_manifest(link_from: str | os.PathLike | None) -> Manifest | None:
     """The manifest of ``link_from`` if it is a committed checkpoint, else ``None`` (never raises)."""
     if link_from is None:
         return None
@@ -37,27 +38,27 @@ def previous_manifest(link_from: str | os.PathLike | None) -> dict | None:
         return None
 
 
-def candidate_files(files: tuple[FilePlan, ...], prev: dict | None) -> set[str]:
+def candidate_files(files: tuple[FilePlan, ...], prev: Manifest | None) -> set[str]:
     """Files whose name, size and header bytes match the previous checkpoint (hashes still to check)."""
     if prev is None:
         return set()
     out = set()
     for f in files:
-        info = prev["files"].get(f.name)
-        if not info or info.get("bytes") != f.size or info.get("header_bytes") != len(f.prefix):
+        info = prev.files.get(f.name)
+        if info is None or info.bytes != f.size or info.header_bytes != len(f.prefix):
             continue
-        if info.get("header_xxh3") == xxhash.xxh3_64(f.prefix).hexdigest():
+        if info.header_xxh3 == xxhash.xxh3_64(f.prefix).hexdigest():
             out.add(f.name)
     return out
 
 
-def identical(f: FilePlan, hashes: dict[str, str], prev: dict) -> bool:
+def identical(f: FilePlan, hashes: dict[str, str], prev: Manifest) -> bool:
     """True when every tensor of ``f`` has the same xxh3 as the same-named entry in ``prev``."""
-    tensors = prev["tensors"]
+    tensors = prev.tensors
     for t in f.tensors:
         old = tensors.get(t.spec.key)
-        if not old or old.get("file") != f.name or old.get("xxh3") != hashes.get(t.spec.key) \
-                or old.get("offsets") != [t.file_offset, t.file_offset + t.spec.nbytes]:
+        if old is None or old.file != f.name or old.xxh3 is None or old.xxh3 != hashes.get(t.spec.key) \
+                or old.offsets != (t.file_offset, t.file_offset + t.spec.nbytes):
             return False
     return True
 

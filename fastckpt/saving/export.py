@@ -29,6 +29,7 @@ from ..errors import ChecksumMismatchError, CorruptCheckpointError
 
 from ..format.layout import shard_file_names
 from ..format.safetensors import encode_header, write_index
+from ..format.manifest import RangeCheck
 from ..storage.commit import write_small_file
 from ..storage.io import DEFAULT_CHUNK_BYTES, FileWriter, default_threads, get_backend, group_by_bytes, read_exact
 from ..storage.memory import bytes_view
@@ -37,9 +38,10 @@ from ..storage.memory import bytes_view
 Entry = tuple[str, str, tuple[int, ...], int]
 #: Called with the byte count each time bytes are read or written (progress bars).
 Progress = Callable[[int], None]
-#: ``(what, start, end, xxh3 hex)``: bytes ``[start, end)`` of a file must hash (xxh3-64) to the
-#: given value; ``what`` names them in errors (``"tensor 'model/w'"``). Ranges may overlap.
-Check = tuple[str, int, int, str]
+#: A :class:`~fastckpt.format.manifest.RangeCheck` with ``box=None``: bytes ``[start, end)`` of a
+#: file must hash (xxh3-64) to ``xxh3``; ``what`` names them in errors (``"tensor 'model/w'"``).
+#: Ranges may overlap.
+Check = RangeCheck
 
 
 @dataclass(frozen=True)
@@ -162,22 +164,22 @@ class _RangeHasher:
 
     def __init__(self, path: str, checks: Sequence[Check]):
         self.path = path
-        self.todo = sorted(checks, key=lambda c: (c[1], c[2]))
+        self.todo = sorted(checks, key=lambda c: (c.start, c.end))
         self.next = 0
         self.active: list[tuple[Check, "xxhash.xxh3_64"]] = []
 
     def feed(self, data: memoryview, offset: int) -> None:
         """Hash ``data`` (bytes ``[offset, offset + len(data))`` of the file; calls in file order)."""
         end = offset + len(data)
-        while self.next < len(self.todo) and self.todo[self.next][1] < end:
+        while self.next < len(self.todo) and self.todo[self.next].start < end:
             self.active.append((self.todo[self.next], xxhash.xxh3_64()))
             self.next += 1
         done = []
         for c, h in self.active:
-            a, b = max(c[1], offset), min(c[2], end)
+            a, b = max(c.start, offset), min(c.end, end)
             if a < b:
                 h.update(data[a - offset:b - offset])
-            if c[2] <= end:
+            if c.end <= end:
                 done.append((c, h))
         for c, h in done:
             self.active.remove((c, h))
@@ -189,9 +191,9 @@ class _RangeHasher:
 
     def _compare(self, c: Check, h: "xxhash.xxh3_64") -> None:
         got = h.hexdigest()
-        if got != c[3]:
-            raise ChecksumMismatchError(f"{self.path}: {c[0]} (bytes {c[1]}-{c[2]}) has xxh3 {got}, manifest says "
-                                        f"{c[3]}: the file is damaged; refusing to use it", path=self.path)
+        if got != c.xxh3:
+            raise ChecksumMismatchError(f"{self.path}: {c.what} (bytes {c.start}-{c.end}) has xxh3 {got}, manifest "
+                                        f"says {c.xxh3}: the file is damaged; refusing to use it", path=self.path)
 
 
 def copy_checked(src: str, dst: str, size: int, checks: Sequence[Check], *,
@@ -256,7 +258,7 @@ def read_checked(path: str, size: int | None, checks: Sequence[Check]) -> bytes:
         CorruptCheckpointError: not ``size`` bytes (or shorter than the ranges). ChecksumMismatchError:
             a range differs.
     """
-    want = size if size is not None else max((c[2] for c in checks), default=0)
+    want = size if size is not None else max((c.end for c in checks), default=0)
     with open(path, "rb") as f:
         data = f.read() if size is not None else f.read(want)
     if len(data) != want:
@@ -292,10 +294,10 @@ def warm_files(paths: list[str], *, threads: int | None = None, range_bytes: int
     for p in paths:
         size = os.stat(p).st_size
         pos = 0
-        for c in sorted((checks or {}).get(p, ()), key=lambda c: (c[1], c[2])):
-            jobs += [(p, a, min(range_bytes, c[1] - a), None) for a in range(pos, c[1], range_bytes)]
-            jobs.append((p, c[1], c[2] - c[1], c))
-            pos = max(pos, c[2])
+        for c in sorted((checks or {}).get(p, ()), key=lambda c: (c.start, c.end)):
+            jobs += [(p, a, min(range_bytes, c.start - a), None) for a in range(pos, c.start, range_bytes)]
+            jobs.append((p, c.start, c.end - c.start, c))
+            pos = max(pos, c.end)
         jobs += [(p, a, min(range_bytes, size - a), None) for a in range(pos, size, range_bytes)]
 
     def run(job: tuple[str, int, int, Check | None]) -> int:

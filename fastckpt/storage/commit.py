@@ -24,15 +24,12 @@ import time
 from collections import OrderedDict
 
 from ..errors import CorruptCheckpointError
+from ..format.manifest import Manifest, parse
 from .io import fsync_dir
 
 MANIFEST = "manifest.json"
 STATE_JSON = "state.json"
 OWNER = ".owner.json"
-FORMAT_NAME = "fastckpt"
-FORMAT_VERSION = 1
-#: Newest manifest format_version readers accept: 2 adds per-chunk checksums (docs/FORMAT.md).
-READABLE_FORMAT_VERSION = 2
 TMP_MARK = ".fastckpt-tmp-"
 
 
@@ -121,45 +118,33 @@ def commit_dir(tmp: str, path: str, *, overwrite: bool) -> None:
     fsync_dir(parent)
 
 
-def read_manifest(path: str) -> dict:
-    """Read and check the manifest of the checkpoint folder ``path``.
+def read_manifest(path: str | os.PathLike) -> Manifest:
+    """Read and validate the manifest of the checkpoint folder ``path``.
+
+    Returns:
+        The :class:`~fastckpt.format.manifest.Manifest` (:func:`fastckpt.format.manifest.parse`).
 
     Raises:
         FileNotFoundError: no manifest (the folder is not a committed checkpoint).
-        CorruptCheckpointError: the manifest is not valid JSON or not a fastckpt manifest,
-            or its format version is newer than this library understands.
+        ManifestError: the manifest is not valid JSON, not a fastckpt manifest or has a malformed
+            field (a :class:`~fastckpt.errors.CorruptCheckpointError`; names the key and the value).
+        ManifestVersionError: its format version is newer than this library understands.
     """
-    mpath = os.path.join(path, MANIFEST)
+    mpath = os.path.join(os.fspath(path), MANIFEST)
     with open(mpath, "rb") as f:
         raw = f.read()
-    try:
-        m = json.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{mpath}: manifest is not valid JSON: {e}", path=mpath) from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
-        raise CorruptCheckpointError(f"{mpath}: not a fastckpt manifest", path=mpath)
-    if not isinstance(m.get("format_version"), int) or m["format_version"] > READABLE_FORMAT_VERSION:
-        raise CorruptCheckpointError(
-            f"{mpath}: format_version {m.get('format_version')!r} is newer than this fastckpt "
-            f"understands ({READABLE_FORMAT_VERSION}); upgrade fastckpt", path=mpath)
-    for key in ("files", "tensors"):
-        if not isinstance(m.get(key), dict):
-            raise CorruptCheckpointError(f"{mpath}: manifest lacks a {key!r} object", path=mpath)
-    for name, info in m["files"].items():
-        if not isinstance(info, dict) or not isinstance(info.get("bytes"), int) or info["bytes"] < 0:
-            raise CorruptCheckpointError(f"{mpath}: files entry {name!r} has no valid 'bytes' count", path=mpath)
-    return m
+    return parse(raw, mpath)
 
 
-_SHARED: "OrderedDict[str, tuple[tuple, dict]]" = OrderedDict()
+_SHARED: "OrderedDict[str, tuple[tuple, Manifest]]" = OrderedDict()
 _SHARED_LOCK = threading.Lock()
 
 
-def read_manifest_shared(path: str | os.PathLike) -> dict:
+def read_manifest_shared(path: str | os.PathLike) -> Manifest:
     """:func:`read_manifest`, memoised on the manifest file's identity (device, inode, size,
     mtime in ns): a committed manifest is never rewritten in place, so a repeated call (the
     Trainer callback checks the newest checkpoint before every save) costs one ``stat``.
-    The returned dict is shared: read it, never modify it. Raises as :func:`read_manifest`."""
+    The returned manifest is shared: read it, never modify it. Raises as :func:`read_manifest`."""
     path = os.fspath(path)
     st = os.stat(os.path.join(path, MANIFEST))
     ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)

@@ -152,10 +152,10 @@ def commit_time(folder: str | os.PathLike) -> float | None:
     (seconds since the epoch, written with the manifest right before the commit rename), or
     ``None`` when the manifest lacks it or cannot be read (memoised manifest read, one ``stat``)."""
     try:
-        t = cm.read_manifest_shared(folder).get("created_unix_s")
+        t = cm.read_manifest_shared(folder).created_unix_s
     except (OSError, ValueError):  # CorruptCheckpointError is a ValueError
         return None
-    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
+    return None if t is None else float(t)
 
 
 def manifest_order(committed: Sequence[tuple[int, Path]]) -> list[int]:

@@ -16,6 +16,7 @@ import xxhash
 import fastckpt
 from fastckpt.cli.main import main
 from fastckpt.errors import ChecksumMismatchError
+from fastckpt.format.manifest import RangeCheck
 from fastckpt.loading.source import file_checks
 from fastckpt.saving.export import copy_checked, read_checked, warm_files
 
@@ -277,7 +278,7 @@ def test_permission_error_names_the_users_path(tmp_path, capsys, monkeypatch, ru
 # --- the checking copy and warm-up themselves ---------------------------------------------------
 
 def _checks(data: bytes, ranges):
-    return [(f"range {a}-{b}", a, b, xxhash.xxh3_64(data[a:b]).hexdigest()) for a, b in ranges]
+    return [RangeCheck(f"range {a}-{b}", "a", a, b, xxhash.xxh3_64(data[a:b]).hexdigest()) for a, b in ranges]
 
 
 RANGES = [(0, 0), (0, 4096), (0, 10000), (100, 5000), (4096, 4096 + 3000), (9000, 10000), (10000, 10000)]

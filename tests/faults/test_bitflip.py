@@ -31,27 +31,27 @@ def ckpt(tmp_path):
 
 def _tensors(p):
     m = fastckpt.read_manifest(p)
-    return [(k, e) for k, e in m["tensors"].items() if "file" in e and e["offsets"][1] > e["offsets"][0]]
+    return [(k, e) for k, e in m.tensors.items() if e.file is not None and e.offsets[1] > e.offsets[0]]
 
 
 def test_flip_in_every_tensor_is_named(ckpt):
     rng = random.Random(1)
     for key, e in _tensors(ckpt):
-        fpath = os.path.join(ckpt, e["file"])
-        off = rng.randrange(*e["offsets"])
+        fpath = os.path.join(ckpt, e.file)
+        off = rng.randrange(*e.offsets)
         bit = rng.randrange(8)
         _flip(fpath, off, bit)
         rep = fastckpt.verify(ckpt)
         assert len(rep.problems) == 1, rep.problems
-        assert repr(key) in rep.problems[0] and e["file"] in rep.problems[0]
+        assert repr(key) in rep.problems[0] and e.file in rep.problems[0]
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             assert cli_main(["verify", str(ckpt)]) == 1
-        assert f"tensor {key!r} in {e['file']!r}" in out.getvalue()
+        assert f"tensor {key!r} in {e.file!r}" in out.getvalue()
         with pytest.raises(fastckpt.ChecksumMismatchError) as ei:
             fastckpt.load(ckpt, verify=True)
-        assert ei.value.tensor == key and ei.value.path.endswith(e["file"])
-        assert e["file"] in str(ei.value) and key in str(ei.value)
+        assert ei.value.tensor == key and ei.value.path.endswith(e.file)
+        assert e.file in str(ei.value) and key in str(ei.value)
         _flip(fpath, off, bit)  # restore
         assert fastckpt.verify(ckpt).ok
 
@@ -94,10 +94,10 @@ def _raise_if_json_differs(ckpt, name):
 
 def test_truncated_shard_is_named(ckpt):
     key, e = _tensors(ckpt)[-1]
-    fpath = os.path.join(ckpt, e["file"])
+    fpath = os.path.join(ckpt, e.file)
     os.truncate(fpath, os.path.getsize(fpath) - 1)
     rep = fastckpt.verify(ckpt)
-    assert not rep.ok and e["file"] in rep.problems[0]
+    assert not rep.ok and e.file in rep.problems[0]
     with pytest.raises(fastckpt.CorruptCheckpointError) as ei:
         fastckpt.load(ckpt)
-    assert e["file"] in str(ei.value)
+    assert e.file in str(ei.value)

@@ -113,7 +113,7 @@ def test_callback_takes_over_saving(tmp_path):
         assert not names & {"optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"}
         assert {"config.json", "trainer_state.json", "model.safetensors"} <= names  # one shard: no index
     assert [r["step"] for r in cb.records] == [8, 16]
-    assert [fastckpt.read_manifest(tmp_path / f"checkpoint-{n}")["step"] for n in (8, 16)] == [8, 16]
+    assert [fastckpt.read_manifest(tmp_path / f"checkpoint-{n}").step for n in (8, 16)] == [8, 16]
     assert all(r["bytes"] > 0 and r["blocking_s"] >= 0 for r in cb.records)
     assert not any(k.startswith("fastckpt") for h in tr.state.log_history for k in h)  # timings: records only
     st = json.loads((tmp_path / "checkpoint-8" / "trainer_state.json").read_text())

@@ -322,7 +322,7 @@ def test_save_on_an_eval_step_is_written(tmp_path, caplog, on_evaluate):
     assert ("on_evaluate never came" in caplog.text) is (not on_evaluate)
     for n in (4, 8, 12, 16):
         d = tmp_path / "e" / f"checkpoint-{n}"
-        assert fastckpt.is_committed(d) and fastckpt.read_manifest(d)["step"] == n
+        assert fastckpt.is_committed(d) and fastckpt.read_manifest(d).step == n
         # the weights of step n, as the Trainer saved them (not of n+1: the save at the next event
         # runs before the next update)
         got = fastckpt.load(d)["model"]

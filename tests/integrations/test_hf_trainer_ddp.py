@@ -164,15 +164,15 @@ def test_ddp_every_rank_saves_model_once_rng_per_rank(reference):
     assert fastckpt.is_committed(ck)
     assert not list(ck.glob("*.pt*")) and not list(ck.glob("*.bin"))  # nothing pickled
     man = fastckpt.read_manifest(ck)
-    assert man["world_size"] == WORLD
-    assert set(man["distributed"]["rank_local"]["keys"]) == {"rng", "epoch_rng"}
+    assert man.world_size == WORLD
+    assert set(man.distributed.rank_local_keys) == {"rng", "epoch_rng"}
     # the model is written once: one HF weights file, bytes written by both ranks, readable by HF
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     model_files = sorted(p.name for p in ck.glob("model*.safetensors"))
     assert len(model_files) == 1, model_files
-    assert all(v > 0 for v in man["distributed"]["bytes_by_rank"].values())
+    assert all(v > 0 for v in man.distributed.bytes_by_rank.values())
     raw = load_file(ck / model_files[0])
     hf = AutoModelForCausalLM.from_pretrained(out / "checkpoint-16")  # the last save: the final weights
     assert set(raw) <= set(hf.state_dict())
@@ -251,7 +251,7 @@ def test_resume_on_two_ranks_from_one_rank_checkpoint_warns(pool, tmp_path):
     one = tmp_path / "one"
     _single_process_train(one, save_steps=5, num_train_epochs=1, per_device_train_batch_size=8)
     ck = one / "checkpoint-5"
-    assert fastckpt.read_manifest(ck).get("world_size", 1) == 1
+    assert fastckpt.read_manifest(ck).world_size == 1
     res = run_ok(pool, out=str(tmp_path / "two"), resume=str(ck), num_train_epochs=1)
     assert not any("RNG" in m for m in res[0]["warnings"]), res[0]["warnings"]
     assert any("no RNG state for rank 1" in m for m in res[1]["warnings"]), res[1]["warnings"]

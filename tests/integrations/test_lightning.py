@@ -378,9 +378,9 @@ def rank_every_lightning_way(folder: str) -> dict:
     import torch.distributed as dist
     if dist.get_rank() == 0:
         key = "state_dict/llama.model.norm.weight"
-        e = fastckpt.read_manifest(ck)["tensors"][key]
-        with open(os.path.join(ck, e["file"]), "r+b") as f:
-            for pos in (e["offsets"][0] + 1, e["offsets"][1] - 2):  # inside element 0 and element 31
+        e = fastckpt.read_manifest(ck).tensors[key]
+        with open(os.path.join(ck, e.file), "r+b") as f:
+            for pos in (e.offsets[0] + 1, e.offsets[1] - 2):  # inside element 0 and element 31
                 f.seek(pos)
                 b = f.read(1)
                 f.seek(pos)

@@ -103,8 +103,8 @@ def test_dcp_load_into_fsdp2_bit_exact(pool, ckpts, name, verify):
     ck = os.path.join(ckpts["folder"], name)
     assert not os.path.exists(os.path.join(ck, ".metadata"))
     m = fastckpt.read_manifest(ck)
-    assert m["format_version"] == (2 if name == "v2" else 1) and ("distributed" in m) == (name == "pieces")
-    assert any("chunks" in e for e in m["tensors"].values()) == (name == "v2")
+    assert m.version == (2 if name == "v2" else 1) and (m.distributed is not None) == (name == "pieces")
+    assert any(e.chunks for e in m.tensors.values()) == (name == "v2")
     out = pool.run(dcp_resume, ck=ck, verify=verify, timeout_s=TIMEOUT_S)
     for r, o in out.items():
         assert o["bad"] == [], (r, o["bad"][:5])
@@ -177,11 +177,11 @@ def test_fastckpt_dcp_load_raises_ours(tmp_path):
 def test_verify_names_the_damaged_chunk(tmp_path):
     ck, _, _ = _small(tmp_path)
     rewrite_as_v2(str(ck))
-    e = fastckpt.read_manifest(ck)["tensors"]["model/weight"]
-    with open(os.path.join(ck, e["file"]), "r+b") as f:  # element [2, 1]: second chunk (rows 2..2)
-        f.seek(e["offsets"][0] + (2 * 4 + 1) * 4)
+    e = fastckpt.read_manifest(ck).tensors["model/weight"]
+    with open(os.path.join(ck, e.file), "r+b") as f:  # element [2, 1]: second chunk (rows 2..2)
+        f.seek(e.offsets[0] + (2 * 4 + 1) * 4)
         b = f.read(1)
-        f.seek(e["offsets"][0] + (2 * 4 + 1) * 4)
+        f.seek(e.offsets[0] + (2 * 4 + 1) * 4)
         f.write(bytes([b[0] ^ 1]))
     dcp.load(_fresh(), storage_reader=FastCkptReader(ck, verify=False), planner=FastCkptLoadPlanner())  # unchecked when asked
     with pytest.raises(CheckpointException, match="ChecksumMismatchError"):  # checked by default (issue 20)

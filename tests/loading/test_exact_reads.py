@@ -117,14 +117,14 @@ def test_missing_keys_raise_by_default_and_are_reported_with_strict_false(tmp_pa
 
 
 def _flip_byte(ck, key: str) -> str:
-    e = fastckpt.read_manifest(ck)["tensors"][key]
-    f = os.path.join(ck, e["file"])
+    e = fastckpt.read_manifest(ck).tensors[key]
+    f = os.path.join(ck, e.file)
     with open(f, "r+b") as fh:
-        fh.seek(e["offsets"][0] + 5)
+        fh.seek(e.offsets[0] + 5)
         b = fh.read(1)
-        fh.seek(e["offsets"][0] + 5)
+        fh.seek(e.offsets[0] + 5)
         fh.write(bytes([b[0] ^ 0x01]))
-    return e["file"]
+    return e.file
 
 
 def test_flipped_byte_raises_on_every_resume_path_by_default(tmp_path):

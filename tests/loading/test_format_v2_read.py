@@ -56,21 +56,21 @@ def make_v2(path) -> str:
 
 def _flip(ck: str, key: str, index: tuple) -> None:
     """Flip one bit of element ``index`` of stored tensor ``key``."""
-    e = fastckpt.read_manifest(ck)["tensors"][key]
-    shape = e["shape"]
+    e = fastckpt.read_manifest(ck).tensors[key]
+    shape = e.shape
     flat = 0
     for i, n in zip(index, shape):
         flat = flat * n + i
-    with open(os.path.join(ck, e["file"]), "r+b") as f:
-        f.seek(e["offsets"][0] + flat * 4 + 1)
+    with open(os.path.join(ck, e.file), "r+b") as f:
+        f.seek(e.offsets[0] + flat * 4 + 1)
         b = f.read(1)
-        f.seek(e["offsets"][0] + flat * 4 + 1)
+        f.seek(e.offsets[0] + flat * 4 + 1)
         f.write(bytes([b[0] ^ 0x04]))
 
 
 def test_v2_loads_verifies_and_cli_passes(tmp_path, capsys):
     ck = make_v2(tmp_path / "ck")
-    assert fastckpt.read_manifest(ck)["format_version"] == 2
+    assert fastckpt.read_manifest(ck).version == 2
     want = _state()
     for verify in (False, True):
         got = fastckpt.load(ck, verify=verify)
@@ -138,7 +138,7 @@ def test_file_checks_list_the_contiguous_chunks(tmp_path):
     """`fastckpt load --to` checks copied bytes against file_checks: a dim-0 chunk is one byte range."""
     from fastckpt.loading.source import file_checks
     ck = make_v2(tmp_path / "ck")
-    name = fastckpt.read_manifest(ck)["tensors"]["model/w"]["file"]
+    name = fastckpt.read_manifest(ck).tensors["model/w"].file
     _, checks = file_checks(ck, name)
     w = [c for c in checks if "'model/w' chunk" in c.what]
     assert [c.what.split("offsets ")[1] for c in w] == ["[0, 0]", "[4, 0]"]

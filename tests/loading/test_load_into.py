@@ -129,11 +129,11 @@ def test_non_strict_skips_missing_keys_but_never_other_shapes(ck):
 
 def test_verify_catches_a_flipped_byte_naming_the_tensor(ck):
     m = fastckpt.read_manifest(ck)
-    e = m["tensors"]["model/w"]
-    with open(os.path.join(ck, e["file"]), "r+b") as f:
-        f.seek(e["offsets"][0] + 9)
+    e = m.tensors["model/w"]
+    with open(os.path.join(ck, e.file), "r+b") as f:
+        f.seek(e.offsets[0] + 9)
         b = f.read(1)
-        f.seek(e["offsets"][0] + 9)
+        f.seek(e.offsets[0] + 9)
         f.write(bytes([b[0] ^ 0x10]))
     dst = _zeros_like(_state(0))
     fastckpt.load_into(dst, ck, verify=False)  # without verify: loads the damaged bytes

@@ -198,7 +198,7 @@ def test_fsdp2_1_to_2(pool, ckpts):
 def test_v1_multirank_pieces_2_to_2_and_2_to_1(pool, ckpts):
     ck = os.path.join(ckpts["folder"], "pieces2")
     m = fastckpt.read_manifest(ck)
-    assert m["world_size"] == 2 and m["distributed"]["shards"], "not a multi-rank Shard checkpoint"
+    assert m.world_size == 2 and m.distributed.shards, "not a multi-rank Shard checkpoint"
     out = pool.run(resume_fsdp, ck=ck, timeout_s=TIMEOUT_S)
     _check(out, ckpts["loss2"], exact=True)
     one = pool.run(resume_plain, ranks=[0], ck=ck, timeout_s=TIMEOUT_S)[0]
@@ -212,7 +212,7 @@ def test_fsdp2_dtensor_save_round_trips_2_to_2_and_2_to_1(pool, ckpts, name):
     byte-identical to the plain full-tensor save, verified, and resumed 2 -> 2 and 2 -> 1 exactly."""
     ck = os.path.join(ckpts["folder"], name)
     m = fastckpt.read_manifest(ck)
-    assert m["format_version"] == 2 and any("chunks" in e for e in m["tensors"].values()), m["format_version"]
+    assert m.version == 2 and any(e.chunks for e in m.tensors.values()), m.version
     assert fastckpt.verify(ck).ok
     full = os.path.join(ckpts["folder"], "full2")
     for f in os.listdir(ck):

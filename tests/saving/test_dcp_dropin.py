@@ -184,10 +184,10 @@ def test_dcp_save_and_load_with_dcp_planners_one_process(tmp_path, how):
     dcp.save(state, storage_writer=FastCkptWriter(tmp_path / "fast"), planner=FastCkptSavePlanner())
     a, b = fastckpt.read_manifest(tmp_path / "ours"), fastckpt.read_manifest(tmp_path / "fast")
     fields = ("file", "name", "dtype", "shape", "offsets", "xxh3")
-    assert {k: [e[f] for f in fields] for k, e in a["tensors"].items()} == \
-        {k: [e[f] for f in fields] for k, e in b["tensors"].items()}
+    assert {k: [getattr(e, f) for f in fields] for k, e in a.tensors.items()} == \
+        {k: [getattr(e, f) for f in fields] for k, e in b.tensors.items()}
     assert (tmp_path / "ours" / "state.json").read_bytes() == (tmp_path / "fast" / "state.json").read_bytes()
-    assert "dcp_metadata.json" in a["files"]
+    assert "dcp_metadata.json" in a.files
     _metadata_matches_reference(FastCkptReader(tmp_path / "ours").read_metadata(),
                                 FileSystemReader(str(tmp_path / "ref")).read_metadata())
     # load back with DCP's planners; DCP's own storage is the reference
@@ -300,7 +300,7 @@ def test_fsdp2_two_ranks_dcp_planners(pool, tmp_path):
         path = tmp_path / how
         _check_folder(path, full)
         m = fastckpt.read_manifest(path)
-        assert [c["shape"] for c in m["tensors"]["model/0.weight"]["chunks"]] == [[4, 6], [3, 6]]  # each rank's shard
+        assert [c.shape for c in m.tensors["model/0.weight"].chunks] == [(4, 6), (3, 6)]  # each rank's shard
     _metadata_matches_reference(FastCkptReader(tmp_path / "default").read_metadata(),
                                 FileSystemReader(str(tmp_path / "reference")).read_metadata())
 

@@ -117,15 +117,15 @@ def test_replicated_split_each_rank_writes_about_half(spawned):
     out, tmp_path = _out(spawned, "replicated")
     assert all(o["ok"] for o in out)
     m = fastckpt.read_manifest(str(tmp_path / "ck"))
-    assert m["world_size"] == 2 and m["distributed"]["mode"] == "rename"
+    assert m.world_size == 2 and m.distributed.mode == "rename"
     b0, b1 = out[0]["bytes"], out[1]["bytes"]
     assert out[0]["total"] == out[1]["total"] >= b0 + b1  # every rank learns the checkpoint's size
     assert abs(b0 - b1) <= 2 * CHUNK + 64 * 1024, (b0, b1)
     assert max(b0, b1) < 0.6 * (b0 + b1)
     # the files are plain safetensors an HF reader loads (written by both ranks)
     from safetensors.torch import load_file
-    names = [n for n in m["files"] if n.endswith(".safetensors")]
-    assert any(len(m["distributed"]["written_by"][n]) == 2 for n in names) or len(names) > 1
+    names = [n for n in m.files if n.endswith(".safetensors")]
+    assert any(len(m.distributed.written_by[n]) == 2 for n in names) or len(names) > 1
     loaded = {}
     for n in names:
         loaded.update(load_file(str(tmp_path / "ck" / n)))
@@ -141,8 +141,8 @@ def test_rank_local_shards_and_reshard_2_to_1(spawned):
     assert [o["opt_rank"] for o in out] == [0, 1] and out[1]["exp_avg"] == [1.0, 1.0, 1.0]
     ck = tmp_path / "run" / "step-2"
     m = fastckpt.read_manifest(str(ck))
-    pieces = m["distributed"]["shards"]["fsdp/p"]["pieces"]
-    assert sorted(p["rank"] for p in pieces) == [0, 1] and m["distributed"]["shards"]["fsdp/p"]["global_shape"] == [10, 6]
+    pieces = m.distributed.shards["fsdp/p"].pieces
+    assert sorted(p.rank for p in pieces) == [0, 1] and m.distributed.shards["fsdp/p"].global_shape == (10, 6)
     assert (tmp_path / "run" / "latest").read_text().strip() == "2"
     one = dist_load.load(ck)  # 2 -> 1: reassembled
     assert torch.equal(one["fsdp"]["p"], full)
@@ -178,5 +178,5 @@ def test_partition_units_balanced():
 
 def test_single_process_is_plain_path(tmp_path):
     p = fastckpt.save({"model": {"w": torch.ones(3)}}, tmp_path / "a")
-    assert "distributed" not in fastckpt.read_manifest(str(p))
+    assert fastckpt.read_manifest(str(p)).distributed is None
     assert torch.equal(dist_load.load(p)["model"]["w"], torch.ones(3))

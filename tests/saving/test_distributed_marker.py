@@ -156,15 +156,15 @@ def test_success_each_node_folder_and_marker_last(spawned):
     assert [o["common_1"] for o in out] == [1, 1]
     m = [fastckpt.read_manifest(str(tmp / f"node{r}" / "step-1")) for r in range(2)]
     for r in range(2):
-        d = m[r]["distributed"]
-        assert d["mode"] == "marker" and d["node"] == f"node{r}" and d["nodes"] == ["node0", "node1"]
-        assert m[r]["world_size"] == 2 and m[r]["step"] == 1
+        d = m[r].distributed
+        assert d.mode == "marker" and d.node == f"node{r}" and d.nodes == ["node0", "node1"]
+        assert m[r].world_size == 2 and m[r].step == 1
         # each node's folder holds the replicated files and its own rank's files only
-        assert list(d["rank_local"]["skeletons"]) == [str(r)]
-        assert [p["rank"] for p in d["shards"]["fsdp/p"]["pieces"]] == [r]
+        assert list(d.rank_local_skeletons) == [r]
+        assert [p.rank for p in d.shards["fsdp/p"].pieces] == [r]
         assert fastckpt.verify(tmp / f"node{r}" / "step-1").ok
     # rank 0's marker is written last, after node 1 acknowledged its own
-    assert m[0]["created_unix_s"] >= m[1]["created_unix_s"]
+    assert m[0].created_unix_s >= m[1].created_unix_s
     assert (tmp / "node0" / "step-1" / "manifest.json").stat().st_mtime_ns >= \
         (tmp / "node1" / "step-1" / "manifest.json").stat().st_mtime_ns
     # rank 1's replicated bytes and the whole shard reassemble from node 1's folder alone

@@ -286,7 +286,7 @@ def assert_saved_alone(folder: Path, tag: str, ranks, took: dict) -> None:
             assert s < 10, f"rank {r}: plain {what} took {s:.1f} s (it must not wait for other ranks)"
         for name, version in ((f"{tag}-save-r{r}", 0), (f"{tag}-async-r{r}", 1), (f"{tag}-mgr-r{r}/step-4", 4)):
             assert_loads(folder / name, make_state(version))
-            assert fastckpt.read_manifest(str(folder / name))["world_size"] == 1, name
+            assert fastckpt.read_manifest(str(folder / name)).world_size == 1, name
 
 
 def rank_subgroup_then_world(folder: str, rounds: int) -> list[str]:
@@ -507,7 +507,7 @@ def test_option_gives_the_bytes_of_a_one_process_save(pool, solo, tmp_path, case
             weights.update(load_file(str(multi / "ck" / n)))
     assert_same_tree(weights, want["model"])
     opts = OPTION_CASES[case]
-    assert fastckpt.read_manifest(str(multi / "ck"))["step"] == opts.get("step")
+    assert fastckpt.read_manifest(str(multi / "ck")).step == opts.get("step")
     if "extra_files" in opts:
         assert (multi / "ck" / "config.json").read_bytes() == b"{}"
     if "metadata" in opts:
