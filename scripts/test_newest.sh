@@ -141,7 +141,7 @@ import platform
 from importlib.metadata import version
 print("python", platform.python_version())
 for name in ("torch", "transformers", "accelerate", "peft", "safetensors", "huggingface_hub", "tokenizers",
-             "numpy", "fastckpt"):
+             "numpy", "fastckpt-io"):
     print(f"{name} {version(name)}")
 EOF
 
