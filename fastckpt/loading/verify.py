@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FastCkptError, UnsafePathError
+from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, FastCkptError, InvalidArgumentError,
+                      UnsafePathError)
 from ..format.safetensors import safe_join
 from ..storage.io import get_backend, read_exact
 from ..storage.commit import MANIFEST, read_manifest
@@ -116,7 +117,7 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``path``.
     """
-    path = os.fspath(path)
+    path = InvalidArgumentError.check_path(path)
     report = VerifyReport(path)
     try:
         r = resolve(path)
