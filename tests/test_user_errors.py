@@ -263,3 +263,22 @@ def test_python_dash_m_fastckpt_is_the_cli(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and str(tmp_path / "missing") in p.stderr
     assert issubclass(NotSafetensorsError, FastCkptError)
+
+
+# --- fastckpt verify shows progress like fastckpt load --to ----------------------------------------
+
+def test_verify_reports_progress_and_the_cli_draws_it_on_stderr(tmp_path):
+    p = fastckpt.save({"model": {"w": torch.randn(1_000_000)}, "opt": {"m": torch.randn(500_000)}}, tmp_path / "ck")
+    calls = []
+    rep = fastckpt.verify(p, progress=lambda done, total: calls.append((done, total)))
+    assert rep.ok and calls[0][0] == 0 and calls[-1] == (rep.bytes_checked, rep.bytes_checked)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls) and len({t for _, t in calls}) == 1
+    assert rep.bytes_checked >= 6_000_000
+    cmd = [sys.executable, "-m", "fastckpt", "verify", str(p)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.splitlines() == [f"{p}: OK, {rep.bytes_checked / 1e6:.1f} MB checked"], r
+    assert "verify" in r.stderr and "100%" in r.stderr and "MB" in r.stderr, r.stderr  # tqdm, decimal units
+    r = subprocess.run(cmd + ["-q"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == "" and "OK" in r.stdout
+    r = subprocess.run(cmd + ["--threads", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--threads" in r.stderr and "Traceback" not in r.stderr

@@ -65,7 +65,7 @@ from ..storage.io import copy_file, fsync_dir
 from ..loading.servable import check_servable
 from ..loading.zero import find_zero_tag
 from . import lora
-from .common import parse_bytes
+from .common import parse_bytes, positive_int, progress_bar
 from .consolidate import export_zero
 #: Small files copied next to the weights when present (config, generation and tokenizer files).
 META_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -190,12 +190,6 @@ def _copy_all_meta(src: Source, dst: str, args: argparse.Namespace, checked: _Ch
               f"(tokenizer.save_pretrained(DIR)), pass --config HF_DIR (or --base BASE_MODEL_DIR), or give vllm serve --tokenizer.",
               file=sys.stderr)
     return copied
-
-
-def _progress(total: int, desc: str, quiet: bool):
-    from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, disable=quiet,
-                file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
 
 
 def merged_state(src: Source, config_dir: str, scratch: str, checked: _Checked, *, threads: int | None = None):
@@ -354,7 +348,7 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
         if not src.checksummed:
             checked.unchecked += [os.path.basename(p) for p in src.weight_files]
         plan = plan_shards(entries, args.max_shard_size)
-        with _progress(plan.total_bytes, "export", args.quiet) as bar:
+        with progress_bar(plan.total_bytes, "export", args.quiet) as bar:
             write_shards(plan, fetch, tmp, threads=args.threads, progress=bar.update)
         if src.adapter_dir and not args.merge_lora:
             _layout_adapter(src.adapter_dir, os.path.join(tmp, "adapter"), to, checked)
@@ -508,7 +502,7 @@ def _verify(src: Source) -> bool:
 
 def _warm(files: list[str], args: argparse.Namespace, checks: dict | None = None) -> None:
     total = sum(os.stat(p).st_size for p in files)
-    with _progress(total, "warm", args.quiet) as bar:
+    with progress_bar(total, "warm", args.quiet) as bar:
         warm_files(files, threads=args.threads, progress=bar.update, checks=checks)
 
 
@@ -521,7 +515,7 @@ def add_load_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--merge-lora", action="store_true", help="merge the LoRA adapter into the weights (peft)")
     p.add_argument("--verify", action="store_true", help="re-read every file against the manifest checksums first")
     p.add_argument("--warm", action="store_true", help="read the weights into the page cache (default without --to)")
-    p.add_argument("--threads", type=int, default=None, help="parallel I/O requests (default 8-16)")
+    p.add_argument("--threads", type=positive_int, default=None, help="parallel I/O requests (default 8-16)")
     p.add_argument("--max-shard-size", type=parse_bytes, default=5_000_000_000, help="bytes per shard (default 5GB)")
     p.add_argument("--base", default=None, help="base model folder when SOURCE is an adapter-only folder")
     p.add_argument("--config", default=None, help="HF folder whose config.json / tokenizer files are used (over the "
