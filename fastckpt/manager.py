@@ -220,6 +220,9 @@ class CheckpointManager:
                 logger.warning("fastckpt: loading %s, the most recently committed step, but this manager last "
                                "saved step %d: another job committed %s after it", self.path(step),
                                self._last_saved, self.path(step).name)
+        elif not isinstance(step, int) or isinstance(step, bool):
+            raise InvalidArgumentError(f"{self.root}: step must be an int (a committed step, {self.steps()}) "
+                                       f"or None (the newest), got {type(step).__name__} {step!r:.40}")
         elif step not in self.steps():
             raise CheckpointNotFoundError(f"{self.root}: step {step} is not committed (have {self.steps()})")
         return step

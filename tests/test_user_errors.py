@@ -282,3 +282,32 @@ def test_verify_reports_progress_and_the_cli_draws_it_on_stderr(tmp_path):
     assert r.returncode == 0 and r.stderr == "" and "OK" in r.stdout
     r = subprocess.run(cmd + ["--threads", "0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--threads" in r.stderr and "Traceback" not in r.stderr
+
+
+# --- more arguments a user can get wrong: typed, named, at the call --------------------------------
+
+def test_bad_arguments_of_load_save_and_the_manager_are_named(tmp_path):
+    """Today: ``TypeError: 'int' object is not iterable`` (keys=3), ``ValueError: max_workers must be greater
+    than 0`` (threads=-1), local_keys='model' saved as the keys 'm', 'o', 'd', 'e', 'l', on_commit=3 a
+    ``TypeError`` after the commit, manager.load('1') "step 1 is not committed (have [1])"."""
+    p = fastckpt.save(state(), tmp_path / "ck")
+    cases = [
+        (lambda: fastckpt.load(p, keys=3), r"keys must be a key path"),
+        (lambda: fastckpt.load(p, threads=-1), r"threads must be a positive int.*-1"),
+        (lambda: fastckpt.verify(p, threads=-1), r"threads must be a positive int.*-1"),
+        (lambda: fastckpt.load_into(state(), p, threads=-1), r"threads must be a positive int.*-1"),
+        (lambda: fastckpt.load_into(state(), p, strict="yes"), r"strict must be None, True or False"),
+        (lambda: fastckpt.save(state(), tmp_path / "a", local_keys="model"), r"local_keys=\['model'\]"),
+        (lambda: fastckpt.save(state(), tmp_path / "b", on_commit=3), r"on_commit must be a callable"),
+    ]
+    for call, pattern in cases:
+        with pytest.raises(InvalidArgumentError, match=pattern):
+            call()
+    assert fastckpt.load(p, keys={"model": 1}.keys())["model"]["w"].shape == (6,)  # any iterable of str
+    mgr = fastckpt.CheckpointManager(tmp_path / "run")
+    mgr.save(1, state())
+    with pytest.raises(InvalidArgumentError, match=r"step must be an int .*got str '1'"):
+        mgr.load("1")
+    with pytest.raises(InvalidArgumentError, match="root must be a str or os.PathLike"):
+        fastckpt.CheckpointManager(None)
+    assert sorted(os.listdir(tmp_path)) == ["ck", "run"]  # nothing of the refused saves

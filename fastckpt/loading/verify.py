@@ -17,6 +17,7 @@ from ..storage.commit import MANIFEST, read_manifest
 from ..format.dtypes import itemsize, str_to_dtype
 from .chunks import chunk_boxes
 from .regions import Stored, box_runs
+from .reader import check_threads
 from .resolve import Resolved, resolve
 from ..storage.io import DEFAULT_CHUNK_BYTES, default_threads
 
@@ -123,6 +124,7 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
         CheckpointNotFoundError: no committed checkpoint at ``path``.
     """
     path = InvalidArgumentError.check_path(path)
+    check_threads(threads)
     report = VerifyReport(path)
     try:
         r = resolve(path)

@@ -134,7 +134,8 @@ class SaveOptions:
         **flat: fields of :class:`IOTuning` and :class:`Consistency` by name.
 
     Raises:
-        InvalidArgumentError: an unknown option (names the closest known one); a ``TypeError``.
+        InvalidArgumentError: an unknown option (names the closest known one), or ``local_keys``
+            given as one str; a ``TypeError``.
     """
 
     def __init__(self, *, overwrite: bool = False, weights: dict[str, str] | None = None,
@@ -143,6 +144,9 @@ class SaveOptions:
                  io: IOTuning | None = None, consistency: Consistency | None = None,
                  local_keys: tuple[str, ...] | list[str] = (), commit: str = "rename",
                  timeout_s: float | None = None, **flat: Any):
+        if isinstance(local_keys, str):  # tuple() would take its letters for keys
+            raise InvalidArgumentError(f"local_keys must be a list of top-level state keys, e.g. "
+                                       f"local_keys=[{local_keys!r}], got the str {local_keys!r}")
         self.overwrite, self.weights, self.extra_files = overwrite, weights, extra_files
         self.metadata, self.step, self.on_commit = metadata, step, on_commit
         self.local_keys, self.commit, self.timeout_s = tuple(local_keys), commit, timeout_s
@@ -207,6 +211,8 @@ class SaveOptions:
             raise InvalidArgumentError(f"commit must be one of {COMMIT_MODES}, got {self.commit!r}")
         if self.timeout_s is not None and (not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0):
             raise InvalidArgumentError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+        if self.on_commit is not None and not callable(self.on_commit):
+            raise InvalidArgumentError(f"on_commit must be a callable (path) -> None, got {self.on_commit!r:.80}")
         if not all(isinstance(k, str) for k in self.local_keys):
             raise InvalidArgumentError(f"local_keys must be top-level state keys (str), got {self.local_keys!r}")
         if self.step is not None:
@@ -217,7 +223,7 @@ class SaveOptions:
             except TypeError:
                 raise InvalidArgumentError(f"step must be an int (the training step) or None, got "
                                            f"{type(self.step).__name__} {self.step!r:.80}") from None
-        check_metadata(self.metadata)
+        check_metadata(self.metadata, path="save option metadata=")
 
 
 def _plain_path(name: object) -> bool:
