@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Re-read every byte of a committed checkpoint (or the newest committed "
                                    "one of a run root) against the manifest's xxh3 checksums (format 2: one per "
                                    "chunk of a tensor several ranks wrote; a mismatch names the chunk's offsets). "
-                                   "Progress is drawn on stderr (as `load --to`; -q hides it), so stdout holds only the result. "
+                                   "Progress is drawn on stderr (as `load --to`; -q hides it): stdout holds only "
+                                   "the result. "
                                    "Exit 0: all match; 1: a mismatch or damaged file (named); 2: nothing to verify. "
                                    f"{_FOUND}. Sizes in decimal units (1 MB = 10^6 bytes).")
     v.add_argument("path", help="checkpoint folder, run root, or a foreign safetensors file/HF folder "

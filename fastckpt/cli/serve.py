@@ -46,7 +46,6 @@ gate included (named on stderr, no command printed, nothing at ``--to``).
 from __future__ import annotations
 
 import argparse
-import errno
 import glob
 import json
 import os
@@ -54,11 +53,13 @@ import re
 import shlex
 import shutil
 import sys
+from pathlib import Path
 import warnings
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, FastCkptError, NotServableError
 from ..loading.source import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Source, adapter_base_dir, file_checks,
                               resolve_source)
+from ..saving.committer import folder_error
 from ..saving.export import Entry, copy_checked, plan_shards, read_checked, warm_files, write_shards
 from ..storage import commit as cm
 from ..storage.io import copy_file, fsync_dir
@@ -286,7 +287,12 @@ def check_to(to: str, src: Source, args: argparse.Namespace) -> None:
 
 
 def _user_path_error(e: OSError, to: str) -> OSError:
-    """``e`` naming ``to`` (or the file inside it) instead of the hidden temporary folder."""
+    """``e`` naming ``to`` (or the file inside it) instead of the hidden temporary folder; typed
+    (:class:`~fastckpt.errors.FolderNotWritableError`, :class:`~fastckpt.errors.NotAFolderError`) where
+    the folder ``to`` goes in is read-only or a file."""
+    typed = folder_error(Path(to), e)
+    if typed is not None:
+        return typed
     prefix = os.path.join(os.path.dirname(to), "." + os.path.basename(to) + cm.TMP_MARK)
     names = []
     for f in (e.filename, e.filename2):
@@ -297,10 +303,7 @@ def _user_path_error(e: OSError, to: str) -> OSError:
             names.append(os.path.join(to, inner) if inner else to)
     if not names:
         return e
-    parent = os.path.dirname(to) or "."
-    hint = (f" (fastckpt builds {to} in a hidden folder next to it and renames it into place: {parent} must "
-            "be writable)") if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else ""
-    return OSError(e.errno, f"{e.strerror}{hint}", names[0])
+    return OSError(e.errno, e.strerror, names[0])
 
 
 def export(src: Source, to: str, args: argparse.Namespace) -> str:

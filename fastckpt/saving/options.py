@@ -155,7 +155,8 @@ class SaveOptions:
         if flat:
             name = next(iter(flat))
             close = difflib.get_close_matches(name, sorted(_IO | _CONSISTENCY | _TOP), n=1)
-            raise InvalidArgumentError(f"unknown save option {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+            raise InvalidArgumentError(f"unknown save option {name!r}"
+                                       + (f"; did you mean {close[0]!r}?" if close else ""))
         self.io = replace(io or IOTuning(), **io_kw)
         self.consistency = replace(consistency or Consistency(), **cons_kw)
 
