@@ -311,3 +311,57 @@ def test_bad_arguments_of_load_save_and_the_manager_are_named(tmp_path):
     with pytest.raises(InvalidArgumentError, match="root must be a str or os.PathLike"):
         fastckpt.CheckpointManager(None)
     assert sorted(os.listdir(tmp_path)) == ["ck", "run"]  # nothing of the refused saves
+
+
+DEAD_STORE_MID_SAVE = textwrap.dedent(r"""
+import json, socket, subprocess, sys, threading, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+out_dir = sys.argv[1]
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+agent = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; "
+                          f"s = d.TCPStore('127.0.0.1', {port}, 2, True, wait_for_workers=False); "
+                          "print('up', flush=True); time.sleep(600)"], stdout=subprocess.PIPE)
+agent.stdout.readline()
+peer = subprocess.Popen([sys.executable, "-c", "import time, datetime, torch.distributed as d; "
+                         f"s = d.TCPStore('127.0.0.1', {port}, 2, False, timeout=datetime.timedelta(seconds=20)); "
+                         "d.init_process_group('gloo', store=s, rank=1, world_size=2); time.sleep(600)"])
+store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=20))
+dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=60))
+import fastckpt
+watch = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=20))
+base = watch.num_keys()
+
+def kill_when_waiting():  # the agent dies once rank 0 has published its plan and waits for rank 1's
+    while watch.num_keys() < base + 2:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    agent.kill()
+
+threading.Thread(target=kill_when_waiting, daemon=True).start()
+t0 = time.monotonic()
+try:
+    fastckpt.save({"w": torch.ones(4)}, out_dir + "/ck", process_group=dist.group.WORLD, timeout_s=40)
+    out = {"type": None}
+except BaseException as e:
+    out = {"type": type(e).__name__, "msg": str(e), "s": time.monotonic() - t0}
+peer.kill()
+print("RESULT " + json.dumps(out), flush=True)
+import os; os._exit(0)
+""")
+
+
+def test_store_dying_while_a_rank_waits_fails_at_once_not_at_the_timeout(tmp_path):
+    """Two ranks; rank 1 never saves, rank 0 publishes its plan and waits; then the agent hosting the
+    store dies. Today: the wait swallows the connection errors until ``timeout_s`` (40 s here), then a
+    raw ``DistNetworkError: Broken pipe`` (47 s measured); now a StoreUnreachableError at once."""
+    pytest.importorskip("torch.distributed")
+    r = subprocess.run([sys.executable, "-c", DEAD_STORE_MID_SAVE, str(tmp_path)], capture_output=True, text=True,
+                       timeout=300)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, (r.stdout, r.stderr[-3000:])
+    out = json.loads(line[0][7:])
+    assert out["type"] == "StoreUnreachableError", out
+    assert "rank 0" in out["msg"] and "multi-rank save" in out["msg"] and "127.0.0.1:" in out["msg"], out
+    assert out["s"] < 30, out  # timeout_s=40: it did not wait the deadline out
+    assert os.listdir(tmp_path) == []

@@ -65,13 +65,13 @@ def folder_error(path: Path, e: OSError) -> FastCkptError | None:
     while not here.exists() and here != here.parent:  # the deepest folder that exists
         here = here.parent
     if here.exists() and not here.is_dir():
-        return NotAFolderError(f"{path}: cannot save here: {here} is a file, not a folder; save under "
+        return NotAFolderError(f"cannot save '{path}': {here} is a file, not a folder; save under "
                                "another path or move the file", path=str(path), file=str(here))
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         why = "is on a read-only file system" if e.errno == errno.EROFS else \
             "is not writable by this process (permissions, or an immutable attribute)"
         return FolderNotWritableError(
-            f"{path}: cannot save here: {here} {why} ({e.strerror}); save under a folder you can "
+            f"cannot save '{path}': {here} {why} ({e.strerror}); save under a folder you can "
             "write to, or fix its permissions / mount", path=str(path), folder=str(here), errno=e.errno)
     return None
 
