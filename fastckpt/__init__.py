@@ -114,7 +114,13 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
             ``timeout_s`` (default: the group's timeout); ``failures`` names each rank.
         RankValuesDifferError: multi-rank, values stored once differ between ranks (names the key
             paths and the ranks; pass ``local_keys=`` to save them per rank); nothing written.
-        ValueError: a bad option; TypeError: an unknown option.
+        InvalidArgumentError: (a ``ValueError`` and a ``TypeError``) a bad or unknown option (e.g.
+            ``extra_files`` values not bytes: names the key) or a ``path`` that is not a str /
+            ``os.PathLike``; raised at the call.
+        FolderNotWritableError: (a ``PermissionError``) the folder ``path`` goes in is read-only or
+            not writable; names ``path`` and that folder. NotAFolderError: a parent of ``path`` is a file.
+        StoreUnreachableError: the process group's store is gone (torchrun agent or rank 0 died);
+            names the rank, the store address and the operation.
 
     Example::
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from .errors import DistributedSaveError, SaveConflictError
+from .errors import DistributedSaveError, SaveConflictError, StoreUnreachableError
 
 #: Pass as ``process_group=`` to make explicit that a call runs in this process alone (the
 #: default for saves without ``process_group`` too).
@@ -91,6 +91,72 @@ def forget_session(coord: "Coordinator", kind: str, tag: str) -> None:
         _NUMBERED[key] = max(0, _NUMBERED.get(key, 0) - 1)
 
 
+#: Session kinds (the part of a store key after the group) -> the operation they agree on.
+_KINDS = {"save": "a multi-rank save (process_group=)", "dtensor-call": "a DTensor (FSDP2 / TP) save",
+          "common": "a multi-rank load", "plain": "a plain save (no process_group=) claiming its path"}
+
+
+def _store_address(store: Any) -> str:
+    """``host:port`` of a TCPStore (under any PrefixStores), a FileStore's file, else the type's name."""
+    for _ in range(8):
+        inner = getattr(store, "underlying_store", None)
+        if inner is None:
+            break
+        store = inner
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    if host is not None and port is not None:
+        return f"{host}:{port}"
+    return getattr(store, "path", None) or type(store).__name__
+
+
+class GuardedStore:
+    """A ``torch.distributed.Store`` whose connection failures (torch's ``DistNetworkError``: the
+    process hosting the store is gone) raise :class:`~fastckpt.errors.StoreUnreachableError` naming
+    this rank, the store's address, the operation being agreed and what to check. Every other
+    call and error passes through unchanged.
+
+    Args:
+        store: the process group's store.
+        rank: this process's rank in the group.
+        what: the operation, when the caller knows it better than the key does (e.g. with the path).
+    """
+
+    def __init__(self, store: Any, rank: int, what: str | None = None):
+        self.store, self.rank, self.what = store, rank, what
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            except Exception as e:
+                if type(e).__name__ != "DistNetworkError":
+                    raise
+                key = args[0] if args and isinstance(args[0], str) else \
+                    (args[0][0] if args and isinstance(args[0], list) and args[0] else "")
+                raise self.error(str(key), e) from e
+
+        return call
+
+    def error(self, key: str, e: BaseException) -> StoreUnreachableError:
+        """The typed error of a failed store call on ``key``."""
+        parts = key.split("/")
+        kind = parts[2] if len(parts) > 2 and parts[0] == "fastckpt" else ""
+        what = self.what or ("a DCP save (FastCkptWriter)" if len(parts) > 1 and parts[1].startswith("dcp-")
+                             else _KINDS.get(kind, f"a multi-rank operation ({kind or 'unknown'})"))
+        address = _store_address(self.store)
+        return StoreUnreachableError(
+            f"rank {self.rank}: the process group's store at {address} stopped answering ({type(e).__name__}: "
+            f"{e}) while agreeing on {what} (store key {key!r}). The process hosting it is gone: under torchrun, "
+            f"the torchrun agent (or rank 0) died or the job is shutting down. Check the other ranks' and the "
+            f"agent's logs for the first failure, and that MASTER_ADDR:MASTER_PORT ({address}) is reachable "
+            "from this node. Nothing was committed by this rank", rank=self.rank, address=address, what=what,
+            key=key)
+
+
 @dataclass(frozen=True)
 class Coordinator:
     """This process's place in a group and the store used to coordinate it.
@@ -98,7 +164,8 @@ class Coordinator:
     Attributes:
         rank: rank inside the group (0-based).
         world_size: ranks in the group.
-        store: a ``torch.distributed.Store`` shared by the group (``None`` in one process).
+        store: a ``torch.distributed.Store`` shared by the group (``None`` in one process); from
+            :meth:`for_group`, a :class:`GuardedStore` (a dead store raises ``StoreUnreachableError``).
         group_key: text naming the group's global ranks (keeps keys of two groups apart).
         node: node name of this rank (``FASTCKPT_NODE`` env var, else the host name).
         global_rank: rank in the world group (0 in one process).
@@ -131,8 +198,9 @@ class Coordinator:
         ranks = dist.get_process_group_ranks(group)
         key = "w" if len(ranks) == dist.get_world_size() else "g" + "-".join(map(str, ranks))
         node = os.environ.get("FASTCKPT_NODE") or socket.gethostname()
-        return Coordinator(dist.get_rank(group), dist.get_world_size(group), c10d._get_default_store(), key, node,
-                           dist.get_rank())
+        rank = dist.get_rank(group)
+        return Coordinator(rank, dist.get_world_size(group), GuardedStore(c10d._get_default_store(), rank), key,
+                           node, dist.get_rank())
 
     @property
     def is_single(self) -> bool:
@@ -229,6 +297,8 @@ class Session:
             try:
                 store.wait(full, timedelta(seconds=min(5.0, max(0.01, left))))
                 return
+            except StoreUnreachableError:
+                raise
             except Exception as e:  # the store raises a DistStoreError/RuntimeError on timeout
                 if time.monotonic() >= self.deadline:
                     missing = [k for k, f in zip(keys, full) if not store.check([f])]
@@ -254,6 +324,8 @@ class Session:
             try:
                 store.wait([self.prefix + k for k in missing],
                            timedelta(seconds=min(0.2, max(0.01, self.deadline - time.monotonic()))))
+            except StoreUnreachableError:
+                raise
             except Exception:  # timeout of this slice: look again
                 pass
 
@@ -341,8 +413,9 @@ class PathClaim:
         if dist is None:
             return
         from torch.distributed import distributed_c10d as c10d
-        self.store = c10d._get_default_store()
         self.rank = dist.get_rank()
+        self.store = GuardedStore(c10d._get_default_store(), self.rank,
+                                  f"{_KINDS['plain']} {self.path} (that no other rank saves it at once)")
         self.key = f"fastckpt/plain/{path_tag(path)}"
         self.me = f"{self.rank}:{os.getpid()}:{time.time()!r}"
 

@@ -21,7 +21,8 @@ Load::
 
     dcp.load(state, storage_reader=FastCkptReader(path))     # DCP's default planner (or a subclass)
     dcp.load(state, storage_reader=FastCkptReader(path), planner=FastCkptLoadPlanner())
-    fastckpt.dcp.load(state, path)      # the same, DCP's CheckpointException turned into DCPLoadError
+    fastckpt.dcp.load(state, path)      # the same; a missing/invalid checkpoint raises its typed error
+                                        # (CheckpointNotFoundError...), other DCP failures DCPLoadError
 
 reads a fastckpt checkpoint (format 1 or 2, any saving world size) or an HF folder with DCP's
 planner doing placement and resharding, never unpickling; a dtype difference is cast as DCP's
@@ -35,7 +36,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import DCPLoadError
+from .errors import DCPLoadError, FastCkptError, InvalidArgumentError
 from .loading.dcp_reader import FastCkptLoadPlanner, FastCkptReader, FastCkptStorageData, build_metadata
 from .saving.dcp_writer import FastCkptSavePlanner, FastCkptWriter
 from .saving.dtensor import background_group
@@ -59,16 +60,24 @@ def load(state: dict, path: str | os.PathLike, *, process_group: Any = None, ver
         ``state`` (tensors filled in place, non-tensor values set from the checkpoint).
 
     Raises:
+        CheckpointNotFoundError: nothing loadable at ``path`` (names it); HeaderError,
+            CorruptCheckpointError, NotSafetensorsError...: the checkpoint's files fail validation. Each is
+            raised as the reader met it on this rank, before any tensor is read.
+        InvalidArgumentError: ``path`` is not a ``str`` / ``os.PathLike``.
         DCPLoadError: DCP reported a failure on any rank (``failures``: rank -> error text; a
             :class:`~fastckpt.errors.DCPPlannerError`, a checksum or a missing key is named there).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    path = InvalidArgumentError.check_path(path)
+    reader = FastCkptReader(path, verify=verify, threads=threads)
     try:
-        dcp.load(state, storage_reader=FastCkptReader(path, verify=verify, threads=threads),
+        dcp.load(state, storage_reader=reader,
                  planner=FastCkptLoadPlanner(allow_partial_load=allow_partial_load), process_group=process_group)
     except CheckpointException as e:  # a BaseException: never let it through as is
+        if isinstance(reader.metadata_error, FastCkptError):  # this rank's own read of the checkpoint failed:
+            raise reader.metadata_error from e  # its typed error, not "metadata is None"
         failures = {}
         for r, x in getattr(e, "failures", {}).items():
             exc = x[0] if isinstance(x, tuple) else x  # DCP's WRAPPED_EXCEPTION: (exception, traceback)

@@ -7,7 +7,8 @@ file, the tensor and the numbers involved, and say how to fix the problem.
 
 from __future__ import annotations
 
-from typing import Iterable
+import os
+from typing import Any, Iterable
 
 
 class FastCkptError(Exception):
@@ -20,6 +21,59 @@ class CheckpointNotFoundError(FastCkptError, FileNotFoundError):
 
 class CheckpointExistsError(FastCkptError, FileExistsError):
     """The target checkpoint folder or step already exists (pass ``overwrite=True``)."""
+
+
+class InvalidArgumentError(FastCkptError, ValueError, TypeError):
+    """An argument or option of a public call has the wrong type or value: a path that is not a
+    ``str`` / ``os.PathLike``, ``extra_files`` not a ``dict`` of file name -> bytes, an unknown save
+    option. Names the argument (and the key of a dict option), what it got and what is expected.
+    Both a ``ValueError`` and a ``TypeError``: ``except`` either one catches it. Raised at the call,
+    before anything is written."""
+
+    @staticmethod
+    def check_path(path: Any, what: str = "path") -> str:
+        """``os.fspath(path)`` as ``str`` (``bytes`` decoded with :func:`os.fsdecode`).
+
+        Raises:
+            InvalidArgumentError: ``path`` is not a ``str``, ``bytes`` or ``os.PathLike`` (names
+                ``what`` and the type given).
+        """
+        try:
+            return os.fsdecode(os.fspath(path))
+        except TypeError:
+            raise InvalidArgumentError(f"{what} must be a str or os.PathLike (e.g. pathlib.Path) naming a "
+                                       f"checkpoint folder, got {type(path).__name__} {path!r:.80}") from None
+
+
+class FolderNotWritableError(FastCkptError, PermissionError):
+    """A save cannot create its checkpoint: the folder it goes in (or a parent to create) is
+    read-only or not writable by this process (``EACCES``, ``EPERM``, ``EROFS``). Names the
+    checkpoint path asked for and the folder that refused; nothing was written.
+
+    Attributes:
+        path: the checkpoint path the save was asked to write.
+        folder: the folder that could not be written.
+    """
+
+    def __init__(self, message: str, *, path: str = "", folder: str = "", errno: int | None = None):
+        super().__init__(message)
+        self.path, self.folder = path, folder
+        if errno is not None:
+            self.errno = errno
+
+
+class NotAFolderError(FastCkptError, NotADirectoryError):
+    """A path that must be a folder (the parent of a checkpoint to save, a ``CheckpointManager``
+    root) is a file. Names the checkpoint path asked for and the file in the way.
+
+    Attributes:
+        path: the path asked for.
+        file: the existing file where a folder is needed.
+    """
+
+    def __init__(self, message: str, *, path: str = "", file: str = ""):
+        super().__init__(message)
+        self.path, self.file = path, file
 
 
 class CorruptCheckpointError(FastCkptError, ValueError):
@@ -38,6 +92,20 @@ class CorruptCheckpointError(FastCkptError, ValueError):
 
 class HeaderError(CorruptCheckpointError):
     """A safetensors header is malformed, hostile or inconsistent with its file."""
+
+
+class NotSafetensorsError(HeaderError):
+    """A file given where a safetensors file is expected is another format: a ``torch.save``
+    file (zip archive or legacy pickle), a plain pickle, or a JSON file. Recognised by its first
+    bytes only: nothing of it is unpickled. The message says how to convert it.
+
+    Attributes:
+        kind: what the file is (``"torch.save zip archive"``, ``"pickle"``, ``"JSON"``).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, kind: str = ""):
+        super().__init__(message, path=path)
+        self.kind = kind
 
 
 class ChecksumMismatchError(CorruptCheckpointError):
@@ -123,6 +191,25 @@ class DistributedSaveError(FastCkptError, RuntimeError):
     def __init__(self, message: str, failures: dict[int, str]):
         super().__init__(message)
         self.failures = dict(failures)
+
+
+class StoreUnreachableError(FastCkptError, RuntimeError):
+    """The process group's key-value store (torchrun's ``TCPStore``, hosted by the torchrun agent
+    or rank 0; a ``FileStore``) stopped answering in the middle of a multi-rank operation: the
+    host process died (another rank or the agent crashed, was killed, or the job is shutting
+    down) or the network to it is gone. A ``RuntimeError`` as torch's ``DistNetworkError`` it
+    replaces. Nothing is committed by this rank.
+
+    Attributes:
+        rank: this process's rank in the group.
+        address: the store's address (``host:port``, a file, or its type).
+        what: the operation whose agreement was under way (e.g. ``"multi-rank save"``).
+        key: the store key being read or written.
+    """
+
+    def __init__(self, message: str, *, rank: int = 0, address: str = "", what: str = "", key: str = ""):
+        super().__init__(message)
+        self.rank, self.address, self.what, self.key = rank, address, what, key
 
 
 class RankValuesDifferError(DistributedSaveError, ValueError):

@@ -9,13 +9,14 @@ from typing import Any
 
 from .storage import commit as cm
 from .storage import retention
-from .errors import CheckpointExistsError, CheckpointNotFoundError
+from .errors import CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError
 from .loading.into import load_into
 from .loading.reader import load
 from .storage.lock import RootLock
 from .saving.future import SaveFuture
 from .format.stateful import to_state_dicts
 from .saving.dtensor import has_dtensor, leads_dtensor_save
+from .saving.committer import folder_error
 from .saving.saver import Saver
 
 LATEST = "latest"
@@ -64,10 +65,10 @@ class CheckpointManager:
     def __init__(self, root: str | os.PathLike, keep_last: int | None = None, prefix: str = "step-",
                  lock_timeout_s: float = 0.0, process_group: Any = None, link_unchanged: bool = False):
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
+            raise InvalidArgumentError(f"keep_last must be a positive int or None, got {keep_last!r}")
         if not prefix or "/" in prefix or prefix.startswith("."):
-            raise ValueError(f"prefix {prefix!r} must be a non-empty plain name not starting with '.'")
-        self.root = Path(os.path.abspath(os.fspath(root)))
+            raise InvalidArgumentError(f"prefix {prefix!r} must be a non-empty plain name not starting with '.'")
+        self.root = Path(os.path.abspath(InvalidArgumentError.check_path(root, "root")))
         self.keep_last = keep_last
         self.prefix = prefix
         self._saver = Saver(process_group)  # this manager's own: its failures stay its own
@@ -105,10 +106,13 @@ class CheckpointManager:
 
         Raises:
             CheckpointExistsError: ``step`` exists and ``overwrite`` is not true.
+            InvalidArgumentError: ``step`` is not a non-negative int.
+            FolderNotWritableError / NotAFolderError: the root cannot be created or written (names
+                the step folder asked for and the folder at fault).
             (other errors as :func:`fastckpt.async_save`)
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+            raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
         target = self.path(step)
         if target.exists() and not options.get("overwrite"):
             raise CheckpointExistsError(f"{target}: step {step} exists; pass overwrite=True to replace it")
@@ -128,14 +132,20 @@ class CheckpointManager:
             if user_hook is not None:
                 user_hook(p)
 
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            _raise_typed(target, e)
         state, _ = to_state_dicts(state)  # Stateful values (DCP's protocol): their state_dict(), called once
         writer = self._writer
         if self._saver.process_group is None and has_dtensor(state):
             writer = leads_dtensor_save(state)  # the meshes' ranks save together: their rank 0 keeps the root
         if not writer:  # another rank of a multi-rank save: rank 0 does the root's bookkeeping
             return self._saver.async_save(state, target, step=step, **options)
-        self._lock.acquire(self.lock_timeout_s)  # held until this save committed or failed
+        try:
+            self._lock.acquire(self.lock_timeout_s)  # held until this save committed or failed
+        except OSError as e:
+            _raise_typed(target, e)
         try:
             self._clean_leftovers()
             prev = self.latest() if self.link_unchanged else None
@@ -210,6 +220,9 @@ class CheckpointManager:
                 logger.warning("fastckpt: loading %s, the most recently committed step, but this manager last "
                                "saved step %d: another job committed %s after it", self.path(step),
                                self._last_saved, self.path(step).name)
+        elif not isinstance(step, int) or isinstance(step, bool):
+            raise InvalidArgumentError(f"{self.root}: step must be an int (a committed step, {self.steps()}) "
+                                       f"or None (the newest), got {type(step).__name__} {step!r:.40}")
         elif step not in self.steps():
             raise CheckpointNotFoundError(f"{self.root}: step {step} is not committed (have {self.steps()})")
         return step
@@ -241,7 +254,7 @@ class CheckpointManager:
             CheckpointLockedError: another job holds the root lock (it is saving or pruning).
         """
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-            raise ValueError(f"keep must be >= 1 (an int), got {keep!r}")
+            raise InvalidArgumentError(f"keep must be >= 1 (an int), got {keep!r}")
         if not self.root.is_dir():
             return []
         self._lock.acquire(self.lock_timeout_s)
@@ -264,3 +277,12 @@ class CheckpointManager:
     def _prune_locked(self, keep: int, protect: tuple[int, ...]) -> list[int]:
         self._clean_leftovers()
         return retention.prune_checkpoints(self.root, self.prefix, keep, protect, by_manifest_time=True)
+
+
+def _raise_typed(target: Path, e: OSError) -> None:
+    """Re-raise ``e`` as :func:`~fastckpt.saving.committer.folder_error` names it (the step folder
+    asked for and the root at fault), or as it is."""
+    typed = folder_error(target, e)
+    if typed is None:
+        raise e
+    raise typed from e

@@ -24,6 +24,33 @@ PREFIXES = ("step-", "checkpoint-", "checkpoint_")
 #: Sub-folder of accelerate's ``project_dir`` that holds its ``checkpoint_N`` folders.
 RUNS_SUBDIR = "checkpoints"
 
+def positive_int(text: str) -> int:
+    """argparse type of a count option (``--threads``, ``--keep``): an int >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
+    return n
+
+
+def progress_bar(total: int | None, desc: str, quiet: bool):
+    """A tqdm bar of bytes on stderr (decimal units), as ``fastckpt load`` and ``verify`` show them;
+    stdout stays clean for what the command prints. ``quiet`` (``-q``) hides it.
+
+    Args:
+        total: bytes expected (``None``: unknown until set on the bar).
+        desc: the bar's label.
+        quiet: no bar.
+    """
+    import sys
+
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, disable=quiet,
+                file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
+
+
 SIZE_UNITS_HELP = ("Sizes are printed in decimal units (1 kB = 1000 bytes, 1 MB = 10^6, 1 GB = 10^9); "
                    "size arguments take 5GB (5*10^9) or 512MiB (512*2^20)")
 
@@ -116,6 +143,9 @@ def not_found_message(root: str | os.PathLike, prefix: str | None = None) -> str
     root = os.path.abspath(os.fspath(root))
     if not os.path.exists(root):
         return f"{root}: no checkpoints: no such file or folder"
+    if not os.path.isdir(root):
+        return (f"{root}: no checkpoints: it is a file, not a folder (pass the run root or checkpoint folder; "
+                f"`fastckpt verify {root}` checks one safetensors file)")
     pats = [f"{p}N" for p in ((prefix,) if prefix else PREFIXES)]
     what = pats[0] if len(pats) == 1 else ", ".join(pats[:-1]) + " or " + pats[-1]
     where = " or ".join(str(f) for f in search_folders(root))

@@ -14,7 +14,7 @@ from ..errors import CheckpointNotFoundError, FastCkptError
 from ..manager import CheckpointManager
 from ..storage.commit import MANIFEST, read_manifest
 from .common import (SIZE_UNITS_HELP, Run, find_runs, human_bytes, not_found_message,  # noqa: F401
-                     parse_bytes)  # parse_bytes re-exported: tests, scripts
+                     parse_bytes, positive_int, progress_bar)  # parse_bytes re-exported: tests, scripts
 from .serve import add_load_parser
 
 
@@ -56,7 +56,8 @@ def _one_run(root: str, prefix: str | None, what: str) -> Run | None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Re-read every byte against the manifest; exit 1 on any mismatch."""
+    """Re-read every byte against the manifest, with a progress bar on stderr (as ``load --to``; ``-q``:
+    none); exit 1 on any mismatch."""
     from ..loading.verify import verify
     path = args.path
     run = None
@@ -65,8 +66,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if run is not None and run.scan.committed:  # a run root: verify its newest committed checkpoint
             path = str(run.scan.newest()[1])
             print(f"{args.path} is a run root: verifying its newest committed checkpoint {path}")
+    bars = []  # drawn once verify starts re-reading bytes (on stderr, as `load --to`; -q: none)
+
+    def progress(done: int, total: int) -> None:
+        if not bars:
+            bars.append(progress_bar(total, "verify", args.quiet))
+        bars[0].update(done - bars[0].n)
+
     try:
-        rep = verify(path, threads=args.threads)
+        rep = verify(path, threads=args.threads, progress=progress)
     except CheckpointNotFoundError:
         if not os.path.isdir(path):
             raise
@@ -75,6 +83,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                                           "*.safetensors.index.json or *.safetensors files in it either") from None
         why = "; ".join(f"{n}: {w}" for n, w in run.scan.skipped())
         raise CheckpointNotFoundError(f"{run.describe()}: no committed checkpoint (skipped: {why})") from None
+    finally:
+        for bar in bars:
+            bar.close()
     for p in rep.problems:
         print(f"MISMATCH {p}")
     for n in rep.notes:
@@ -121,12 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Re-read every byte of a committed checkpoint (or the newest committed "
                                    "one of a run root) against the manifest's xxh3 checksums (format 2: one per "
                                    "chunk of a tensor several ranks wrote; a mismatch names the chunk's offsets). "
+                                   "Progress is drawn on stderr (as `load --to`; -q hides it): stdout holds only "
+                                   "the result. "
                                    "Exit 0: all match; 1: a mismatch or damaged file (named); 2: nothing to verify. "
                                    f"{_FOUND}. Sizes in decimal units (1 MB = 10^6 bytes).")
     v.add_argument("path", help="checkpoint folder, run root, or a foreign safetensors file/HF folder "
                                 "(headers and index validated only)")
     v.add_argument("--prefix", default=None, help=_PREFIX_HELP)
-    v.add_argument("--threads", type=int, default=None, help="parallel readers (default 8-16)")
+    v.add_argument("--threads", type=positive_int, default=None, help="parallel readers (default 8-16)")
+    v.add_argument("-q", "--quiet", action="store_true", help="no progress bar (it is drawn on stderr)")
     v.set_defaults(func=cmd_verify)
     pr = sub.add_parser("prune", help="keep the N most recently committed checkpoints; remove dead writers' leftovers",
                         description="Keep the N most recently committed checkpoints of a run root (by the commit "

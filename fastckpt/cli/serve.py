@@ -46,7 +46,6 @@ gate included (named on stderr, no command printed, nothing at ``--to``).
 from __future__ import annotations
 
 import argparse
-import errno
 import glob
 import json
 import os
@@ -54,18 +53,20 @@ import re
 import shlex
 import shutil
 import sys
+from pathlib import Path
 import warnings
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, FastCkptError, NotServableError
 from ..loading.source import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Source, adapter_base_dir, file_checks,
                               resolve_source)
+from ..saving.committer import folder_error
 from ..saving.export import Entry, copy_checked, plan_shards, read_checked, warm_files, write_shards
 from ..storage import commit as cm
 from ..storage.io import copy_file, fsync_dir
 from ..loading.servable import check_servable
 from ..loading.zero import find_zero_tag
 from . import lora
-from .common import parse_bytes
+from .common import parse_bytes, positive_int, progress_bar
 from .consolidate import export_zero
 #: Small files copied next to the weights when present (config, generation and tokenizer files).
 META_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -192,12 +193,6 @@ def _copy_all_meta(src: Source, dst: str, args: argparse.Namespace, checked: _Ch
     return copied
 
 
-def _progress(total: int, desc: str, quiet: bool):
-    from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, disable=quiet,
-                file=sys.stderr, dynamic_ncols=True, smoothing=0.1)
-
-
 def merged_state(src: Source, config_dir: str, scratch: str, checked: _Checked, *, threads: int | None = None):
     """Merge ``src``'s adapter into its base through peft; returns ``(state_dict, entries)`` (CPU).
 
@@ -292,7 +287,12 @@ def check_to(to: str, src: Source, args: argparse.Namespace) -> None:
 
 
 def _user_path_error(e: OSError, to: str) -> OSError:
-    """``e`` naming ``to`` (or the file inside it) instead of the hidden temporary folder."""
+    """``e`` naming ``to`` (or the file inside it) instead of the hidden temporary folder; typed
+    (:class:`~fastckpt.errors.FolderNotWritableError`, :class:`~fastckpt.errors.NotAFolderError`) where
+    the folder ``to`` goes in is read-only or a file."""
+    typed = folder_error(Path(to), e)
+    if typed is not None:
+        return typed
     prefix = os.path.join(os.path.dirname(to), "." + os.path.basename(to) + cm.TMP_MARK)
     names = []
     for f in (e.filename, e.filename2):
@@ -303,10 +303,7 @@ def _user_path_error(e: OSError, to: str) -> OSError:
             names.append(os.path.join(to, inner) if inner else to)
     if not names:
         return e
-    parent = os.path.dirname(to) or "."
-    hint = (f" (fastckpt builds {to} in a hidden folder next to it and renames it into place: {parent} must "
-            "be writable)") if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else ""
-    return OSError(e.errno, f"{e.strerror}{hint}", names[0])
+    return OSError(e.errno, e.strerror, names[0])
 
 
 def export(src: Source, to: str, args: argparse.Namespace) -> str:
@@ -354,7 +351,7 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
         if not src.checksummed:
             checked.unchecked += [os.path.basename(p) for p in src.weight_files]
         plan = plan_shards(entries, args.max_shard_size)
-        with _progress(plan.total_bytes, "export", args.quiet) as bar:
+        with progress_bar(plan.total_bytes, "export", args.quiet) as bar:
             write_shards(plan, fetch, tmp, threads=args.threads, progress=bar.update)
         if src.adapter_dir and not args.merge_lora:
             _layout_adapter(src.adapter_dir, os.path.join(tmp, "adapter"), to, checked)
@@ -508,7 +505,7 @@ def _verify(src: Source) -> bool:
 
 def _warm(files: list[str], args: argparse.Namespace, checks: dict | None = None) -> None:
     total = sum(os.stat(p).st_size for p in files)
-    with _progress(total, "warm", args.quiet) as bar:
+    with progress_bar(total, "warm", args.quiet) as bar:
         warm_files(files, threads=args.threads, progress=bar.update, checks=checks)
 
 
@@ -521,7 +518,7 @@ def add_load_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--merge-lora", action="store_true", help="merge the LoRA adapter into the weights (peft)")
     p.add_argument("--verify", action="store_true", help="re-read every file against the manifest checksums first")
     p.add_argument("--warm", action="store_true", help="read the weights into the page cache (default without --to)")
-    p.add_argument("--threads", type=int, default=None, help="parallel I/O requests (default 8-16)")
+    p.add_argument("--threads", type=positive_int, default=None, help="parallel I/O requests (default 8-16)")
     p.add_argument("--max-shard-size", type=parse_bytes, default=5_000_000_000, help="bytes per shard (default 5GB)")
     p.add_argument("--base", default=None, help="base model folder when SOURCE is an adapter-only folder")
     p.add_argument("--config", default=None, help="HF folder whose config.json / tokenizer files are used (over the "

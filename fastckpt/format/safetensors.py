@@ -23,7 +23,7 @@ import struct
 from dataclasses import dataclass, field
 
 from .dtypes import itemsize, str_to_dtype
-from ..errors import HeaderError, UnsafePathError, UnsupportedValueError
+from ..errors import HeaderError, NotSafetensorsError, UnsafePathError, UnsupportedValueError
 
 #: Largest header accepted, in bytes (the safetensors package uses the same 100 MB cap).
 MAX_HEADER_BYTES = 100_000_000
@@ -247,6 +247,8 @@ def read_header_fd(fd: int, path: str) -> Header:
     Raises:
         HeaderError: see :func:`parse_header`; also not a regular file, a file shorter than
             8 bytes, or a length field larger than the file or than ``MAX_HEADER_BYTES``.
+        NotSafetensorsError: (a ``HeaderError``) the file starts like a ``torch.save`` zip
+            archive, a pickle or a JSON file (says how to convert it; nothing is unpickled).
     """
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -255,7 +257,10 @@ def read_header_fd(fd: int, path: str) -> Header:
     size = st.st_size
     if size < 8:
         raise HeaderError(f"{path}: file is {size} bytes, shorter than the 8-byte header length", path=path)
-    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    first = os.pread(fd, 8, 0)
+    (n,) = struct.unpack("<Q", first)
+    if n > size - 8 or n > MAX_HEADER_BYTES:
+        _refuse_foreign(first, path)
     if n > size - 8:
         raise HeaderError(f"{path}: header length field says {n} bytes but the file has only {size - 8} "
                           "bytes after it (truncated or not a safetensors file)", path=path)
@@ -265,6 +270,36 @@ def read_header_fd(fd: int, path: str) -> Header:
     if len(body) != n:
         raise HeaderError(f"{path}: short read of header ({len(body)} of {n} bytes)", path=path)
     return parse_header(body, size, path=path)
+
+
+#: First bytes of files often passed where a safetensors file is expected -> what they are. A
+#: safetensors file starts with its header length (little-endian u64, far below these values).
+_FOREIGN = ((b"PK\x03\x04", "a torch.save file (zip archive)", "torch.save"),
+            (b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46", "a torch.save file (legacy format, a pickle)", "torch.save"),
+            (b"\x80\x02", "a pickle file (pickle.dump or an old torch.save)", "pickle"),
+            (b"\x80\x03", "a pickle file (pickle.dump or an old torch.save)", "pickle"),
+            (b"\x80\x04", "a pickle file (pickle.dump or an old torch.save)", "pickle"),
+            (b"\x80\x05", "a pickle file (pickle.dump or an old torch.save)", "pickle"),
+            (b"{", "a JSON file", "JSON"))
+
+
+def _refuse_foreign(first: bytes, path: str) -> None:
+    """Raise :class:`NotSafetensorsError` if ``first`` (the file's first 8 bytes) starts like a
+    ``torch.save`` / pickle / JSON file; nothing of the file is unpickled or parsed."""
+    found = next(((what, kind) for magic, what, kind in _FOREIGN if first.startswith(magic)), None)
+    if found is None:
+        return
+    what, kind = found
+    if kind == "JSON":
+        folder = os.path.dirname(os.path.abspath(path))
+        raise NotSafetensorsError(f"{path}: {what}, not a safetensors file; pass the checkpoint or model folder "
+                                  f"({folder}) or one of its *.safetensors files", path=path, kind=kind)
+    raise NotSafetensorsError(
+        f"{path}: {what}, not a safetensors file. fastckpt never unpickles (loading a pickle can run code). "
+        f"If you trust the file, convert it once: "
+        f"fastckpt.save(torch.load({path!r}, weights_only=True), 'converted') (any nested state), or "
+        f"safetensors.torch.save_file(torch.load({path!r}, weights_only=True), 'model.safetensors') "
+        f"(a flat dict of tensors)", path=path, kind=kind)
 
 
 def read_header(path: str | os.PathLike) -> Header:

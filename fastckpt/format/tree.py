@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..errors import UnsupportedValueError
+from ..errors import InvalidArgumentError, UnsupportedValueError
 
 _TAGS = ("__tensor__", "__ndarray__", "__dict__", "__tuple__", "__float__", "__dtype__",
          "__np__", "__bytes__", "__device__")
@@ -160,11 +160,22 @@ def _dec(v: Any, path: str, get: Callable[[str, str], Any], keep: Callable[[str]
 
 def key_filter(keys: list[str] | tuple[str, ...] | str | None) -> Callable[[str], bool] | None:
     """Predicate for ``load(keys=...)``: a path is kept if it equals a key, lies under one
-    (``keys=["optimizer"]`` keeps ``optimizer/state/0/exp_avg``) or is an ancestor of one."""
+    (``keys=["optimizer"]`` keeps ``optimizer/state/0/exp_avg``) or is an ancestor of one.
+
+    Raises:
+        InvalidArgumentError: ``keys`` is neither a str nor an iterable of str (names what it got).
+    """
     if keys is None:
         return None
     if isinstance(keys, str):
         keys = [keys]
+    try:
+        keys = list(keys)
+    except TypeError:
+        keys = [keys]  # not iterable: refused below
+    if not all(isinstance(k, str) for k in keys):
+        raise InvalidArgumentError(f"keys must be a key path / tensor name (str) or a list of them, e.g. "
+                                   f"keys=['model'] or keys='optimizer/state', got {keys!r:.80}")
     ks = [k.rstrip("/") for k in keys]
 
     def keep(path: str) -> bool:

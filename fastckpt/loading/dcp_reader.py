@@ -204,6 +204,7 @@ class FastCkptReader(StorageReader):
         self.verify, self.threads, self.io_backend = verify, threads, io_backend
         self.chunk_bytes = max(4096, int(chunk_bytes))
         self.storage_data: FastCkptStorageData | None = None
+        self.metadata_error: Exception | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Start a new read; ``checkpoint_id`` (a path), when given, replaces the reader's path."""
@@ -217,8 +218,17 @@ class FastCkptReader(StorageReader):
         return os.path.exists(os.fspath(checkpoint_id))
 
     def read_metadata(self) -> Metadata:  # type: ignore[override]  (no per-rank metadata: one manifest)
-        """Validate the checkpoint (headers, manifest) and return DCP ``Metadata`` built from it."""
-        return build_metadata(open_index(self.path))
+        """Validate the checkpoint (headers, manifest) and return DCP ``Metadata`` built from it.
+
+        The error of a failed read is kept as ``metadata_error`` (DCP reports only its text, as
+        ``AssertionError: metadata is None``); :func:`fastckpt.dcp.load` raises it as it is.
+        """
+        self.metadata_error = None
+        try:
+            return build_metadata(open_index(self.path))
+        except Exception as e:
+            self.metadata_error = e
+            raise
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Keep the storage data of ``metadata`` (from :meth:`read_metadata`)."""

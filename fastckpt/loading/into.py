@@ -29,13 +29,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ChecksumMismatchError, CorruptCheckpointError, StateMismatchError
+from ..errors import ChecksumMismatchError, CorruptCheckpointError, InvalidArgumentError, StateMismatchError
 from ..format.dtypes import DTYPE_TO_STR, str_to_dtype
 from ..format.stateful import load_back, to_state_dicts
 from ..format.tree import join
 from ..storage.io import PosixBackend, get_backend, readv_exact
 from .chunks import box_bytes, chunk_problem
-from .reader import READ_CHUNK_BYTES, default_read_threads
+from .reader import READ_CHUNK_BYTES, check_threads, default_read_threads
 from .regions import Box, Run, Stored, box_runs, contains, dim0_blocks, intersect, split_runs
 from .stored import Check, CheckpointIndex, TensorDesc, open_index
 
@@ -487,7 +487,8 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
         fastckpt.load_into(model.state_dict(), "hf_model/", strict=False, report=rep)  # rep.missing_keys
     """
     if strict not in (None, True, False):
-        raise ValueError(f"strict must be None, True or False, got {strict!r}")
+        raise InvalidArgumentError(f"strict must be None, True or False, got {strict!r}")
+    check_threads(threads)
     state, stateful = to_state_dicts(state)  # DCP's Stateful: fill obj.state_dict(), then obj.load_state_dict()
     if local_rank is None:
         local_rank = _default_rank()

@@ -27,6 +27,7 @@ import xxhash
 
 from ..format.dtypes import str_to_dtype
 from ..errors import ChecksumMismatchError, CheckpointNotFoundError, DeviceUnavailableError, KeysNotFoundError  # noqa: F401  (re-exported)
+from ..errors import InvalidArgumentError
 from ..format.safetensors import TensorInfo
 from ..format.manifest import TensorEntry
 from ..storage.io import ALIGN, O_DIRECT, PosixBackend, get_backend, read_exact, readv_exact
@@ -47,6 +48,14 @@ def default_read_threads() -> int:
     """Reads in flight by default: 16 on small machines (the disk wants a deep queue, not CPUs),
     up to 32 with many cores."""
     return min(32, max(16, 2 * (os.cpu_count() or 1)))
+
+
+def check_threads(threads: object) -> None:
+    """Raise :class:`~fastckpt.errors.InvalidArgumentError` unless ``threads`` is ``None`` or an
+    int >= 0 (0 and ``None``: the default)."""
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
+        raise InvalidArgumentError(f"threads must be a positive int (reads in flight) or None for the default, "
+                                   f"got {threads!r:.40}")
 
 
 @dataclass
@@ -317,6 +326,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
     """
     from .engines import check_device
     check_device(device)
+    check_threads(threads)
     r = resolve(path)
     keep = key_filter(keys)
     if r.manifest is None:

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..storage import commit as cm
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, HeaderError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, HeaderError, InvalidArgumentError
 from ..format.safetensors import INDEX_SUFFIX, Header, TensorInfo, read_header, read_index, safe_join
 from ..format.manifest import Manifest
 
@@ -64,8 +64,10 @@ def resolve(path: str | os.PathLike) -> Resolved:
             named by an index that is missing (names both), a dangling symlink.
         UnsafePathError: a file name from an index or manifest leaves the folder (absolute,
             ``..``, or through a sub-folder that is a symlink out of it).
+        InvalidArgumentError: ``path`` is not a ``str`` / ``os.PathLike``.
+        NotSafetensorsError: ``path`` is a file of another format (``torch.save``, pickle, JSON).
     """
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(InvalidArgumentError.check_path(path))
     if os.path.isfile(path):
         h = read_header(path)
         r = Resolved(path, {os.path.basename(path): h})
@@ -165,8 +167,13 @@ def _resolve_foreign(path: str) -> Resolved:
     r = Resolved(path)
     files, wanted = _foreign_files(path)
     if not files:
+        pickled = sorted(n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth", ".ckpt")))
+        hint = (f"; it holds {', '.join(pickled[:3])}{' ...' if len(pickled) > 3 else ''}: torch.save (pickle) "
+                "files, which fastckpt never unpickles. If you trust them, convert once: "
+                "fastckpt.save(torch.load(FILE, weights_only=True), FOLDER), or load the model with "
+                "transformers and save_pretrained(FOLDER) (safetensors)") if pickled else ""
         raise CheckpointNotFoundError(f"{path}: no manifest.json, no *.safetensors.index.json and no "
-                                      "*.safetensors files: nothing to load")
+                                      f"*.safetensors files: nothing to load{hint}")
     for name in files:
         h = _foreign_header(path, name)
         r.headers[name] = h

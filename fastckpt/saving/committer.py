@@ -20,6 +20,8 @@ through the group's store (:mod:`fastckpt.coordination`).
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import os
 import shutil
@@ -31,7 +33,8 @@ from typing import Any, Iterable
 import xxhash
 
 from ..coordination import Coordinator, PathClaim, Session
-from ..errors import CheckpointExistsError, DistributedSaveError, InsufficientSpaceError
+from ..errors import (CheckpointExistsError, DistributedSaveError, FastCkptError, FolderNotWritableError,
+                      InsufficientSpaceError, NotAFolderError)
 from ..format.layout import SavePlan
 from ..storage import commit as cm
 from .collect import Collected
@@ -48,6 +51,49 @@ def fmt(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def folder_error(path: Path, e: OSError) -> FastCkptError | None:
+    """The typed error for an ``OSError`` met while creating the checkpoint ``path`` (its folder, a
+    parent, the hidden temporary, a root's lock file), naming ``path`` and the folder at fault;
+    ``None`` for other errors (re-raise them as they are).
+
+    Returns:
+        :class:`NotAFolderError` where a parent of ``path`` is a file;
+        :class:`FolderNotWritableError` for ``EACCES`` / ``EPERM`` / ``EROFS``.
+    """
+    if isinstance(e, FileNotFoundError):
+        return None
+    here = Path(path).parent
+    while not here.exists() and here != here.parent:  # the deepest folder that exists
+        here = here.parent
+    if here.exists() and not here.is_dir():
+        return NotAFolderError(f"cannot save '{path}': {here} is a file, not a folder; save under "
+                               "another path or move the file", path=str(path), file=str(here))
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        why = "is on a read-only file system" if e.errno == errno.EROFS else \
+            "is not writable by this process (permissions, or an immutable attribute)"
+        return FolderNotWritableError(
+            f"cannot save '{path}': {here} {why} ({e.strerror}); save under a folder you can "
+            "write to, or fix its permissions / mount", path=str(path), folder=str(here), errno=e.errno)
+    return None
+
+
+def _names_the_folder_asked_for(fn):
+    """Raise :func:`folder_error`'s typed error for an ``OSError`` of :func:`create_folder` (which
+    would name the hidden temporary folder or a parent)."""
+
+    @functools.wraps(fn)
+    def wrapper(path: Path, *args: Any, **kwargs: Any) -> str:
+        try:
+            return fn(path, *args, **kwargs)
+        except OSError as e:
+            typed = None if isinstance(e, FastCkptError) else folder_error(path, e)
+            if typed is None:
+                raise
+            raise typed from e
+
+    return wrapper
+
+
 def check_space(folder: Path, need: int) -> None:
     """Raise :class:`InsufficientSpaceError` when ``folder``'s file system has fewer than ``need`` bytes free."""
     st = os.statvfs(folder)
@@ -57,6 +103,7 @@ def check_space(folder: Path, need: int) -> None:
             f"{folder}: {free} bytes free, the checkpoint needs {need} bytes; free space or save elsewhere")
 
 
+@_names_the_folder_asked_for
 def create_folder(path: Path, opts: SaveOptions, need_bytes: int, names: Iterable[str] = ()) -> str:
     """Create the folder a save writes into, with the sub-folders of ``names`` and of the extra
     files (``"second/adapter_model.safetensors"``: peft's second adapter); returns its path.
@@ -68,6 +115,9 @@ def create_folder(path: Path, opts: SaveOptions, need_bytes: int, names: Iterabl
     Raises:
         InsufficientSpaceError: fewer than ``need_bytes`` + ``min_free_bytes`` free.
         CheckpointExistsError: marker mode, ``path`` exists and ``overwrite`` is false.
+        FolderNotWritableError: the folder ``path`` goes in is read-only or not writable (names
+            ``path`` and that folder, never the hidden temporary).
+        NotAFolderError: a parent of ``path`` is a file.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     check_space(path.parent, need_bytes + opts.io.min_free_bytes)

@@ -15,11 +15,13 @@ Every option means the same for one rank or many. Flat keyword arguments
 from __future__ import annotations
 
 import difflib
+import operator
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from ..errors import InvalidArgumentError
 from ..format.safetensors import check_metadata
 from ..storage import commit as cm
 from ..storage.io import DEFAULT_CHUNK_BYTES, PosixBackend
@@ -132,7 +134,8 @@ class SaveOptions:
         **flat: fields of :class:`IOTuning` and :class:`Consistency` by name.
 
     Raises:
-        TypeError: an unknown option (names the closest known one).
+        InvalidArgumentError: an unknown option (names the closest known one), or ``local_keys``
+            given as one str; a ``TypeError``.
     """
 
     def __init__(self, *, overwrite: bool = False, weights: dict[str, str] | None = None,
@@ -141,6 +144,9 @@ class SaveOptions:
                  io: IOTuning | None = None, consistency: Consistency | None = None,
                  local_keys: tuple[str, ...] | list[str] = (), commit: str = "rename",
                  timeout_s: float | None = None, **flat: Any):
+        if isinstance(local_keys, str):  # tuple() would take its letters for keys
+            raise InvalidArgumentError(f"local_keys must be a list of top-level state keys, e.g. "
+                                       f"local_keys=[{local_keys!r}], got the str {local_keys!r}")
         self.overwrite, self.weights, self.extra_files = overwrite, weights, extra_files
         self.metadata, self.step, self.on_commit = metadata, step, on_commit
         self.local_keys, self.commit, self.timeout_s = tuple(local_keys), commit, timeout_s
@@ -149,7 +155,8 @@ class SaveOptions:
         if flat:
             name = next(iter(flat))
             close = difflib.get_close_matches(name, sorted(_IO | _CONSISTENCY | _TOP), n=1)
-            raise TypeError(f"unknown save option {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+            raise InvalidArgumentError(f"unknown save option {name!r}"
+                                       + (f"; did you mean {close[0]!r}?" if close else ""))
         self.io = replace(io or IOTuning(), **io_kw)
         self.consistency = replace(consistency or Consistency(), **cons_kw)
 
@@ -163,42 +170,61 @@ class SaveOptions:
         return self.weights if self.weights is not None else {"model": "model"}
 
     def check(self) -> None:
-        """Raise ``ValueError`` naming the first bad option."""
+        """Raise :class:`~fastckpt.errors.InvalidArgumentError` (a ``ValueError`` and a ``TypeError``)
+        naming the first bad option, the key at fault for a dict option, and what is expected."""
         io, c = self.io, self.consistency
         for name in ("max_shard_bytes", "chunk_bytes"):
             v = getattr(io, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{name} must be a positive int of bytes, got {v!r}")
+                raise InvalidArgumentError(f"{name} must be a positive int of bytes, got {v!r}")
         if io.chunk_bytes % 4096:
-            raise ValueError(f"chunk_bytes must be a multiple of 4096, got {io.chunk_bytes}")
+            raise InvalidArgumentError(f"chunk_bytes must be a multiple of 4096, got {io.chunk_bytes}")
         if io.threads is not None and (not isinstance(io.threads, int) or io.threads < 1):
-            raise ValueError(f"threads must be a positive int, got {io.threads!r}")
+            raise InvalidArgumentError(f"threads must be a positive int, got {io.threads!r}")
         if io.staging_bytes is not None and (not isinstance(io.staging_bytes, int) or io.staging_bytes <= 0):
-            raise ValueError(f"staging_bytes must be a positive int of bytes, got {io.staging_bytes!r}")
-        for n in self.extra_files or {}:
+            raise InvalidArgumentError(f"staging_bytes must be a positive int of bytes, got {io.staging_bytes!r}")
+        ef = self.extra_files
+        if ef is not None and not isinstance(ef, dict):
+            raise InvalidArgumentError(f"extra_files must be a dict of file name -> bytes, e.g. "
+                                       f"{{'notes.txt': b'...'}}, got a {type(ef).__name__}: {ef!r:.80}")
+        for n, data in (ef or {}).items():
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise InvalidArgumentError(
+                    f"extra_files[{n!r}] must be bytes (the file's contents), got a {type(data).__name__}: "
+                    f"{data!r:.80}; encode text with .encode() (e.g. json.dumps(value).encode())")
             if not _plain_path(n) or n in (cm.MANIFEST, cm.STATE_JSON):
-                raise ValueError(f"extra file name {n!r} is reserved or not a plain file name (a sub-folder "
+                raise InvalidArgumentError(f"extra file name {n!r} is reserved or not a plain file name (a sub-folder "
                                  "is written as 'folder/name', as peft writes a second adapter)")
         for name in ("early_writes", "defer_frozen"):
             if not isinstance(getattr(c, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(c, name)!r}")
+                raise InvalidArgumentError(f"{name} must be True or False, got {getattr(c, name)!r}")
         if c.defer is not None and not callable(c.defer):
-            raise ValueError(f"defer must be a callable (key path, trainable) -> bool, got {c.defer!r}")
+            raise InvalidArgumentError(f"defer must be a callable (key path, trainable) -> bool, got {c.defer!r}")
         if c.link_check not in ("hash", "version"):
-            raise ValueError(f"link_check must be 'hash' or 'version', got {c.link_check!r}")
+            raise InvalidArgumentError(f"link_check must be 'hash' or 'version', got {c.link_check!r}")
         w = self.weights
         if w is not None and not (isinstance(w, dict) and all(isinstance(k, str) and _plain_path(v)
                                                                for k, v in w.items())):
-            raise ValueError(f"weights must be a dict of top-level state key -> HF file stem, e.g. "
+            raise InvalidArgumentError(f"weights must be a dict of top-level state key -> HF file stem, e.g. "
                              f"{{'model': 'model'}} (file model.safetensors, model-0000k-of-0000n.safetensors "
                              f"past one shard; 'sub/adapter_model.safetensors' in a sub-folder), got {w!r}")
         if self.commit not in COMMIT_MODES:
-            raise ValueError(f"commit must be one of {COMMIT_MODES}, got {self.commit!r}")
+            raise InvalidArgumentError(f"commit must be one of {COMMIT_MODES}, got {self.commit!r}")
         if self.timeout_s is not None and (not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+            raise InvalidArgumentError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+        if self.on_commit is not None and not callable(self.on_commit):
+            raise InvalidArgumentError(f"on_commit must be a callable (path) -> None, got {self.on_commit!r:.80}")
         if not all(isinstance(k, str) for k in self.local_keys):
-            raise ValueError(f"local_keys must be top-level state keys (str), got {self.local_keys!r}")
-        check_metadata(self.metadata)
+            raise InvalidArgumentError(f"local_keys must be top-level state keys (str), got {self.local_keys!r}")
+        if self.step is not None:
+            try:
+                if isinstance(self.step, bool):
+                    raise TypeError
+                self.step = operator.index(self.step)  # numpy / torch integer scalars as int
+            except TypeError:
+                raise InvalidArgumentError(f"step must be an int (the training step) or None, got "
+                                           f"{type(self.step).__name__} {self.step!r:.80}") from None
+        check_metadata(self.metadata, path="save option metadata=")
 
 
 def _plain_path(name: object) -> bool:

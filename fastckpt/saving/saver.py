@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ..coordination import LOCAL, Coordinator, PathClaim, forget_session, group_timeout_s, numbered_session, path_tag
-from ..errors import CheckpointExistsError, DistributedSaveError
+from ..errors import CheckpointExistsError, DistributedSaveError, InvalidArgumentError
 from ..format.layout import SavePlan, plan_save
 from ..format.stateful import to_state_dicts
 from ..format.tree import join
@@ -216,7 +216,7 @@ class Saver:
         with self._lock:
             self.wait()
             state, _ = to_state_dicts(state)  # top-level Stateful objects: their state_dict(), as DCP saves them
-            target = Path(os.path.abspath(os.fspath(path)))
+            target = Path(os.path.abspath(InvalidArgumentError.check_path(path)))
             if has_dtensor(state):  # FSDP2 / TP state: the DCP route (saving/dtensor_save.py)
                 from .dtensor_save import start_dtensor_save
                 return start_dtensor_save(self, state, target, opts, pg)

@@ -1,0 +1,367 @@
+"""Errors a user can reach are typed (``fastckpt.errors``, each also the matching built-in) and name
+what the user asked for: the key, the folder, the path, the rank and store, never a hidden temporary
+folder or a raw ``TypeError``/``OSError``/``DistNetworkError`` from inside (issue 21, part 7).
+
+Each test reproduces one case a user meets as a user would (a public call, a subprocess for the
+multi-process and read-only-mount cases) and checks the type, what the message names, and that
+nothing was left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.errors import (CheckpointNotFoundError, FastCkptError, FolderNotWritableError, HeaderError,
+                             InvalidArgumentError, NotAFolderError, NotSafetensorsError)
+
+
+def state() -> dict:
+    return {"model": {"w": torch.arange(6, dtype=torch.float32)}, "step": 3}
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(os.listdir(folder)) if folder.exists() else []
+
+
+# --- extra_files given a str -------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra, named", [({"notes.txt": "hello"}, "'notes.txt'"), (["notes.txt"], "list"),
+                                          ({"a.json": {"x": 1}}, "'a.json'")])
+def test_extra_files_of_the_wrong_type_is_refused_at_the_call_naming_the_key(tmp_path, extra, named):
+    """Today ``{"notes.txt": "hello"}`` fails in the writer thread with ``TypeError: memoryview: a
+    bytes-like object is required``; a list fails with ``dictionary update sequence element``."""
+    path = tmp_path / "ck"
+    with pytest.raises(InvalidArgumentError) as ei:
+        fastckpt.async_save(state(), path, extra_files=extra)  # raised at the call, not by the future
+    msg = str(ei.value)
+    assert "extra_files" in msg and named in msg and "bytes" in msg, msg
+    assert "memoryview" not in msg and "sequence element" not in msg
+    assert isinstance(ei.value, TypeError)
+    assert leftovers(tmp_path) == []  # no folder, no temporary
+    fastckpt.save(state(), path, extra_files={"notes.txt": b"hello", "b.txt": bytearray(b"x")})
+    assert (path / "notes.txt").read_bytes() == b"hello" and (path / "b.txt").read_bytes() == b"x"
+
+
+def test_save_and_load_with_a_path_of_the_wrong_type_name_the_argument(tmp_path):
+    for bad in (None, 123):
+        with pytest.raises(InvalidArgumentError, match=rf"path must be a str or os.PathLike.*{type(bad).__name__}"):
+            fastckpt.save(state(), bad)
+        with pytest.raises(InvalidArgumentError, match=r"path must be a str or os.PathLike"):
+            fastckpt.load(bad)
+        with pytest.raises(InvalidArgumentError, match=r"path must be a str or os.PathLike"):
+            fastckpt.load_into(state(), bad)
+    p = fastckpt.save(state(), os.fsencode(tmp_path / "b"))  # bytes: decoded, as os.fspath accepts them
+    assert p == tmp_path / "b" and fastckpt.load(os.fsencode(p))["step"] == 3
+
+
+def test_bad_step_is_refused_at_the_call(tmp_path):
+    with pytest.raises(InvalidArgumentError, match=r"step must be an int.*'x'"):
+        fastckpt.save(state(), tmp_path / "ck", step="x")
+    assert leftovers(tmp_path) == []
+
+
+# --- saving under a read-only folder ------------------------------------------------------------
+
+@pytest.fixture(params=["ro-mount", "immutable"])
+def read_only_folder(request, tmp_path):
+    """A folder no save can write into, even as root: a read-only tmpfs (``EROFS``) or a folder
+    with the immutable attribute (``EPERM``). Skipped where neither can be made."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if request.param == "ro-mount":
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a read-only tmpfs here: {r.stderr.decode().strip()}")
+        undo = ["umount", str(folder)]
+    else:
+        r = subprocess.run(["chattr", "+i", str(folder)], capture_output=True)
+        if r.returncode:
+            pytest.skip(f"cannot set the immutable attribute here: {r.stderr.decode().strip()}")
+        undo = ["chattr", "-i", str(folder)]
+    try:
+        probe = folder / "probe"
+        try:
+            probe.mkdir()
+        except OSError:
+            pass
+        else:
+            pytest.skip("the folder is still writable (permissions not enforced here)")
+        yield folder
+    finally:
+        subprocess.run(undo, check=True)
+
+
+def test_save_under_a_read_only_folder_names_the_folder_asked_for(read_only_folder):
+    """Today: a plain ``OSError``/``PermissionError`` naming ``.ck.fastckpt-tmp-<pid>@...``."""
+    for path in (read_only_folder / "ck", read_only_folder / "sub" / "ck"):
+        with pytest.raises(FolderNotWritableError) as ei:
+            fastckpt.save(state(), path)
+        e, msg = ei.value, str(ei.value)
+        assert isinstance(e, PermissionError) and e.errno is not None
+        assert str(path) in msg and str(read_only_folder) in msg and "fastckpt-tmp" not in msg, msg
+        assert e.path == str(path)
+    with pytest.raises(FolderNotWritableError, match=str(read_only_folder)):
+        fastckpt.CheckpointManager(read_only_folder).save(1, state())
+    assert leftovers(read_only_folder) == []
+
+
+def test_save_where_a_parent_is_a_file_names_the_file(tmp_path):
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(NotAFolderError) as ei:
+        fastckpt.save(state(), tmp_path / "file.txt" / "ck")
+    assert isinstance(ei.value, NotADirectoryError)
+    assert str(tmp_path / "file.txt" / "ck") in str(ei.value) and "is a file" in str(ei.value)
+    assert ei.value.file == str(tmp_path / "file.txt")
+
+
+# --- fastckpt.dcp.load of a missing path ----------------------------------------------------------
+
+def test_dcp_load_of_a_missing_path_is_not_found_naming_the_path(tmp_path):
+    """Today: ``DCPLoadError("... AssertionError: metadata is None; global metadata read failed: ...")``."""
+    pytest.importorskip("torch.distributed.checkpoint")
+    import fastckpt.dcp
+    missing = tmp_path / "nope"
+    with pytest.raises(CheckpointNotFoundError) as ei:
+        fastckpt.dcp.load({"model": {"w": torch.zeros(6)}}, missing)
+    msg = str(ei.value)
+    assert str(missing) in msg and "AssertionError" not in msg and "metadata is None" not in msg, msg
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointNotFoundError, match=str(empty)):
+        fastckpt.dcp.load({"model": {"w": torch.zeros(6)}}, empty)
+
+
+# --- a torch.save file where a safetensors file is expected --------------------------------------
+
+class _Tripwire:
+    """Unpickling this creates a file: proof that a reader unpickled."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("kind", ["zip", "legacy", "pickle"])
+def test_torch_save_file_is_named_as_such_and_never_unpickled(tmp_path, kind):
+    """Today: ``header length field says 578712552184433488 bytes`` (zip) or 5088219219985302144 (legacy)."""
+    marker = tmp_path / "unpickled"
+    obj = {"w": torch.ones(3), "trap": _Tripwire(str(marker))}
+    f = tmp_path / "model.pt"
+    if kind == "zip":
+        torch.save(obj, f)
+    elif kind == "legacy":
+        torch.save(obj, f, _use_new_zipfile_serialization=False)
+    else:
+        f.write_bytes(pickle.dumps(obj, protocol=4))
+    for call in (lambda: fastckpt.load(f), lambda: fastckpt.load_into({"w": torch.zeros(3)}, f),
+                 lambda: fastckpt.verify(f)):
+        try:
+            r = call()
+        except NotSafetensorsError as e:
+            msg = str(e)
+        else:  # verify reports problems instead of raising
+            assert not r.ok
+            msg = " ".join(r.problems)
+        assert str(f) in msg and "torch.save" in msg and "not a safetensors file" in msg, msg
+        assert "weights_only=True" in msg and "fastckpt.save" in msg  # how to convert
+        assert "header length field" not in msg
+    assert not marker.exists()
+    e = pytest.raises(NotSafetensorsError, fastckpt.load, f).value
+    assert isinstance(e, HeaderError) and isinstance(e, ValueError) and e.path == str(f)
+
+
+def test_hf_folder_of_pytorch_model_bin_says_why_not(tmp_path):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    torch.save({"w": torch.ones(2)}, folder / "pytorch_model.bin")
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(CheckpointNotFoundError) as ei:
+        fastckpt.load(folder)
+    msg = str(ei.value)
+    assert str(folder) in msg and "pytorch_model.bin" in msg and "torch.save" in msg and "weights_only=True" in msg
+
+
+def test_json_file_given_as_a_checkpoint_says_pass_the_folder(tmp_path):
+    p = fastckpt.save(state(), tmp_path / "ck")
+    with pytest.raises(NotSafetensorsError) as ei:
+        fastckpt.load(p / "manifest.json")
+    assert "JSON" in str(ei.value) and str(p) in str(ei.value) and "header length field" not in str(ei.value)
+
+
+# --- a dead torchrun agent (the TCPStore is gone) -------------------------------------------------
+
+DEAD_STORE = textwrap.dedent(r"""
+    import json, socket, subprocess, sys, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    # the torchrun agent: hosts the TCPStore, then dies
+    agent = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; "
+                              f"s = d.TCPStore('127.0.0.1', {port}, 2, True, wait_for_workers=False); "
+                              "print('up', flush=True); time.sleep(600)"], stdout=subprocess.PIPE)
+    agent.stdout.readline()
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=20))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
+    agent.kill(); agent.wait()
+    import fastckpt
+    out = {}
+    for mode in ("group", "plain"):
+        t0 = time.monotonic()
+        try:
+            kw = {"process_group": dist.group.WORLD} if mode == "group" else {}
+            fastckpt.save({"w": torch.ones(4)}, sys.argv[1] + "/" + mode, **kw)
+            out[mode] = {"type": None}
+        except BaseException as e:
+            out[mode] = {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "msg": str(e),
+                         "rank": getattr(e, "rank", None), "address": getattr(e, "address", None),
+                         "s": time.monotonic() - t0}
+    out["port"] = port
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_dead_store_names_rank_address_operation_and_what_to_check(tmp_path):
+    """Today: a raw ``DistNetworkError: Broken pipe`` / ``Failed to recv, got 0 bytes`` from coordination.py."""
+    pytest.importorskip("torch.distributed")
+    r = subprocess.run([sys.executable, "-c", DEAD_STORE, str(tmp_path)], capture_output=True, text=True,
+                       timeout=300)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, (r.stdout, r.stderr[-3000:])
+    out = json.loads(line[0][7:])
+    for mode in ("group", "plain"):
+        got = out[mode]
+        assert got["type"] == "StoreUnreachableError", got
+        assert "RuntimeError" in got["mro"] and "FastCkptError" in got["mro"]
+        msg = got["msg"]
+        assert "rank 0" in msg and f"127.0.0.1:{out['port']}" in msg, msg
+        assert got["rank"] == 0 and got["address"] == f"127.0.0.1:{out['port']}"
+        assert "torchrun" in msg and "MASTER_ADDR" in msg, msg  # what to check
+        assert got["s"] < 60, got  # at once, not after the wait's deadline
+    assert "multi-rank save" in out["group"]["msg"], out["group"]["msg"]
+    assert "plain save" in out["plain"]["msg"] and str(tmp_path / "plain") in out["plain"]["msg"], out["plain"]["msg"]
+    assert [n for n in os.listdir(tmp_path)] == []  # nothing committed, no temporaries
+
+
+# --- python -m fastckpt --------------------------------------------------------------------------
+
+def test_python_dash_m_fastckpt_is_the_cli(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "fastckpt", "--version"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == f"fastckpt {fastckpt.__version__}", (p.stdout, p.stderr)
+    p = subprocess.run([sys.executable, "-m", "fastckpt", "verify", str(tmp_path / "missing")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and str(tmp_path / "missing") in p.stderr
+    assert issubclass(NotSafetensorsError, FastCkptError)
+
+
+# --- fastckpt verify shows progress like fastckpt load --to ----------------------------------------
+
+def test_verify_reports_progress_and_the_cli_draws_it_on_stderr(tmp_path):
+    p = fastckpt.save({"model": {"w": torch.randn(1_000_000)}, "opt": {"m": torch.randn(500_000)}}, tmp_path / "ck")
+    calls = []
+    rep = fastckpt.verify(p, progress=lambda done, total: calls.append((done, total)))
+    assert rep.ok and calls[0][0] == 0 and calls[-1] == (rep.bytes_checked, rep.bytes_checked)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls) and len({t for _, t in calls}) == 1
+    assert rep.bytes_checked >= 6_000_000
+    cmd = [sys.executable, "-m", "fastckpt", "verify", str(p)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.splitlines() == [f"{p}: OK, {rep.bytes_checked / 1e6:.1f} MB checked"], r
+    assert "verify" in r.stderr and "100%" in r.stderr and "MB" in r.stderr, r.stderr  # tqdm, decimal units
+    r = subprocess.run(cmd + ["-q"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == "" and "OK" in r.stdout
+    r = subprocess.run(cmd + ["--threads", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--threads" in r.stderr and "Traceback" not in r.stderr
+
+
+# --- more arguments a user can get wrong: typed, named, at the call --------------------------------
+
+def test_bad_arguments_of_load_save_and_the_manager_are_named(tmp_path):
+    """Today: ``TypeError: 'int' object is not iterable`` (keys=3), ``ValueError: max_workers must be greater
+    than 0`` (threads=-1), local_keys='model' saved as the keys 'm', 'o', 'd', 'e', 'l', on_commit=3 a
+    ``TypeError`` after the commit, manager.load('1') "step 1 is not committed (have [1])"."""
+    p = fastckpt.save(state(), tmp_path / "ck")
+    cases = [
+        (lambda: fastckpt.load(p, keys=3), r"keys must be a key path"),
+        (lambda: fastckpt.load(p, threads=-1), r"threads must be a positive int.*-1"),
+        (lambda: fastckpt.verify(p, threads=-1), r"threads must be a positive int.*-1"),
+        (lambda: fastckpt.load_into(state(), p, threads=-1), r"threads must be a positive int.*-1"),
+        (lambda: fastckpt.load_into(state(), p, strict="yes"), r"strict must be None, True or False"),
+        (lambda: fastckpt.save(state(), tmp_path / "a", local_keys="model"), r"local_keys=\['model'\]"),
+        (lambda: fastckpt.save(state(), tmp_path / "b", on_commit=3), r"on_commit must be a callable"),
+    ]
+    for call, pattern in cases:
+        with pytest.raises(InvalidArgumentError, match=pattern):
+            call()
+    assert fastckpt.load(p, keys={"model": 1}.keys())["model"]["w"].shape == (6,)  # any iterable of str
+    mgr = fastckpt.CheckpointManager(tmp_path / "run")
+    mgr.save(1, state())
+    with pytest.raises(InvalidArgumentError, match=r"step must be an int .*got str '1'"):
+        mgr.load("1")
+    with pytest.raises(InvalidArgumentError, match="root must be a str or os.PathLike"):
+        fastckpt.CheckpointManager(None)
+    assert sorted(os.listdir(tmp_path)) == ["ck", "run"]  # nothing of the refused saves
+
+
+DEAD_STORE_MID_SAVE = textwrap.dedent(r"""
+import json, socket, subprocess, sys, threading, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+out_dir = sys.argv[1]
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+agent = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; "
+                          f"s = d.TCPStore('127.0.0.1', {port}, 2, True, wait_for_workers=False); "
+                          "print('up', flush=True); time.sleep(600)"], stdout=subprocess.PIPE)
+agent.stdout.readline()
+peer = subprocess.Popen([sys.executable, "-c", "import time, datetime, torch.distributed as d; "
+                         f"s = d.TCPStore('127.0.0.1', {port}, 2, False, timeout=datetime.timedelta(seconds=20)); "
+                         "d.init_process_group('gloo', store=s, rank=1, world_size=2); time.sleep(600)"])
+store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=20))
+dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=60))
+import fastckpt
+watch = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=20))
+base = watch.num_keys()
+
+def kill_when_waiting():  # the agent dies once rank 0 has published its plan and waits for rank 1's
+    while watch.num_keys() < base + 2:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    agent.kill()
+
+threading.Thread(target=kill_when_waiting, daemon=True).start()
+t0 = time.monotonic()
+try:
+    fastckpt.save({"w": torch.ones(4)}, out_dir + "/ck", process_group=dist.group.WORLD, timeout_s=40)
+    out = {"type": None}
+except BaseException as e:
+    out = {"type": type(e).__name__, "msg": str(e), "s": time.monotonic() - t0}
+peer.kill()
+print("RESULT " + json.dumps(out), flush=True)
+import os; os._exit(0)
+""")
+
+
+def test_store_dying_while_a_rank_waits_fails_at_once_not_at_the_timeout(tmp_path):
+    """Two ranks; rank 1 never saves, rank 0 publishes its plan and waits; then the agent hosting the
+    store dies. Today: the wait swallows the connection errors until ``timeout_s`` (40 s here), then a
+    raw ``DistNetworkError: Broken pipe`` (47 s measured); now a StoreUnreachableError at once."""
+    pytest.importorskip("torch.distributed")
+    r = subprocess.run([sys.executable, "-c", DEAD_STORE_MID_SAVE, str(tmp_path)], capture_output=True, text=True,
+                       timeout=300)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, (r.stdout, r.stderr[-3000:])
+    out = json.loads(line[0][7:])
+    assert out["type"] == "StoreUnreachableError", out
+    assert "rank 0" in out["msg"] and "multi-rank save" in out["msg"] and "127.0.0.1:" in out["msg"], out
+    assert out["s"] < 30, out  # timeout_s=40: it did not wait the deadline out
+    assert os.listdir(tmp_path) == []
