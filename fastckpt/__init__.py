@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from . import errors
-from .storage.commit import is_committed, read_manifest
+from .storage.commit import read_manifest
+from .storage.locate import checkpoint_committed as is_committed
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError,
                      CorruptCheckpointError, DistributedSaveError, FastCkptError, HeaderError,
                      InsufficientSpaceError, RankValuesDifferError, SaveConflictError, UnsupportedDtypeError,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import shutil
 import sys
 from typing import Callable
 
@@ -26,7 +25,10 @@ from ..errors import CheckpointExistsError
 from ..format.dtypes import dtype_to_str
 from ..loading.zero import consolidate
 from ..saving.export import plan_shards, write_shards
-from ..storage import commit as cm
+from ..storage.store import LOCAL, strategy
+
+#: The consolidated folder is built in a hidden folder and renamed into place.
+_COMMIT = strategy("rename")
 from ..storage.io import copy_file
 
 
@@ -84,7 +86,7 @@ def export_zero(tag_dir: str, to: str, args: argparse.Namespace, meta_patterns: 
     print(f"source: DeepSpeed ZeRO-{info.stage} tag {tag_dir} ({info.world_size} ranks, {len(sd)} tensors, "
           f"{'fp32 master weights' if info.stage else 'module weights'})", file=sys.stderr)
     os.makedirs(os.path.dirname(to) or ".", exist_ok=True)
-    tmp = cm.make_temp_dir(to)
+    tmp = _COMMIT.begin(LOCAL, to, overwrite=args.overwrite)
     try:
         copied = _copy_meta(meta_folders(tag_dir, config), tmp, meta_patterns)
         entries = [(n, dtype_to_str(t.dtype, tensor=n), tuple(t.shape), t.numel() * t.element_size())
@@ -96,10 +98,9 @@ def export_zero(tag_dir: str, to: str, args: argparse.Namespace, meta_patterns: 
                   "--config HF_DIR (the model's config and tokenizer folder)", file=sys.stderr)
         if gate is not None:
             gate(tmp, to)
-        os.unlink(os.path.join(tmp, cm.OWNER))
-        cm.commit_dir(tmp, to, overwrite=args.overwrite)
+        _COMMIT.finish(LOCAL, tmp, to, overwrite=args.overwrite)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _COMMIT.abort(LOCAL, tmp)
         raise
     return to
 

@@ -62,6 +62,10 @@ from ..loading.source import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Source, adapter_b
 from ..saving.export import Entry, copy_checked, plan_shards, read_checked, warm_files, write_shards
 from ..storage import commit as cm
 from ..storage.io import copy_file, fsync_dir
+from ..storage.store import LOCAL, strategy
+
+#: Exports are built in a hidden folder and renamed into place (never half-visible at --to).
+_COMMIT = strategy("rename")
 from ..loading.servable import check_servable
 from ..loading.zero import find_zero_tag
 from . import lora
@@ -326,7 +330,7 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
     checked = _Checked()
     try:
         os.makedirs(os.path.dirname(to) or ".", exist_ok=True)
-        tmp = cm.make_temp_dir(to)
+        tmp = _COMMIT.begin(LOCAL, to, overwrite=args.overwrite)
     except OSError as e:
         raise _user_path_error(e, to) from None
     try:
@@ -359,10 +363,9 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
         if src.adapter_dir and not args.merge_lora:
             _layout_adapter(src.adapter_dir, os.path.join(tmp, "adapter"), to, checked)
         gate(tmp, to)  # a folder vllm serve cannot load as its config.json says never appears at --to
-        os.unlink(os.path.join(tmp, cm.OWNER))
-        cm.commit_dir(tmp, to, overwrite=args.overwrite)
+        _COMMIT.finish(LOCAL, tmp, to, overwrite=args.overwrite)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _COMMIT.abort(LOCAL, tmp)
         named = _user_path_error(e, to) if isinstance(e, OSError) and not isinstance(e, FastCkptError) else e
         if named is not e:
             raise named from e

@@ -11,6 +11,7 @@ import xxhash
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FastCkptError, UnsafePathError
 from ..format.safetensors import safe_join
 from ..storage.io import get_backend, read_exact
+from ..storage.locate import is_url, store_for
 from ..storage.commit import MANIFEST, read_manifest
 from ..format.dtypes import itemsize, str_to_dtype
 from .chunks import chunk_boxes
@@ -106,7 +107,7 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
     row-major order); a problem names the key and the chunk's offsets and shape.
 
     Args:
-        path: checkpoint folder with a manifest.
+        path: checkpoint folder with a manifest (or its URL in a store, ``s3://bucket/prefix``).
         threads: parallel readers (default :func:`fastckpt.storage.io.default_threads`).
         chunk_bytes: read size in bytes (default 8 MiB); memory use is ``threads * chunk_bytes``.
 
@@ -116,6 +117,12 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``path``.
     """
+    if is_url(path):  # a non-local store (s3://...): verify a local copy of every byte
+        with store_for(path).local_folder(path) as local:
+            rep = verify(local, threads=threads, chunk_bytes=chunk_bytes)
+        rep.problems = [p.replace(local, path) for p in rep.problems]
+        rep.path = path
+        return rep
     path = os.fspath(path)
     report = VerifyReport(path)
     try:

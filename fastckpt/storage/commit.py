@@ -121,17 +121,25 @@ def commit_dir(tmp: str, path: str, *, overwrite: bool) -> None:
     fsync_dir(parent)
 
 
-def read_manifest(path: str) -> dict:
+def read_manifest(path: str, store=None) -> dict:
     """Read and check the manifest of the checkpoint folder ``path``.
+
+    Args:
+        path: the checkpoint folder.
+        store: the :class:`fastckpt.storage.store.Store` holding it (default: the local file system).
 
     Raises:
         FileNotFoundError: no manifest (the folder is not a committed checkpoint).
         CorruptCheckpointError: the manifest is not valid JSON or not a fastckpt manifest,
             or its format version is newer than this library understands.
     """
-    mpath = os.path.join(path, MANIFEST)
-    with open(mpath, "rb") as f:
-        raw = f.read()
+    if store is None:
+        mpath = os.path.join(path, MANIFEST)
+        with open(mpath, "rb") as f:
+            raw = f.read()
+    else:
+        mpath = store.join(path, MANIFEST)
+        raw = store.read_bytes(mpath)
     try:
         m = json.loads(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -155,21 +163,26 @@ _SHARED: "OrderedDict[str, tuple[tuple, dict]]" = OrderedDict()
 _SHARED_LOCK = threading.Lock()
 
 
-def read_manifest_shared(path: str | os.PathLike) -> dict:
+def read_manifest_shared(path: str | os.PathLike, store=None) -> dict:
     """:func:`read_manifest`, memoised on the manifest file's identity (device, inode, size,
     mtime in ns): a committed manifest is never rewritten in place, so a repeated call (the
     Trainer callback checks the newest checkpoint before every save) costs one ``stat``.
-    The returned dict is shared: read it, never modify it. Raises as :func:`read_manifest`."""
+    The returned dict is shared: read it, never modify it. ``store``: as :func:`read_manifest`
+    (its :meth:`~fastckpt.storage.store.Store.identity` is the memo key). Raises as :func:`read_manifest`."""
     path = os.fspath(path)
-    st = os.stat(os.path.join(path, MANIFEST))
-    ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    key = os.path.abspath(path)
+    if store is None:
+        st = os.stat(os.path.join(path, MANIFEST))
+        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        key = os.path.abspath(path)
+    else:
+        ident = store.identity(store.join(path, MANIFEST))
+        key = store.normalize(path)
     with _SHARED_LOCK:
         hit = _SHARED.get(key)
         if hit is not None and hit[0] == ident:
             _SHARED.move_to_end(key)
             return hit[1]
-    m = read_manifest(path)
+    m = read_manifest(path, store)
     with _SHARED_LOCK:
         _SHARED[key] = (ident, m)
         while len(_SHARED) > 16:
@@ -177,13 +190,16 @@ def read_manifest_shared(path: str | os.PathLike) -> dict:
     return m
 
 
-def is_committed(path: str | os.PathLike) -> bool:
-    """True if ``path`` is a committed fastckpt checkpoint folder (visible name + valid manifest)."""
-    path = os.fspath(path)
-    if os.path.basename(os.path.normpath(path)).startswith("."):
+def is_committed(path: str | os.PathLike, store=None) -> bool:
+    """True if ``path`` is a committed fastckpt checkpoint folder (visible name + valid manifest).
+
+    ``store``: the :class:`fastckpt.storage.store.Store` holding it (default: the local file system)."""
+    path = os.fspath(path) if store is None else path
+    name = os.path.basename(os.path.normpath(path)) if store is None else store.basename(path)
+    if name.startswith("."):
         return False
     try:
-        read_manifest_shared(path)
+        read_manifest_shared(path, store)
         return True
     except (OSError, CorruptCheckpointError):
         return False
