@@ -193,6 +193,7 @@ class FsspecStore(Store):
         return SpoolWriter(self, path, size, get_backend(backend), o_direct)
 
     def makedirs(self, folder: str) -> None:
+        """Object stores have no empty folders: a folder exists once an object is under it."""
         self.fs.makedirs(self._p(folder), exist_ok=True)
 
     def remove(self, path: str) -> bool:

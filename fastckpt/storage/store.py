@@ -43,6 +43,7 @@ from typing import Iterator
 
 from ..errors import CheckpointExistsError
 from . import commit as cm
+from .lock import RootLock
 from .io import FileWriter, PosixBackend, copy_file, fsync_dir, get_backend
 
 
@@ -200,12 +201,28 @@ class Store:
         """Remove the temporary folders in ``root`` whose writer is dead; returns their names."""
         return []
 
+    def root_lock(self, root: str) -> "RootLock | NoLock":
+        """The lock that keeps a second job out of run root ``root`` (:class:`fastckpt.storage.lock.RootLock`
+        where the store has file locks; :class:`NoLock` where it has none: one writing job per root)."""
+        return NoLock()
+
     @contextlib.contextmanager
     def local_folder(self, path: str) -> Iterator[str]:
         """A local folder holding the checkpoint folder ``path``'s files, for the loaders (which read
         local files with ``preadv``): ``path`` itself for a local store, a downloaded copy otherwise
         (removed on exit)."""
         yield path
+
+
+class NoLock:
+    """The root lock of a store without locks (object stores): acquiring always succeeds, so two jobs
+    writing one root are not detected; keep one writing job per root there."""
+
+    def acquire(self, timeout_s: float = 0.0) -> None:
+        """Succeeds at once (``timeout_s`` in seconds is ignored)."""
+
+    def release(self) -> None:
+        """Nothing to release."""
 
 
 class StorePath(str):
@@ -268,9 +285,13 @@ class LocalStore(Store):
             return f.read()
 
     def write_file(self, path: str, data: bytes, *, fsync: bool = True, replace: bool = False) -> None:
-        if replace and os.path.lexists(path):
-            cm.write_small_file(path + ".tmp", data, fsync=fsync)
-            os.replace(path + ".tmp", path)
+        if replace:  # through a hidden name of this process, then one rename
+            folder, name = os.path.split(path)
+            tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            cm.write_small_file(tmp, data, fsync=fsync)
+            os.replace(tmp, path)
             return
         cm.write_small_file(path, data, fsync=fsync)
 
@@ -330,6 +351,9 @@ class LocalStore(Store):
 
     def owner_alive(self, tmp: str) -> bool:
         return cm.owner_alive(tmp)
+
+    def root_lock(self, root: str) -> RootLock:
+        return RootLock(root)
 
     def clean_stale_temps(self, root: str) -> list[str]:
         return cm.clean_stale_temps(root)

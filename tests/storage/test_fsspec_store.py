@@ -324,3 +324,25 @@ def test_commit_strategies_are_the_only_commit_modes():
     from fastckpt.saving.options import COMMIT_MODES
     assert COMMIT_MODES == tuple(STRATEGIES) == ("rename", "marker")
     assert STRATEGIES["marker"].per_node and not STRATEGIES["rename"].per_node
+
+
+def test_checkpoint_manager_on_s3_same_as_local(bucket, tmp_path):
+    """CheckpointManager on an s3:// root: same steps kept, same latest, same loads as a local root."""
+    name, fs, spool = bucket
+    mgrs = [fastckpt.CheckpointManager(tmp_path / "run", keep_last=2),
+            fastckpt.CheckpointManager(f"s3://{name}/run", keep_last=2)]
+    for step in (10, 20, 30):
+        for m in mgrs:
+            m.async_save(step, {"x": torch.full((5,), float(step)), "step": step}).result()
+        time.sleep(0.01)
+    assert mgrs[0].steps() == mgrs[1].steps() == [20, 30]
+    assert mgrs[0].latest() == mgrs[1].latest() == 30
+    assert fs.cat_file(f"{name}/run/latest") == (tmp_path / "run" / "latest").read_bytes() == b"30\n"
+    for m in mgrs:
+        assert_state_equal(m.load(), {"x": torch.full((5,), 30.0), "step": 30})
+        assert_state_equal(m.load(20), {"x": torch.full((5,), 20.0), "step": 20})
+    assert mgrs[1].path(30) == f"s3://{name}/run/step-30"
+    with pytest.raises(CheckpointExistsError):
+        mgrs[1].save(30, {"x": torch.zeros(1)})
+    assert mgrs[0].prune(1) == mgrs[1].prune(1) == [20]
+    assert os.listdir(spool) == []
