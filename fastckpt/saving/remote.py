@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from typing import Any
 
 from ..errors import CheckpointExistsError
-from ..storage.fsspec_store import spool_dir, upload_checkpoint
+from ..storage.fsspec_store import make_spool, upload_checkpoint
 from ..storage.locate import store_for
 from ..storage.store import Store
 from .future import SaveFuture
@@ -53,7 +52,7 @@ def start_remote_save(saver: Any, state: Any, path: str, pg: Any, options: dict)
     if not overwrite and store.exists(url):
         raise CheckpointExistsError(f"{url} already exists; pass overwrite=True to replace it")
     user_hook = options.pop("on_commit", None)
-    top = tempfile.mkdtemp(prefix=".fastckpt-spool-", dir=spool_dir())
+    top = make_spool()
     local = os.path.join(top, store.basename(url) or "checkpoint")
 
     def commit_remote(_local_path) -> None:  # the save's background thread, after the local commit

@@ -40,6 +40,20 @@ def spool_dir() -> str:
     return os.environ.get("FASTCKPT_SPOOL_DIR") or tempfile.gettempdir()
 
 
+def make_spool() -> str:
+    """Create a spool folder of this process in :func:`spool_dir` and return it, first removing
+    the spool folders of dead processes (a writer killed mid-save leaves its spool behind).
+
+    Spool folders are named as the local store's temporaries (``.fastckpt-spool.fastckpt-tmp-{pid}@{host}-{hex}``),
+    so :func:`fastckpt.storage.commit.clean_stale_temps` knows a dead writer's from a live one's.
+    """
+    top = spool_dir()
+    cm.clean_stale_temps(top)
+    path = cm.temp_dir_for(os.path.join(top, "fastckpt-spool"))
+    os.makedirs(path)
+    return path
+
+
 class SpoolWriter:
     """A file of an object store written at offsets: a local spool file (preallocated, ``pwrite``),
     uploaded as one object by :meth:`close` after a successful :meth:`sync`.
@@ -50,9 +64,8 @@ class SpoolWriter:
 
     def __init__(self, store: "FsspecStore", path: str, size: int, be: PosixBackend, o_direct: bool):
         self.store, self.path, self.size = store, path, size
-        fd, self.local = tempfile.mkstemp(prefix=".fastckpt-spool-", dir=spool_dir())
-        os.close(fd)
-        os.unlink(self.local)
+        self.top = make_spool()
+        self.local = os.path.join(self.top, "file")
         self._w = FileWriter(be, self.local, size, o_direct)
         self._synced = False
 
@@ -73,8 +86,7 @@ class SpoolWriter:
     def close(self) -> None:
         """Close and delete the spool file; safe to call twice."""
         self._w.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.local)
+        shutil.rmtree(self.top, ignore_errors=True)
 
 
 class FsspecStore(Store):
@@ -220,7 +232,7 @@ class FsspecStore(Store):
         Raises:
             CheckpointNotFoundError: no object under ``path``.
         """
-        top = tempfile.mkdtemp(prefix=".fastckpt-spool-", dir=spool_dir())
+        top = make_spool()
         local = os.path.join(top, self.basename(path) or "checkpoint")
         try:
             if not self.isdir(path):

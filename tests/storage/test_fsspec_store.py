@@ -290,7 +290,7 @@ WRITER = textwrap.dedent("""
 def test_killed_writer_leaves_no_committed_checkpoint(bucket, tmp_path):
     """SIGKILL a process in the middle of its upload: the prefix holds files but no manifest, so no
     checkpoint (load, is_committed, scan, prune all skip it); the next saves succeed."""
-    name, fs, _ = bucket
+    name, fs, spool = bucket
     url = f"s3://{name}/run/step-1"
     script, log = tmp_path / "writer.py", tmp_path / "uploaded.txt"
     script.write_text(WRITER)
@@ -303,6 +303,7 @@ def test_killed_writer_leaves_no_committed_checkpoint(bucket, tmp_path):
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    assert len(os.listdir(spool)) == 1  # the killed writer's local spool: removed by the next spool made
     fs.invalidate_cache()
     left = fs.find(f"{name}/run/step-1")
     assert left and not any(p.endswith("manifest.json") for p in left)  # killed mid-upload, really
@@ -313,6 +314,7 @@ def test_killed_writer_leaves_no_committed_checkpoint(bucket, tmp_path):
     assert scan.committed == [] and [s for s, _ in scan.uncommitted] == [1]
     state = make_state(7)
     fastckpt.save(state, f"s3://{name}/run/step-2")
+    assert os.listdir(spool) == []
     fastckpt.save(state, url, overwrite=True)  # the leftover is replaced
     assert prune_checkpoints(f"s3://{name}/run", "step-", 1) == [1]
     assert scan_checkpoints(f"s3://{name}/run", "step-").steps == [2]
