@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..storage.commit import MANIFEST, TMP_MARK
 from ..storage.retention import CheckpointScan, scan_checkpoints
+from ..storage.store import LOCAL
 
 #: Step folder prefixes of the layouts this project writes: ``step-N`` (:class:`fastckpt.CheckpointManager`),
 #: ``checkpoint-N`` (the Trainer callback, in ``output_dir``) and ``checkpoint_N`` (the accelerate
@@ -114,12 +115,12 @@ def find_runs(root: str | os.PathLike, prefix: str | None = None) -> list[Run]:
 def not_found_message(root: str | os.PathLike, prefix: str | None = None) -> str:
     """Why :func:`find_runs` found nothing: the folders and name patterns it looked for."""
     root = os.path.abspath(os.fspath(root))
-    if not os.path.exists(root):
+    if not LOCAL.exists(root):
         return f"{root}: no checkpoints: no such file or folder"
     pats = [f"{p}N" for p in ((prefix,) if prefix else PREFIXES)]
     what = pats[0] if len(pats) == 1 else ", ".join(pats[:-1]) + " or " + pats[-1]
     where = " or ".join(str(f) for f in search_folders(root))
     hint = ""
-    if os.path.exists(os.path.join(root, MANIFEST)):
+    if LOCAL.exists(os.path.join(root, MANIFEST)):
         hint = f" ({root} is itself a checkpoint: `fastckpt verify {root}`)"
     return f"{root}: no checkpoints: no {what} folders in {where}{hint}"

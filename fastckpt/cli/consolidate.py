@@ -37,7 +37,7 @@ def meta_folders(tag_dir: str, config: str | None) -> list[str]:
     folder, its parent (the DeepSpeed ``save_dir``)."""
     out = []
     for d in (config, tag_dir, os.path.dirname(tag_dir)):
-        if d and os.path.isdir(d) and os.path.abspath(d) not in out:
+        if d and LOCAL.isdir(d) and os.path.abspath(d) not in out:
             out.append(os.path.abspath(d))
     return out
 
@@ -85,7 +85,7 @@ def export_zero(tag_dir: str, to: str, args: argparse.Namespace, meta_patterns: 
     sd, info = consolidate(tag_dir)
     print(f"source: DeepSpeed ZeRO-{info.stage} tag {tag_dir} ({info.world_size} ranks, {len(sd)} tensors, "
           f"{'fp32 master weights' if info.stage else 'module weights'})", file=sys.stderr)
-    os.makedirs(os.path.dirname(to) or ".", exist_ok=True)
+    LOCAL.makedirs(os.path.dirname(to) or ".")
     tmp = _COMMIT.begin(LOCAL, to, overwrite=args.overwrite)
     try:
         copied = _copy_meta(meta_folders(tag_dir, config), tmp, meta_patterns)
@@ -111,7 +111,7 @@ def _copy_meta(folders: list[str], dst: str, patterns: tuple[str, ...]) -> list[
         for pat in patterns:
             for p in sorted(glob.glob(os.path.join(glob.escape(d), pat))):
                 name = os.path.basename(p)
-                if os.path.isfile(p) and name not in copied:
+                if LOCAL.isfile(p) and name not in copied:
                     copy_file(p, os.path.join(dst, name))
                     copied.append(name)
     return copied

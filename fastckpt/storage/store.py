@@ -88,7 +88,7 @@ class Store:
 
     # -- queries -----------------------------------------------------------------------------------
     def exists(self, path: str) -> bool:
-        """True if a file or folder is at ``path`` (a dangling local symlink counts)."""
+        """True if a file or folder is at ``path`` (a local symlink counts when its target exists)."""
         raise NotImplementedError
 
     def isdir(self, path: str) -> bool:
@@ -255,7 +255,7 @@ class LocalStore(Store):
         return os.path.basename(os.path.normpath(path))
 
     def exists(self, path: str) -> bool:
-        return os.path.lexists(path)
+        return os.path.exists(path)
 
     def isdir(self, path: str) -> bool:
         return os.path.isdir(path)
