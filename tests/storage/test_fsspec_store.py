@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import fastckpt
+from fastckpt.cli.main import main as cli_main
 from fastckpt.errors import CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError
 from fastckpt.storage.retention import prune_checkpoints, scan_checkpoints
 from fastckpt.storage.locate import store_for
@@ -231,12 +232,14 @@ def test_verify_and_load_catch_a_damaged_object(bucket):
     name, fs, _ = bucket
     url = f"s3://{name}/bad"
     fastckpt.save({"w": torch.arange(4096, dtype=torch.float32)}, url)
+    assert cli_main(["verify", url]) == 0  # `fastckpt verify s3://...`
     key = next(p for p in fs.find(f"{name}/bad") if p.endswith(".safetensors"))
     data = bytearray(fs.cat_file(key))
     data[-7] ^= 0x10
     fs.pipe_file(key, bytes(data))
     rep = fastckpt.verify(url)
     assert not rep.ok and rep.problems
+    assert cli_main(["verify", url]) == 1
     assert all(url in p for p in rep.problems if ".safetensors" in p)  # names the object, not the local copy
     with pytest.raises(ChecksumMismatchError):
         fastckpt.load(url)
@@ -348,3 +351,25 @@ def test_checkpoint_manager_on_s3_same_as_local(bucket, tmp_path):
         mgrs[1].save(30, {"x": torch.zeros(1)})
     assert mgrs[0].prune(1) == mgrs[1].prune(1) == [20]
     assert os.listdir(spool) == []
+
+
+def test_local_strategies_after_a_failure(tmp_path):
+    """The two strategies on the local store: an aborted rename save leaves the previous checkpoint;
+    a marker abort never removes a folder its manifest committed."""
+    from fastckpt.storage.store import strategy
+    path = str(tmp_path / "ckpt")
+    fastckpt.save({"x": torch.ones(3)}, path)
+    rename = strategy("rename")
+    tmp = rename.begin(LOCAL, path, overwrite=True, subfolders=["sub/a.json"])
+    assert os.path.isdir(os.path.join(tmp, "sub")) and os.path.basename(tmp).startswith(".ckpt.fastckpt-tmp-")
+    rename.abort(LOCAL, tmp)
+    assert not os.path.exists(tmp) and fastckpt.is_committed(path)
+    marker = strategy("marker")
+    marker.abort(LOCAL, path)  # has a manifest: committed, never removed
+    assert fastckpt.is_committed(path)
+    with pytest.raises(CheckpointExistsError):
+        marker.begin(LOCAL, path, overwrite=False)
+    folder = marker.begin(LOCAL, str(tmp_path / "m"), overwrite=False)
+    assert os.listdir(folder) == ["state.json"] and not fastckpt.is_committed(folder)
+    marker.abort(LOCAL, folder)
+    assert not os.path.exists(folder)
