@@ -123,9 +123,9 @@ def _read_side_file(folder: str, name: str, checked: _Checked) -> bytes:
     """The bytes of the small file ``folder/name``, checked when ``folder``'s manifest lists it."""
     fc = file_checks(folder, name)
     if fc is None or not fc[1]:
-        with open(os.path.join(folder, name), "rb") as f:
-            checked.unchecked.append(name)
-            return f.read()
+        data = LOCAL.read_bytes(os.path.join(folder, name))
+        checked.unchecked.append(name)
+        return data
     data = read_checked(os.path.join(folder, name), fc[0], fc[1])
     checked.files.append(name)
     return data
@@ -390,8 +390,7 @@ def vllm_command(model_dir: str, adapter_dir: str | None) -> str:
     """The ``vllm serve`` command line for ``model_dir`` (+ a LoRA adapter folder)."""
     cmd = ["vllm", "serve", model_dir]
     if adapter_dir:
-        with open(os.path.join(adapter_dir, ADAPTER_CONFIG), "rb") as f:
-            rank = int(json.loads(f.read()).get("r", 16))
+        rank = int(json.loads(LOCAL.read_bytes(os.path.join(adapter_dir, ADAPTER_CONFIG))).get("r", 16))
         cmd += ["--enable-lora", "--lora-modules", f"adapter={adapter_dir}", "--max-lora-rank", str(rank)]
     return " ".join(shlex.quote(c) for c in cmd)
 

@@ -112,8 +112,7 @@ def _latest_tag(save_dir: str) -> str | None:
     latest = os.path.join(save_dir, "latest")
     if not LOCAL.isfile(latest):
         return None
-    with open(latest, "rb") as f:
-        name = f.read(4096).decode("utf-8", "replace").strip()
+    name = LOCAL.read_bytes(latest, 4096).decode("utf-8", "replace").strip()
     if not name or name in (".", "..") or "/" in name or os.sep in name or name.startswith("."):
         return None
     return os.path.join(save_dir, name)

@@ -257,8 +257,7 @@ def read_checked(path: str, size: int | None, checks: Sequence[Check]) -> bytes:
             a range differs.
     """
     want = size if size is not None else max((c[2] for c in checks), default=0)
-    with open(path, "rb") as f:
-        data = f.read() if size is not None else f.read(want)
+    data = LOCAL.read_bytes(path, None if size is not None else want)
     if len(data) != want:
         raise CorruptCheckpointError(f"{path}: {len(data)} bytes on disk, manifest says "
                                      f"{'' if size is not None else 'at least '}{want} (truncated or replaced)",

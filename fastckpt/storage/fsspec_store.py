@@ -181,8 +181,10 @@ class FsspecStore(Store):
         return st.f_bavail * st.f_frsize
 
     # -- files -------------------------------------------------------------------------------------
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         try:
+            if limit is not None:
+                return self.fs.cat_file(self._p(path), start=0, end=limit) if limit else b""
             return self.fs.cat_file(self._p(path))
         except FileNotFoundError:
             raise FileNotFoundError(2, "no such file", self.normalize(path)) from None

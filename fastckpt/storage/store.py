@@ -124,8 +124,9 @@ class Store:
         raise NotImplementedError
 
     # -- files -------------------------------------------------------------------------------------
-    def read_bytes(self, path: str) -> bytes:
-        """The whole content of file ``path`` (small files: JSON, configs)."""
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
+        """The content of file ``path`` (small files: JSON, configs, headers), whole or its first
+        ``limit`` bytes (fewer when the file is shorter)."""
         raise NotImplementedError
 
     def write_file(self, path: str, data: bytes, *, fsync: bool = True, replace: bool = False) -> None:
@@ -280,9 +281,9 @@ class LocalStore(Store):
         st = os.statvfs(folder)
         return st.f_bavail * st.f_frsize
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         with open(path, "rb") as f:
-            return f.read()
+            return f.read() if limit is None else f.read(limit)
 
     def write_file(self, path: str, data: bytes, *, fsync: bool = True, replace: bool = False) -> None:
         if replace:  # through a hidden name of this process, then one rename
