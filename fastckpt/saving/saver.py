@@ -48,7 +48,7 @@ from ..format.layout import SavePlan, plan_save
 from ..format.stateful import to_state_dicts
 from ..format.tree import join
 from ..storage.staging import StagingPool
-from ..storage.store import strategy
+from ..storage.store import LOCAL as LOCAL_STORE, strategy
 from .remote import start_remote_save, wants_store
 from . import dedupe
 from .agree import CHECK_BYTES, array_digest, check_agreement, combined, json_leaves
@@ -281,7 +281,7 @@ class Saver:
         """Step 1: validate, collect and plan; multi-rank: agree on the global plan."""
         opts, coord, exc, values = sv.opts, sv.coord, None, {}
         try:
-            if sv.path.exists() and not opts.overwrite and (not strategy(opts.commit).per_node or coord.rank == 0):
+            if LOCAL_STORE.exists(str(sv.path)) and not opts.overwrite and (not strategy(opts.commit).per_node or coord.rank == 0):
                 hint = ("" if not sv.single or PathClaim(sv.path).store is None else
                         " (if every rank saves this checkpoint together, pass process_group= on every rank)")
                 raise CheckpointExistsError(f"{sv.path} already exists; pass overwrite=True to replace it "

@@ -60,8 +60,8 @@ class Store:
     """
 
     name = "store"
-    commits: tuple[str, ...] = ("rename", "marker")
-    local = True
+    commits: tuple[str, ...] = ("marker",)
+    local = False
 
     # -- paths -------------------------------------------------------------------------------------
     def path(self, path: str) -> "StorePath":
