@@ -410,7 +410,12 @@ class CommitStrategy:
 
 
 class RenameCommit(CommitStrategy):
-    """``commit="rename"``: a hidden temporary folder renamed into place (atomic; see module docstring)."""
+    """``commit="rename"``: a hidden temporary folder renamed into place.
+
+    After a crash at any point ``path`` holds nothing, the previous checkpoint or the whole new one
+    (never a mix); the temporary is a dead writer's leftover that :meth:`Store.clean_stale_temps`
+    removes. Needs :meth:`Store.rename_into_place` (local and shared POSIX file systems).
+    """
 
     name = "rename"
 
@@ -430,7 +435,13 @@ class RenameCommit(CommitStrategy):
 
 
 class MarkerCommit(CommitStrategy):
-    """``commit="marker"``: files written in place, ``manifest.json`` last is the marker (see module docstring)."""
+    """``commit="marker"``: files written in place, ``manifest.json`` written last is the marker.
+
+    After a crash before the manifest, ``path`` is a folder without manifest: no checkpoint (loads
+    raise ``CheckpointNotFoundError``; ``latest`` and retention skip it; a later save with
+    ``overwrite=True`` replaces it). A checkpoint replaced with ``overwrite`` is removed before the
+    new files are written, so a crash then leaves no checkpoint at ``path``. Works on any store.
+    """
 
     name = "marker"
     per_node = True
