@@ -373,3 +373,25 @@ def test_local_strategies_after_a_failure(tmp_path):
     assert os.listdir(folder) == ["state.json"] and not fastckpt.is_committed(folder)
     marker.abort(LOCAL, folder)
     assert not os.path.exists(folder)
+
+
+def test_cli_ls_verify_prune_on_s3(bucket, tmp_path, capsys):
+    """`fastckpt ls / verify / prune s3://bucket/run` answer as for a local run root."""
+    name, fs, _ = bucket
+    roots = (str(tmp_path / "run"), f"s3://{name}/run")
+    for step in (1, 2, 3):
+        for root in roots:
+            fastckpt.save({"x": torch.full((10,), float(step))}, f"{root}/step-{step}")
+        time.sleep(0.01)
+    out = []
+    for root in roots:
+        capsys.readouterr()
+        assert cli_main(["ls", root]) == 0
+        out.append(capsys.readouterr().out.replace(root, "ROOT"))
+    assert out[0] == out[1] and "latest committed: 3" in out[1]
+    assert cli_main(["verify", roots[1]]) == 0  # a run root: its newest checkpoint
+    assert f"{roots[1]}/step-3" in capsys.readouterr().out
+    for root in roots:
+        assert cli_main(["prune", root, "--keep", "1"]) == 0
+    assert [scan_checkpoints(r, "step-").steps for r in roots] == [[3], [3]]
+    assert cli_main(["ls", f"s3://{name}/nothing"]) == 2
