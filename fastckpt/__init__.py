@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from . import errors
-from .storage.commit import is_committed, read_manifest
+from .storage.commit import read_manifest
+from .storage.locate import checkpoint_committed as is_committed
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMismatchError,
                      CorruptCheckpointError, DistributedSaveError, FastCkptError, HeaderError,
                      InsufficientSpaceError, RankValuesDifferError, SaveConflictError, UnsupportedDtypeError,
@@ -71,7 +72,11 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
             JSON-able values (see :func:`fastckpt.format.tree.flatten`). A top-level value with
             ``state_dict()`` / ``load_state_dict()`` (DCP's ``Stateful``, e.g. ``{"app": AppState(model,
             optim)}``) is stored as its ``state_dict()``, called once at the call, as ``dcp.save`` does.
-        path: checkpoint folder to create; its parent is created if needed.
+        path: checkpoint folder to create; its parent is created if needed. A store URL
+            (``"s3://bucket/run/step-10"``, any fsspec protocol) or ``store.path(...)`` of an explicit
+            :class:`fastckpt.storage.Store` saves there: written into a local spool, then uploaded with
+            ``manifest.json`` last (docs/FORMAT.md, "Commit strategies and stores"); ``fut.result()``
+            then returns the URL. Not with ``process_group`` or ``link_from``.
         **options: see :class:`fastckpt.SaveOptions` (``overwrite``, ``weights``,
             ``extra_files``, ``metadata``, ``step``, ``max_shard_bytes``, ``chunk_bytes``,
             ``threads``, ``staging_bytes``, ``o_direct``, ``io_backend``, ``link_from``,

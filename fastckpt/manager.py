@@ -7,12 +7,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .storage import commit as cm
 from .storage import retention
 from .errors import CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError
 from .loading.into import load_into
 from .loading.reader import load
-from .storage.lock import RootLock
+from .storage.locate import store_for
 from .saving.future import SaveFuture
 from .format.stateful import to_state_dicts
 from .saving.dtensor import has_dtensor, leads_dtensor_save
@@ -68,19 +67,22 @@ class CheckpointManager:
             raise InvalidArgumentError(f"keep_last must be a positive int or None, got {keep_last!r}")
         if not prefix or "/" in prefix or prefix.startswith("."):
             raise InvalidArgumentError(f"prefix {prefix!r} must be a non-empty plain name not starting with '.'")
-        self.root = Path(os.path.abspath(InvalidArgumentError.check_path(root, "root")))
+        self.store = store_for(InvalidArgumentError.check_path(root, "root"))
+        #: the run root: a ``Path`` on the local file system, the store's URL (``str``) elsewhere
+        self.root = Path(os.path.abspath(os.fspath(root))) if self.store.local else self.store.path(root)
         self.keep_last = keep_last
         self.prefix = prefix
         self._saver = Saver(process_group)  # this manager's own: its failures stay its own
         self._writer = self._saver.rank == 0  # multi-rank: only rank 0 locks, cleans, prunes
-        self._lock = RootLock(self.root)
+        self._lock = self.store.root_lock(str(self.root))
         self.lock_timeout_s = lock_timeout_s
         self.link_unchanged = link_unchanged
         self._last_saved: int | None = None  # the step this manager committed last (rank 0)
 
     def path(self, step: int) -> Path:
-        """Folder of ``step`` (whether or not it exists)."""
-        return self.root / f"{self.prefix}{int(step)}"
+        """Folder of ``step`` (whether or not it exists; a ``str`` URL on a non-local store)."""
+        name = f"{self.prefix}{int(step)}"
+        return self.root / name if isinstance(self.root, Path) else self.store.path(self.store.join(self.root, name))
 
     def _scan(self) -> tuple[list[int], list[tuple[str, str]]]:
         scan = retention.scan_checkpoints(self.root, self.prefix)
@@ -114,7 +116,7 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
         target = self.path(step)
-        if target.exists() and not options.get("overwrite"):
+        if self.store.exists(str(target)) and not options.get("overwrite"):
             raise CheckpointExistsError(f"{target}: step {step} exists; pass overwrite=True to replace it")
         user_hook = options.pop("on_commit", None)
 
@@ -133,7 +135,7 @@ class CheckpointManager:
                 user_hook(p)
 
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.store.makedirs(str(self.root))
         except OSError as e:
             _raise_typed(target, e)
         state, _ = to_state_dicts(state)  # Stateful values (DCP's protocol): their state_dict(), called once
@@ -219,7 +221,7 @@ class CheckpointManager:
             if self._last_saved is not None and step != self._last_saved:
                 logger.warning("fastckpt: loading %s, the most recently committed step, but this manager last "
                                "saved step %d: another job committed %s after it", self.path(step),
-                               self._last_saved, self.path(step).name)
+                               self._last_saved, self.store.basename(str(self.path(step))))
         elif not isinstance(step, int) or isinstance(step, bool):
             raise InvalidArgumentError(f"{self.root}: step must be an int (a committed step, {self.steps()}) "
                                        f"or None (the newest), got {type(step).__name__} {step!r:.40}")
@@ -231,12 +233,9 @@ class CheckpointManager:
         step = self.latest()
         if step is None:
             return
-        tmp = self.root / f".{LATEST}.{os.getpid()}.tmp"
-        if tmp.exists():
-            tmp.unlink()
-        cm.write_small_file(str(tmp), f"{step}\n".encode())
-        os.replace(tmp, self.root / LATEST)
-        cm.fsync_dir(str(self.root))
+        root = str(self.root)
+        self.store.write_file(self.store.join(root, LATEST), f"{step}\n".encode(), replace=True)
+        self.store.sync_dir(root)
 
     def prune(self, keep: int, protect: tuple[int, ...] = ()) -> list[int]:
         """Remove the oldest commits so that the ``keep`` most recently committed steps remain, and
@@ -255,7 +254,7 @@ class CheckpointManager:
         """
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise InvalidArgumentError(f"keep must be >= 1 (an int), got {keep!r}")
-        if not self.root.is_dir():
+        if not self.store.isdir(str(self.root)):
             return []
         self._lock.acquire(self.lock_timeout_s)
         try:
@@ -265,12 +264,17 @@ class CheckpointManager:
 
     def _clean_leftovers(self) -> None:
         """Remove dead writers' temporaries and stale ``latest`` temp files (caller holds the lock)."""
-        cm.clean_stale_temps(str(self.root))
-        mine = f".{LATEST}.{os.getpid()}.tmp"
-        for n in os.listdir(self.root):
+        root = str(self.root)
+        self.store.clean_stale_temps(root)
+        mine = f".{LATEST}.{os.getpid()}.tmp"  # the store's replace=True temporary of `latest`
+        try:
+            names = self.store.listdir(root)
+        except FileNotFoundError:  # an object store's root without objects yet (it has no empty folders)
+            names = []
+        for n in names:
             if n.startswith(f".{LATEST}.") and n.endswith(".tmp") and n != mine:
                 try:
-                    os.unlink(self.root / n)
+                    self.store.remove(self.store.join(root, n))
                 except OSError:
                     pass
 

@@ -23,6 +23,9 @@ $PY -m pip install -q --disable-pip-version-check transformers==5.24.0 accelerat
 $PY -m pip install -q --disable-pip-version-check --no-deps torchtitan==0.3.0 lightning==2.6.6 \
   lightning-utilities==0.15.3 torchmetrics==1.9.0 spmd_types==0.2.3
 $PY -m pip install -q --disable-pip-version-check tyro==1.0.17 torch==2.13.0
+# The fsspec store on S3 (fastckpt.storage.fsspec_store) and the S3-compatible server its tests start on
+# localhost (tests/storage/test_fsspec_store.py; moto 5.2.5 / s3fs 2026.9.0 are the newest on the registry).
+$PY -m pip install -q --disable-pip-version-check 'moto[server]==5.2.5' s3fs==2026.9.0 torch==2.13.0
 # DeepSpeed engine tests (real DeepSpeed on CPU) and the atheris header fuzzer; torch stays pinned.
 $PY -m pip install -q --disable-pip-version-check deepspeed==0.19.8 atheris torch==2.13.0
 if [ "${FASTCKPT_SKIP_LMCACHE:-0}" != 1 ]; then

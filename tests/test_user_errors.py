@@ -277,7 +277,8 @@ def test_verify_reports_progress_and_the_cli_draws_it_on_stderr(tmp_path):
     cmd = [sys.executable, "-m", "fastckpt", "verify", str(p)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.splitlines() == [f"{p}: OK, {rep.bytes_checked / 1e6:.1f} MB checked"], r
-    assert "verify" in r.stderr and "100%" in r.stderr and "MB" in r.stderr, r.stderr  # tqdm, decimal units
+    total = f"{rep.bytes_checked / 1e6:.2f}M/{rep.bytes_checked / 1e6:.2f}M"  # tqdm, decimal units (1000)
+    assert "verify" in r.stderr and "100%" in r.stderr and total in r.stderr and "B/s" in r.stderr, r.stderr
     r = subprocess.run(cmd + ["-q"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stderr == "" and "OK" in r.stdout
     r = subprocess.run(cmd + ["--threads", "0"], capture_output=True, text=True, timeout=120)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from ..storage.commit import MANIFEST, TMP_MARK
 from ..storage.retention import CheckpointScan, scan_checkpoints
+from ..storage.locate import store_for
+from ..storage.store import LOCAL, Store
 
 #: Step folder prefixes of the layouts this project writes: ``step-N`` (:class:`fastckpt.CheckpointManager`),
 #: ``checkpoint-N`` (the Trainer callback, in ``output_dir``) and ``checkpoint_N`` (the accelerate
@@ -90,17 +92,26 @@ class Run:
     (committed or not) or leftovers of saves into them; ``scan`` is what
     :func:`fastckpt.storage.scan_checkpoints` found there."""
 
-    folder: Path
+    folder: Path | str
     prefix: str
     scan: CheckpointScan
 
+    @property
+    def store(self) -> Store:
+        """The store holding the run (local, or the one of an ``s3://...`` URL)."""
+        return store_for(self.folder)
+
     def describe(self) -> str:
         """``"/abs/run/checkpoint-N"``: the folder and the name pattern of its steps."""
-        return str(self.folder / f"{self.prefix}N")
+        return self.store.join(str(self.folder), f"{self.prefix}N")
 
 
-def search_folders(root: str | os.PathLike) -> list[Path]:
-    """The folders :func:`find_runs` looks in: ``root`` and ``root/checkpoints`` (absolute)."""
+def search_folders(root: str | os.PathLike) -> list[Path | str]:
+    """The folders :func:`find_runs` looks in: ``root`` and ``root/checkpoints`` (absolute; on a
+    non-local store, ``root``'s URL and the URL below it)."""
+    store = store_for(root)
+    if not store.local:
+        return [store.normalize(root), store.join(store.normalize(root), RUNS_SUBDIR)]
     root = Path(os.path.abspath(os.fspath(root)))
     return [root, root / RUNS_SUBDIR]
 
@@ -118,7 +129,7 @@ def find_runs(root: str | os.PathLike, prefix: str | None = None) -> list[Run]:
     carries it; a folder with leftovers of no known prefix counts as one run of the first prefix.
 
     Args:
-        root: a run root, or the folder above accelerate's ``checkpoints``.
+        root: a run root, or the folder above accelerate's ``checkpoints`` (or a store URL, ``s3://...``).
         prefix: only this step folder prefix (default: all of :data:`PREFIXES`).
 
     Returns:
@@ -127,7 +138,7 @@ def find_runs(root: str | os.PathLike, prefix: str | None = None) -> list[Run]:
     prefixes = (prefix,) if prefix else PREFIXES
     runs: list[Run] = []
     for folder in search_folders(root):
-        if not folder.is_dir():
+        if not store_for(folder).isdir(str(folder)):
             continue
         scans = [scan_checkpoints(folder, p) for p in prefixes]
         found = [Run(folder, p, s) for p, s in zip(prefixes, scans)
@@ -140,8 +151,12 @@ def find_runs(root: str | os.PathLike, prefix: str | None = None) -> list[Run]:
 
 def not_found_message(root: str | os.PathLike, prefix: str | None = None) -> str:
     """Why :func:`find_runs` found nothing: the folders and name patterns it looked for."""
+    store = store_for(root)
+    if not store.local:
+        pats = ", ".join(f"{p}N" for p in ((prefix,) if prefix else PREFIXES))
+        return f"{store.normalize(root)}: no checkpoints: no step folders ({pats}) under this prefix"
     root = os.path.abspath(os.fspath(root))
-    if not os.path.exists(root):
+    if not LOCAL.exists(root):
         return f"{root}: no checkpoints: no such file or folder"
     if not os.path.isdir(root):
         return (f"{root}: no checkpoints: it is a file, not a folder (pass the run root or checkpoint folder; "
@@ -150,6 +165,6 @@ def not_found_message(root: str | os.PathLike, prefix: str | None = None) -> str
     what = pats[0] if len(pats) == 1 else ", ".join(pats[:-1]) + " or " + pats[-1]
     where = " or ".join(str(f) for f in search_folders(root))
     hint = ""
-    if os.path.exists(os.path.join(root, MANIFEST)):
+    if LOCAL.exists(os.path.join(root, MANIFEST)):
         hint = f" ({root} is itself a checkpoint: `fastckpt verify {root}`)"
     return f"{root}: no checkpoints: no {what} folders in {where}{hint}"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import shutil
 import sys
 from typing import Callable
 
@@ -26,7 +25,10 @@ from ..errors import CheckpointExistsError
 from ..format.dtypes import dtype_to_str
 from ..loading.zero import consolidate
 from ..saving.export import plan_shards, write_shards
-from ..storage import commit as cm
+from ..storage.store import LOCAL, strategy
+
+#: The consolidated folder is built in a hidden folder and renamed into place.
+_COMMIT = strategy("rename")
 from ..storage.io import copy_file
 
 
@@ -35,7 +37,7 @@ def meta_folders(tag_dir: str, config: str | None) -> list[str]:
     folder, its parent (the DeepSpeed ``save_dir``)."""
     out = []
     for d in (config, tag_dir, os.path.dirname(tag_dir)):
-        if d and os.path.isdir(d) and os.path.abspath(d) not in out:
+        if d and LOCAL.isdir(d) and os.path.abspath(d) not in out:
             out.append(os.path.abspath(d))
     return out
 
@@ -83,8 +85,8 @@ def export_zero(tag_dir: str, to: str, args: argparse.Namespace, meta_patterns: 
     sd, info = consolidate(tag_dir)
     print(f"source: DeepSpeed ZeRO-{info.stage} tag {tag_dir} ({info.world_size} ranks, {len(sd)} tensors, "
           f"{'fp32 master weights' if info.stage else 'module weights'})", file=sys.stderr)
-    os.makedirs(os.path.dirname(to) or ".", exist_ok=True)
-    tmp = cm.make_temp_dir(to)
+    LOCAL.makedirs(os.path.dirname(to) or ".")
+    tmp = _COMMIT.begin(LOCAL, to, overwrite=args.overwrite)
     try:
         copied = _copy_meta(meta_folders(tag_dir, config), tmp, meta_patterns)
         entries = [(n, dtype_to_str(t.dtype, tensor=n), tuple(t.shape), t.numel() * t.element_size())
@@ -96,10 +98,9 @@ def export_zero(tag_dir: str, to: str, args: argparse.Namespace, meta_patterns: 
                   "--config HF_DIR (the model's config and tokenizer folder)", file=sys.stderr)
         if gate is not None:
             gate(tmp, to)
-        os.unlink(os.path.join(tmp, cm.OWNER))
-        cm.commit_dir(tmp, to, overwrite=args.overwrite)
+        _COMMIT.finish(LOCAL, tmp, to, overwrite=args.overwrite)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _COMMIT.abort(LOCAL, tmp)
         raise
     return to
 
@@ -110,7 +111,7 @@ def _copy_meta(folders: list[str], dst: str, patterns: tuple[str, ...]) -> list[
         for pat in patterns:
             for p in sorted(glob.glob(os.path.join(glob.escape(d), pat))):
                 name = os.path.basename(p)
-                if os.path.isfile(p) and name not in copied:
+                if LOCAL.isfile(p) and name not in copied:
                     copy_file(p, os.path.join(dst, name))
                     copied.append(name)
     return copied

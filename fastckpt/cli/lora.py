@@ -19,6 +19,7 @@ from ..format.dtypes import dtype_to_str
 from ..loading.source import ADAPTER_WEIGHTS
 from ..saving.export import Entry
 from ..storage.commit import MANIFEST, read_manifest_shared
+from ..storage.store import LOCAL
 
 
 def missing_adapter_tensors(adapter_dir: str) -> list[str]:
@@ -26,7 +27,7 @@ def missing_adapter_tensors(adapter_dir: str) -> list[str]:
     stored in its ``adapter_model.safetensors`` (``alias``/``view`` entries of the adapter group:
     what fastckpt wrote before every adapter tensor was kept in that file). Empty for a folder
     without a manifest (a plain peft folder: the file is all there is)."""
-    if not os.path.isfile(os.path.join(adapter_dir, MANIFEST)):
+    if not LOCAL.isfile(os.path.join(adapter_dir, MANIFEST)):
         return []
     man = read_manifest_shared(adapter_dir)
     tops = [top for top, stem in man.weights.items() if stem == ADAPTER_WEIGHTS]
@@ -49,10 +50,10 @@ def nested_adapters(folder: str) -> list[str]:
     """Sub-folders of ``folder`` that hold a peft adapter (``adapter_config.json`` +
     ``adapter_model.safetensors``): where ``PeftModel.save_pretrained`` (and fastckpt) save every
     adapter not named ``default``. Sorted; empty for a file or a folder without any."""
-    if not os.path.isdir(folder):
+    if not LOCAL.isdir(folder):
         return []
-    return sorted(n for n in os.listdir(folder) if not n.startswith(".") and os.path.isfile(
-        os.path.join(folder, n, ADAPTER_WEIGHTS)) and os.path.isfile(os.path.join(folder, n, "adapter_config.json")))
+    return sorted(n for n in LOCAL.listdir(folder) if not n.startswith(".") and LOCAL.isfile(
+        os.path.join(folder, n, ADAPTER_WEIGHTS)) and LOCAL.isfile(os.path.join(folder, n, "adapter_config.json")))
 
 
 def refuse_nested_adapters(folder: str) -> None:

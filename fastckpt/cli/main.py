@@ -13,6 +13,7 @@ from pathlib import Path
 from ..errors import CheckpointNotFoundError, FastCkptError
 from ..manager import CheckpointManager
 from ..storage.commit import MANIFEST, read_manifest
+from ..storage.locate import store_for
 from .common import (SIZE_UNITS_HELP, Run, find_runs, human_bytes, not_found_message,  # noqa: F401
                      parse_bytes, positive_int, progress_bar)  # parse_bytes re-exported: tests, scripts
 from .serve import add_load_parser
@@ -28,9 +29,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for run in runs:
         print(f"{run.describe()}:")
         print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'tensors':>7}  path")
+        store = run.store
         for s, p in run.scan.committed:
-            m = read_manifest(str(p))
-            size = (m.bytes_total or 0) + os.path.getsize(p / MANIFEST)  # the manifest cannot list itself
+            m = read_manifest(str(p), None if store.local else store)
+            size = (m.bytes_total or 0) + store.size(store.join(str(p), MANIFEST))  # the manifest cannot list itself
             print(f"{s:>10}  {human_bytes(size):>10}  {len(m.files) + 1:>5}  {len(m.tensors):>7}  {p}")
         newest = run.scan.newest()  # by commit time, as CheckpointManager.latest() and prune
         print(f"latest committed: {newest[0] if newest else '-'}")
@@ -61,7 +63,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from ..loading.verify import verify
     path = args.path
     run = None
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST)):
+    store = store_for(path)
+    if store.isdir(path) and not store.exists(store.join(path, MANIFEST)):
         run = _one_run(path, args.prefix, "verify")
         if run is not None and run.scan.committed:  # a run root: verify its newest committed checkpoint
             path = str(run.scan.newest()[1])
@@ -76,7 +79,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     try:
         rep = verify(path, threads=args.threads, progress=progress)
     except CheckpointNotFoundError:
-        if not os.path.isdir(path):
+        if not store.isdir(path):
             raise
         if run is None:  # nothing of ours and nothing foreign: say what was looked for
             raise CheckpointNotFoundError(not_found_message(path, args.prefix) + "; no manifest.json, "

@@ -51,7 +51,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import sys
 from pathlib import Path
 import warnings
@@ -62,7 +61,11 @@ from ..loading.source import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Source, adapter_b
 from ..saving.committer import folder_error
 from ..saving.export import Entry, copy_checked, plan_shards, read_checked, warm_files, write_shards
 from ..storage import commit as cm
-from ..storage.io import copy_file, fsync_dir
+from ..storage.io import copy_file
+from ..storage.store import LOCAL, strategy
+
+#: Exports are built in a hidden folder and renamed into place (never half-visible at --to).
+_COMMIT = strategy("rename")
 from ..loading.servable import check_servable
 from ..loading.zero import find_zero_tag
 from . import lora
@@ -121,9 +124,9 @@ def _read_side_file(folder: str, name: str, checked: _Checked) -> bytes:
     """The bytes of the small file ``folder/name``, checked when ``folder``'s manifest lists it."""
     fc = file_checks(folder, name)
     if fc is None or not fc[1]:
-        with open(os.path.join(folder, name), "rb") as f:
-            checked.unchecked.append(name)
-            return f.read()
+        data = LOCAL.read_bytes(os.path.join(folder, name))
+        checked.unchecked.append(name)
+        return data
     data = read_checked(os.path.join(folder, name), fc[0], fc[1])
     checked.files.append(name)
     return data
@@ -134,7 +137,7 @@ def _meta_files(src_dir: str) -> list[str]:
     out: list[str] = []
     for pat in META_PATTERNS:
         for p in sorted(glob.glob(os.path.join(glob.escape(src_dir), pat))):
-            if os.path.isfile(p) and os.path.basename(p) not in out:
+            if LOCAL.isfile(p) and os.path.basename(p) not in out:
                 out.append(os.path.basename(p))
     return out
 
@@ -142,7 +145,7 @@ def _meta_files(src_dir: str) -> list[str]:
 def _copy_meta(src_dir: str, dst: str, checked: _Checked) -> list[str]:
     copied = []
     for name in _meta_files(src_dir):
-        if not os.path.exists(os.path.join(dst, name)):
+        if not LOCAL.exists(os.path.join(dst, name)):
             _copy_side_file(src_dir, name, os.path.join(dst, name), checked)
             copied.append(name)
     return copied
@@ -158,7 +161,7 @@ def _meta_fallbacks(src: Source, args: argparse.Namespace) -> list[str]:
     out = []
     for d in (getattr(args, "config", None), getattr(args, "base", None),
               src.adapter_dir and adapter_base_dir(src.adapter_dir)):
-        if d and os.path.isdir(d) and os.path.abspath(d) != os.path.abspath(src.meta_dir) \
+        if d and LOCAL.isdir(d) and os.path.abspath(d) != os.path.abspath(src.meta_dir) \
                 and os.path.abspath(d) not in out:
             out.append(os.path.abspath(d))
     return out
@@ -171,13 +174,13 @@ def _copy_all_meta(src: Source, dst: str, args: argparse.Namespace, checked: _Ch
     folder's manifest when it lists it); warn when the result has no tokenizer."""
     copied = []
     config = getattr(args, "config", None)
-    if config and os.path.isdir(config):
+    if config and LOCAL.isdir(config):
         copied = _copy_meta(config, dst, checked)
         if copied:
             print(f"fastckpt load: copied {', '.join(copied)} from --config {config}", file=sys.stderr)
     copied += _copy_meta(src.meta_dir, dst, checked)
     for d in _meta_fallbacks(src, args):
-        if _has_tokenizer(dst) and all(os.path.exists(os.path.join(dst, n))
+        if _has_tokenizer(dst) and all(LOCAL.exists(os.path.join(dst, n))
                                        for n in ("config.json", "generation_config.json")):
             break
         more = _copy_meta(d, dst, checked)
@@ -213,7 +216,7 @@ def merged_state(src: Source, config_dir: str, scratch: str, checked: _Checked, 
     import transformers
     from safetensors.torch import save_file
 
-    if not os.path.isfile(os.path.join(config_dir, "config.json")):
+    if not LOCAL.isfile(os.path.join(config_dir, "config.json")):
         raise ValueError(f"--merge-lora: {src.meta_dir} has no config.json (nor has the base model folder): "
                          "transformers cannot build the model to merge into; pass --base BASE_MODEL_DIR")
     cfg = transformers.AutoConfig.from_pretrained(config_dir)
@@ -229,7 +232,7 @@ def merged_state(src: Source, config_dir: str, scratch: str, checked: _Checked, 
     if src.checksummed:
         checked.tensors += len(src.weights)
     acfg = _read_side_file(src.adapter_dir, ADAPTER_CONFIG, checked)
-    cm.write_small_file(os.path.join(scratch, ADAPTER_CONFIG), acfg, fsync=False)
+    LOCAL.write_file(os.path.join(scratch, ADAPTER_CONFIG), acfg, fsync=False)
     adapter = src.read_adapter(threads=threads)  # each tensor's xxh3 checked when the adapter has a manifest
     if file_checks(src.adapter_dir, ADAPTER_WEIGHTS):
         checked.tensors += len(adapter)
@@ -322,8 +325,8 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
         raise CheckpointExistsError(f"{to} exists; choose another --to or pass --overwrite")
     checked = _Checked()
     try:
-        os.makedirs(os.path.dirname(to) or ".", exist_ok=True)
-        tmp = cm.make_temp_dir(to)
+        LOCAL.makedirs(os.path.dirname(to) or ".")
+        tmp = _COMMIT.begin(LOCAL, to, overwrite=args.overwrite)
     except OSError as e:
         raise _user_path_error(e, to) from None
     try:
@@ -331,7 +334,7 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
         _copy_all_meta(src, tmp, args, checked)  # first: a merge builds the model from the checked config
         if args.merge_lora and src.adapter_dir:
             scratch = os.path.join(tmp, ".merge-adapter")
-            os.mkdir(scratch)
+            LOCAL.makedirs(scratch)
             with warnings.catch_warnings():
                 if args.quiet:  # -q: also transformers' own "Loading weights" bar and notices
                     import transformers
@@ -341,7 +344,7 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
                 try:
                     sd, entries = merged_state(src, tmp, scratch, checked, threads=args.threads)
                 finally:
-                    shutil.rmtree(scratch, ignore_errors=True)
+                    LOCAL.remove(scratch)
             fetch = lambda names: {n: sd[n] for n in names}  # noqa: E731
         else:
             entries = _entries(src)
@@ -356,10 +359,9 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
         if src.adapter_dir and not args.merge_lora:
             _layout_adapter(src.adapter_dir, os.path.join(tmp, "adapter"), to, checked)
         gate(tmp, to)  # a folder vllm serve cannot load as its config.json says never appears at --to
-        os.unlink(os.path.join(tmp, cm.OWNER))
-        cm.commit_dir(tmp, to, overwrite=args.overwrite)
+        _COMMIT.finish(LOCAL, tmp, to, overwrite=args.overwrite)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _COMMIT.abort(LOCAL, tmp)
         named = _user_path_error(e, to) if isinstance(e, OSError) and not isinstance(e, FastCkptError) else e
         if named is not e:
             raise named from e
@@ -373,20 +375,19 @@ def _layout_adapter(adapter_dir: str, dst: str, base: str, checked: _Checked) ->
     checked against the adapter folder's manifest when it has one. Raises ``LoraMergeError`` when
     the manifest lists adapter tensors the file lacks (:func:`fastckpt.cli.lora.check_adapter`)."""
     lora.check_adapter(adapter_dir)  # peft/vLLM would load the adapter without them
-    os.makedirs(dst)
+    LOCAL.makedirs(dst)
     cfg = json.loads(_read_side_file(adapter_dir, ADAPTER_CONFIG, checked))
     cfg["base_model_name_or_path"] = base
-    cm.write_small_file(os.path.join(dst, ADAPTER_CONFIG), json.dumps(cfg, indent=2, sort_keys=True).encode())
+    LOCAL.write_file(os.path.join(dst, ADAPTER_CONFIG), json.dumps(cfg, indent=2, sort_keys=True).encode())
     _copy_side_file(adapter_dir, ADAPTER_WEIGHTS, os.path.join(dst, ADAPTER_WEIGHTS), checked)
-    fsync_dir(dst)
+    LOCAL.sync_dir(dst)
 
 
 def vllm_command(model_dir: str, adapter_dir: str | None) -> str:
     """The ``vllm serve`` command line for ``model_dir`` (+ a LoRA adapter folder)."""
     cmd = ["vllm", "serve", model_dir]
     if adapter_dir:
-        with open(os.path.join(adapter_dir, ADAPTER_CONFIG), "rb") as f:
-            rank = int(json.loads(f.read()).get("r", 16))
+        rank = int(json.loads(LOCAL.read_bytes(os.path.join(adapter_dir, ADAPTER_CONFIG))).get("r", 16))
         cmd += ["--enable-lora", "--lora-modules", f"adapter={adapter_dir}", "--max-lora-rank", str(rank)]
     return " ".join(shlex.quote(c) for c in cmd)
 
@@ -425,7 +426,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         _warm_source(src, args)
         out, adapter = src.path, src.adapter_dir
         try:  # warming was the job and it is done: a source that fails the gate gets no command, exit 0
-            if not os.path.isdir(out):
+            if not LOCAL.isdir(out):
                 raise NotServableError(
                     f"vllm serve cannot serve {out}: it is a file and vLLM needs a model folder with a config.json "
                     "(write one with --to DIR --config HF_DIR, a folder providing config.json and tokenizer, or "
@@ -472,7 +473,7 @@ def _warm_source(src: Source, args: argparse.Namespace) -> None:
         return
     checked, checks = _Checked(), {}
     for p in files:
-        fc = file_checks(os.path.dirname(p), os.path.basename(p)) if os.path.isdir(os.path.dirname(p)) else None
+        fc = file_checks(os.path.dirname(p), os.path.basename(p)) if LOCAL.isdir(os.path.dirname(p)) else None
         if fc and fc[1]:
             checks[p] = fc[1]
             checked.files.append(os.path.basename(p))
@@ -481,7 +482,7 @@ def _warm_source(src: Source, args: argparse.Namespace) -> None:
             checked.unchecked.append(os.path.basename(p))
     folders = [src.meta_dir] + ([src.adapter_dir] if src.adapter_dir else [])
     for d in dict.fromkeys(folders):
-        if os.path.isdir(d):
+        if LOCAL.isdir(d):
             for name in _meta_files(d) + ([ADAPTER_CONFIG] if d == src.adapter_dir else []):
                 _read_side_file(d, name, checked)
     _warm(files, args, checks)
@@ -504,7 +505,7 @@ def _verify(src: Source) -> bool:
 
 
 def _warm(files: list[str], args: argparse.Namespace, checks: dict | None = None) -> None:
-    total = sum(os.stat(p).st_size for p in files)
+    total = sum(LOCAL.size(p) for p in files)
     with progress_bar(total, "warm", args.quiet) as bar:
         warm_files(files, threads=args.threads, progress=bar.update, checks=checks)
 

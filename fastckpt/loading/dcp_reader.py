@@ -50,6 +50,7 @@ from ..errors import CorruptCheckpointError, DCPPlannerError
 from ..format.dtypes import str_to_dtype
 from ..format.tree import join
 from ..storage.io import PosixBackend, get_backend
+from ..storage.store import LOCAL
 from .into import Files, byte_view, read_box, verify_region
 from .reader import READ_CHUNK_BYTES, default_read_threads
 from .regions import Stored, intersect
@@ -131,12 +132,11 @@ DCP_METADATA = "dcp_metadata.json"
 def _saved_dcp_metadata(idx: CheckpointIndex) -> dict | None:
     """``dcp_metadata.json`` of a fastckpt checkpoint (JSON, listed in its manifest), or ``None``."""
     m = idx.resolved.manifest
-    if m is None or DCP_METADATA not in m.files or os.path.isfile(idx.resolved.root):
+    if m is None or DCP_METADATA not in m.files or LOCAL.isfile(idx.resolved.root):
         return None
     path = os.path.join(idx.resolved.root, DCP_METADATA)
     try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read())
+        doc = json.loads(LOCAL.read_bytes(path))
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(f"{path}: listed in the manifest but unreadable ({e}); run "
                                      f"`fastckpt verify {idx.resolved.root}`") from None
@@ -215,7 +215,7 @@ class FastCkptReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         """True when ``checkpoint_id`` is an existing folder or file."""
-        return os.path.exists(os.fspath(checkpoint_id))
+        return LOCAL.exists(os.fspath(checkpoint_id))
 
     def read_metadata(self) -> Metadata:  # type: ignore[override]  (no per-rank metadata: one manifest)
         """Validate the checkpoint (headers, manifest) and return DCP ``Metadata`` built from it.

@@ -34,6 +34,7 @@ from ..format.dtypes import DTYPE_TO_STR, str_to_dtype
 from ..format.stateful import load_back, to_state_dicts
 from ..format.tree import join
 from ..storage.io import PosixBackend, get_backend, readv_exact
+from ..storage.locate import is_url, store_for
 from .chunks import box_bytes, chunk_problem
 from .reader import READ_CHUNK_BYTES, check_threads, default_read_threads
 from .regions import Box, Run, Stored, box_runs, contains, dim0_blocks, intersect, split_runs
@@ -489,6 +490,11 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
     if strict not in (None, True, False):
         raise InvalidArgumentError(f"strict must be None, True or False, got {strict!r}")
     check_threads(threads)
+    if is_url(path):  # a non-local store (s3://...): read a local copy (Store.local_folder)
+        with store_for(path).local_folder(path) as local:
+            return load_into(state, local, strict=strict, verify=verify, threads=threads, io_backend=io_backend,
+                             chunk_bytes=chunk_bytes, buffer_bytes=buffer_bytes, local_rank=local_rank,
+                             report=report)
     state, stateful = to_state_dicts(state)  # DCP's Stateful: fill obj.state_dict(), then obj.load_state_dict()
     if local_rank is None:
         local_rank = _default_rank()

@@ -30,6 +30,7 @@ from ..errors import ChecksumMismatchError, CheckpointNotFoundError, DeviceUnava
 from ..errors import InvalidArgumentError
 from ..format.safetensors import TensorInfo
 from ..format.manifest import TensorEntry
+from ..storage.locate import is_url, store_for
 from ..storage.io import ALIGN, O_DIRECT, PosixBackend, get_backend, read_exact, readv_exact
 from ..storage.memory import aligned_buffer, host_buffer
 from .resolve import Resolved, resolve
@@ -289,7 +290,8 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
     """Load a checkpoint, HF model folder or safetensors file.
 
     Args:
-        path: a committed fastckpt checkpoint folder (returns the saved nested structure),
+        path: a committed fastckpt checkpoint folder (returns the saved nested structure; also a
+            URL of a store, ``s3://bucket/prefix``: see :mod:`fastckpt.storage.fsspec_store`),
             an HF folder with ``*.safetensors.index.json`` or ``*.safetensors`` files (a
             ``huggingface_hub`` cache snapshot of symlinks included), or one safetensors file
             (both return a flat ``{tensor name: tensor}`` dict).
@@ -327,6 +329,10 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
     from .engines import check_device
     check_device(device)
     check_threads(threads)
+    if is_url(path):  # a non-local store (s3://...): read a local copy (Store.local_folder)
+        with store_for(path).local_folder(path) as local:
+            return load(local, device=device, keys=keys, threads=threads, verify=verify, chunk_bytes=chunk_bytes,
+                        io_backend=io_backend)
     r = resolve(path)
     keep = key_filter(keys)
     if r.manifest is None:

@@ -25,6 +25,7 @@ from ..storage import commit as cm
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, HeaderError, InvalidArgumentError
 from ..format.safetensors import INDEX_SUFFIX, Header, TensorInfo, read_header, read_index, safe_join
 from ..format.manifest import Manifest
+from ..storage.store import LOCAL
 
 
 @dataclass
@@ -48,7 +49,7 @@ class Resolved:
 
     def file_path(self, name: str) -> str:
         """Absolute path of file ``name``."""
-        return self.root if os.path.isfile(self.root) else os.path.join(self.root, name)
+        return self.root if LOCAL.isfile(self.root) else os.path.join(self.root, name)
 
 
 def resolve(path: str | os.PathLike) -> Resolved:
@@ -68,16 +69,16 @@ def resolve(path: str | os.PathLike) -> Resolved:
         NotSafetensorsError: ``path`` is a file of another format (``torch.save``, pickle, JSON).
     """
     path = os.path.abspath(InvalidArgumentError.check_path(path))
-    if os.path.isfile(path):
+    if LOCAL.isfile(path):
         h = read_header(path)
         r = Resolved(path, {os.path.basename(path): h})
         r.tensors = {n: (os.path.basename(path), t) for n, t in h.tensors.items()}
         return r
-    if not os.path.isdir(path):
+    if not LOCAL.isdir(path):
         raise CheckpointNotFoundError(f"{path}: no such checkpoint, folder or safetensors file")
-    if os.path.exists(os.path.join(path, cm.MANIFEST)):
+    if LOCAL.exists(os.path.join(path, cm.MANIFEST)):
         return _resolve_fastckpt(path)
-    if os.path.exists(os.path.join(path, cm.STATE_JSON)):
+    if LOCAL.exists(os.path.join(path, cm.STATE_JSON)):
         raise CheckpointNotFoundError(f"{path}: fastckpt folder without manifest.json: the save never "
                                       "committed (crashed or still running); it is not a checkpoint")
     return _resolve_foreign(path)
@@ -91,7 +92,7 @@ def _resolve_fastckpt(path: str) -> Resolved:
     for name, info in m.files.items():
         full = safe_join(path, name)
         try:
-            size = os.stat(full).st_size
+            size = LOCAL.size(full)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{path}: manifest lists {name!r}, which is missing", path=full) from None
         if size != info.bytes:
@@ -111,8 +112,7 @@ def _resolve_fastckpt(path: str) -> Resolved:
         r.tensors[key] = (e.file, t)
     spath = safe_join(path, cm.STATE_JSON)
     try:
-        with open(spath, "rb") as f:
-            r.skeleton = json.loads(f.read())
+        r.skeleton = json.loads(LOCAL.read_bytes(spath))
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{spath}: missing; the checkpoint is damaged", path=spath) from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, too deep

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import NotServableError
+from ..storage.store import LOCAL
 from .source import open_source
 
 #: How many names a message lists of each kind before ``...``.
@@ -69,14 +70,13 @@ def _names(names) -> str:
 
 def _read_config(folder: str) -> dict:
     p = os.path.join(folder, "config.json")
-    if not os.path.isfile(p):
+    if not LOCAL.isfile(p):
         raise NotServableError(
             f"{folder}: no config.json, from which vLLM and transformers read the model's architecture. "
             "Export with --config HF_DIR (a folder holding the config.json and tokenizer that the model's "
             "save_pretrained wrote) or --base BASE_MODEL_DIR", path=folder, problems=["no config.json"])
     try:
-        with open(p, "rb") as f:
-            cfg = json.loads(f.read())
+        cfg = json.loads(LOCAL.read_bytes(p))
     except ValueError as e:
         raise NotServableError(f"{p}: not valid JSON ({e}); pass --config HF_DIR with the model's config.json",
                                path=folder, problems=[f"config.json: {e}"]) from None

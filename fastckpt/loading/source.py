@@ -29,6 +29,7 @@ from ..storage.commit import MANIFEST, read_manifest_shared
 from ..storage.retention import scan_checkpoints
 from ..format.dtypes import itemsize, str_to_dtype
 from ..format.manifest import RangeCheck
+from ..storage.store import LOCAL
 from .reader import read_tensors
 from .regions import Stored, box_runs
 from .resolve import Resolved, resolve
@@ -114,7 +115,7 @@ class Source:
         """
         if self.adapter_dir is None:
             raise ValueError(f"{self.path}: no LoRA adapter")
-        if os.path.isfile(os.path.join(self.adapter_dir, MANIFEST)):
+        if LOCAL.isfile(os.path.join(self.adapter_dir, MANIFEST)):
             r = self.resolved if os.path.abspath(self.adapter_dir) == os.path.abspath(self.path) \
                 else resolve(self.adapter_dir)
             keys = {k: r.manifest.tensors[k].name for k, (f, _) in r.tensors.items() if f == ADAPTER_WEIGHTS}
@@ -141,7 +142,7 @@ def file_checks(folder: str | os.PathLike, name: str) -> tuple[int, list[RangeCh
         CorruptCheckpointError: an unreadable manifest. UnsafePathError: ``name`` leaves the folder.
     """
     folder = os.fspath(folder)
-    if not os.path.isfile(os.path.join(folder, MANIFEST)):
+    if not LOCAL.isfile(os.path.join(folder, MANIFEST)):
         return None
     m = read_manifest_shared(folder)
     info = m.files.get(name)
@@ -176,15 +177,15 @@ def find_checkpoint(source: str | os.PathLike) -> str:
         CheckpointNotFoundError: a run root without any committed step (lists what was skipped).
     """
     source = os.path.abspath(os.fspath(source))
-    if not os.path.isdir(source) or os.path.exists(os.path.join(source, MANIFEST)):
+    if not LOCAL.isdir(source) or LOCAL.exists(os.path.join(source, MANIFEST)):
         return source
     if glob.glob(os.path.join(glob.escape(source), "*.safetensors")):
         return source
-    names = os.listdir(source)
+    names = LOCAL.listdir(source)
     prefixes = sorted({m.group(1) for n in names if (m := _STEP_RE.match(n))})
     sub = os.path.join(source, "checkpoints")
-    if not prefixes and os.path.isdir(sub):  # accelerate: project_dir/checkpoints/checkpoint_N
-        source, names = sub, os.listdir(sub)
+    if not prefixes and LOCAL.isdir(sub):  # accelerate: project_dir/checkpoints/checkpoint_N
+        source, names = sub, LOCAL.listdir(sub)
         prefixes = sorted({m.group(1) for n in names if (m := _STEP_RE.match(n))})
     if not prefixes:
         return os.path.dirname(sub) if source == sub else source
@@ -215,8 +216,8 @@ def open_source(path: str | os.PathLike, base: str | os.PathLike | None = None) 
         HeaderError, CorruptCheckpointError: invalid files.
     """
     path = os.fspath(path)
-    adapter = path if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) else None
-    if adapter and not os.path.isfile(os.path.join(path, ADAPTER_WEIGHTS)):
+    adapter = path if LOCAL.isfile(os.path.join(path, ADAPTER_CONFIG)) else None
+    if adapter and not LOCAL.isfile(os.path.join(path, ADAPTER_WEIGHTS)):
         raise CheckpointNotFoundError(f"{path}: has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")
     if adapter:
         resolve(os.path.join(path, ADAPTER_WEIGHTS))  # header validation of the adapter
@@ -261,9 +262,9 @@ def adapter_base_dir(path: str) -> str | None:
     """``base_model_name_or_path`` of the adapter folder ``path`` when it is a local folder, else None
     (also when ``adapter_config.json`` is not a JSON object: a damaged file is named by the
     manifest check of whoever reads its bytes, e.g. ``fastckpt load``, not by a JSON error here)."""
-    with open(os.path.join(path, ADAPTER_CONFIG), "rb") as f:
-        try:
-            b = json.loads(f.read()).get("base_model_name_or_path")
-        except (ValueError, AttributeError):  # invalid JSON / UTF-8, or not an object
-            return None
-    return b if isinstance(b, str) and os.path.isdir(b) else None
+    raw = LOCAL.read_bytes(os.path.join(path, ADAPTER_CONFIG))
+    try:
+        b = json.loads(raw).get("base_model_name_or_path")
+    except (ValueError, AttributeError):  # invalid JSON / UTF-8, or not an object
+        return None
+    return b if isinstance(b, str) and LOCAL.isdir(b) else None

@@ -26,6 +26,7 @@ from ..format.layout import RANK_KEY
 from ..format.safetensors import safe_join
 from ..format.tree import join, unflatten
 from ..format.manifest import ShardInfo
+from ..storage.store import LOCAL
 from .regions import Box, Stored
 from .resolve import Resolved, resolve
 
@@ -171,8 +172,7 @@ def _add_rank_local(idx: CheckpointIndex, rank: int, shards: dict[str, ShardInfo
         return  # that rank saved none: the state's keys under them stay missing
     spath = safe_join(r.root, name)
     try:
-        with open(spath, "rb") as f:
-            skel = json.loads(f.read())
+        skel = json.loads(LOCAL.read_bytes(spath))
     except (OSError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{spath}: rank {rank}'s rank-local skeleton is unreadable ({e}); run "
                                      "`fastckpt verify`", path=spath) from None

@@ -13,8 +13,9 @@ from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, FastCkptE
                       UnsafePathError)
 from ..format.safetensors import safe_join
 from ..storage.io import get_backend, read_exact
-from ..storage.commit import read_manifest
 from ..format.manifest import Manifest
+from ..storage.locate import is_url, store_for
+from ..storage.commit import read_manifest
 from ..format.dtypes import itemsize, str_to_dtype
 from .regions import Stored, box_runs
 from .reader import check_threads
@@ -93,7 +94,7 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
     row-major order); a problem names the key and the chunk's offsets and shape.
 
     Args:
-        path: checkpoint folder with a manifest.
+        path: checkpoint folder with a manifest (or its URL in a store, ``s3://bucket/prefix``).
         threads: parallel readers (default :func:`fastckpt.storage.io.default_threads`).
         chunk_bytes: read size in bytes (default 8 MiB); memory use is ``threads * chunk_bytes``.
         progress: called as ``progress(bytes_done, bytes_total)`` (cumulative, in bytes) once before
@@ -108,6 +109,13 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
     """
     path = InvalidArgumentError.check_path(path)
     check_threads(threads)
+    if is_url(path):  # a non-local store (s3://...): verify a local copy of every byte
+        with store_for(path).local_folder(path) as local:
+            rep = verify(local, threads=threads, chunk_bytes=chunk_bytes)
+        rep.problems = [p.replace(local, path) for p in rep.problems]
+        rep.path = path
+        return rep
+    path = os.fspath(path)
     report = VerifyReport(path)
     try:
         r = resolve(path)

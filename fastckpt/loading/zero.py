@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CorruptCheckpointError, IncompleteTagError, KeysNotFoundError, NativeCheckpointError
+from ..storage.store import LOCAL
 from .reader import load
 
 #: The marker fastckpt's DeepSpeed engine writes in a tag folder once every rank committed
@@ -81,16 +82,16 @@ def refuse_native(path: str) -> None:
     path = os.path.abspath(path)
     candidates = [path] + [t for t in [_latest_tag(path)] if t]
     for folder in candidates:
-        if os.path.isfile(folder) and _DS_FILE_RE.match(os.path.basename(folder)):
+        if LOCAL.isfile(folder) and _DS_FILE_RE.match(os.path.basename(folder)):
             raise _native_ds(folder)
-        if not os.path.isdir(folder):
+        if not LOCAL.isdir(folder):
             continue
-        for name in sorted(os.listdir(folder)):
+        for name in sorted(LOCAL.listdir(folder)):
             p = os.path.join(folder, name)
-            if _DS_FILE_RE.match(name) and os.path.isfile(p):
+            if _DS_FILE_RE.match(name) and LOCAL.isfile(p):
                 raise _native_ds(p)
         meta = os.path.join(folder, ".metadata")
-        if os.path.isfile(meta):
+        if LOCAL.isfile(meta):
             raise NativeCheckpointError(
                 f"{meta}: a native torch.distributed.checkpoint folder (its .metadata is a pickle, and so are "
                 "the *.distcp records); fastckpt never unpickles. Re-save with fastckpt's DCP writer "
@@ -109,10 +110,9 @@ def _latest_tag(save_dir: str) -> str | None:
     """``save_dir/<tag named by save_dir/latest>``, or None: no ``latest`` file, or one that does not
     name a folder directly inside ``save_dir`` (never followed: it is not DeepSpeed's pointer)."""
     latest = os.path.join(save_dir, "latest")
-    if not os.path.isfile(latest):
+    if not LOCAL.isfile(latest):
         return None
-    with open(latest, "rb") as f:
-        name = f.read(4096).decode("utf-8", "replace").strip()
+    name = LOCAL.read_bytes(latest, 4096).decode("utf-8", "replace").strip()
     if not name or name in (".", "..") or "/" in name or os.sep in name or name.startswith("."):
         return None
     return os.path.join(save_dir, name)
@@ -131,10 +131,10 @@ def find_zero_tag(path: str) -> str | None:
     """
     refuse_native(path)
     path = os.path.abspath(path)
-    for folder in [t for t in [_latest_tag(path) if os.path.isdir(path) else None, path] if t]:
-        if os.path.isfile(os.path.join(folder, MARKER)):
+    for folder in [t for t in [_latest_tag(path) if LOCAL.isdir(path) else None, path] if t]:
+        if LOCAL.isfile(os.path.join(folder, MARKER)):
             return folder
-        if os.path.isdir(folder) and any(_DS_FILE_RE.match(n) for n in os.listdir(folder)):
+        if LOCAL.isdir(folder) and any(_DS_FILE_RE.match(n) for n in LOCAL.listdir(folder)):
             raise IncompleteTagError(f"{folder}: DeepSpeed files written by fastckpt but no {MARKER}: this tag "
                                      "was never committed by every rank; use the tag that 'latest' names", path=folder)
     return None
@@ -155,8 +155,7 @@ def _int(v: object) -> int | list:
 
 
 def _files(tag_dir: str) -> tuple[dict, list[tuple[int, str]], list[tuple[int, str]]]:
-    with open(os.path.join(tag_dir, MARKER), "rb") as f:
-        marker = json.loads(f.read())
+    marker = json.loads(LOCAL.read_bytes(os.path.join(tag_dir, MARKER)))
     names = [n for n in marker.get("files", []) if isinstance(n, str)]
     model = sorted((int(m.group(1) or 0), n) for n in names if (m := _MODEL_RE.match(n)))
     optim = sorted((int(m.group(1)), n) for n in names if (m := _OPTIM_RE.match(n)))

@@ -23,8 +23,6 @@ from __future__ import annotations
 import errno
 import functools
 import json
-import os
-import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,10 +31,10 @@ from typing import Any, Iterable
 import xxhash
 
 from ..coordination import Coordinator, PathClaim, Session
-from ..errors import (CheckpointExistsError, DistributedSaveError, FastCkptError, FolderNotWritableError,
+from ..errors import (DistributedSaveError, FastCkptError, FolderNotWritableError,
                       InsufficientSpaceError, NotAFolderError)
 from ..format.layout import SavePlan
-from ..storage import commit as cm
+from ..storage.store import LOCAL, Store, strategy
 from .collect import Collected
 from .future import SaveFuture
 from .job import Part, SaveJob
@@ -94,10 +92,9 @@ def _names_the_folder_asked_for(fn):
     return wrapper
 
 
-def check_space(folder: Path, need: int) -> None:
+def check_space(folder: Path, need: int, store: Store = LOCAL) -> None:
     """Raise :class:`InsufficientSpaceError` when ``folder``'s file system has fewer than ``need`` bytes free."""
-    st = os.statvfs(folder)
-    free = st.f_bavail * st.f_frsize
+    free = store.free_bytes(str(folder))
     if free < need:
         raise InsufficientSpaceError(
             f"{folder}: {free} bytes free, the checkpoint needs {need} bytes; free space or save elsewhere")
@@ -119,29 +116,12 @@ def create_folder(path: Path, opts: SaveOptions, need_bytes: int, names: Iterabl
             ``path`` and that folder, never the hidden temporary).
         NotAFolderError: a parent of ``path`` is a file.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    check_space(path.parent, need_bytes + opts.io.min_free_bytes)
-    if opts.commit == "rename":
-        folder = cm.make_temp_dir(str(path))
-        _make_subfolders(folder, [*names, *(opts.extra_files or ())])
-        return folder
-    if path.exists():
-        if not opts.overwrite:
-            raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it")
-        shutil.rmtree(path)
-    os.makedirs(path)
-    _make_subfolders(str(path), [*names, *(opts.extra_files or ())])
-    # until its manifest exists, a state.json marks the folder as an uncommitted fastckpt save
-    # (without it readers would take the preallocated safetensors files for a plain HF folder)
-    cm.write_small_file(os.path.join(path, cm.STATE_JSON), b"{}")
-    return str(path)
-
-
-def _make_subfolders(folder: str, names: Iterable[str]) -> None:
-    """Create the sub-folders the ``/``-separated file ``names`` sit in (fsynced by
-    :func:`fastckpt.saving.metadata.write_side_files` before the manifest)."""
-    for sub in sorted({os.path.dirname(n) for n in names if "/" in n}):
-        os.makedirs(os.path.join(folder, sub), exist_ok=True)
+    store = LOCAL
+    store.makedirs(str(path.parent))
+    check_space(path.parent, need_bytes + opts.io.min_free_bytes, store)
+    # sub-folders are fsynced by fastckpt.saving.metadata.write_side_files before the manifest
+    return strategy(opts.commit).begin(store, str(path), overwrite=opts.overwrite,
+                                       subfolders=[*names, *(opts.extra_files or ())])
 
 
 def rank_report(rank: int, hashes: dict[str, str], local: Any, folder: str, nbytes: int, linked_bytes: int) -> dict:
@@ -163,7 +143,7 @@ def rank_report(rank: int, hashes: dict[str, str], local: Any, folder: str, nbyt
         if skeleton is not None:
             name = f"state-rank{rank:05d}.json"
             data = json.dumps(skeleton, separators=(",", ":")).encode()
-            cm.write_small_file(os.path.join(folder, name), data)
+            LOCAL.write_file(LOCAL.join(folder, name), data)
             report["files"][name] = {"bytes": len(data), "xxh3": xxhash.xxh3_64(data).hexdigest()}
             report["bytes"] += len(data)
     return report
@@ -195,7 +175,7 @@ def write_metadata(folder: str, plan: SavePlan, files_here: tuple[int, ...] | No
     own = [plan.files[i] for i in here if _local_file(plan.files[i].name, world) is not None]
     stems = {f.name.split("-", 1)[0] for f in own}
     rep_plan = replace(plan, files=tuple(shared), index={k: v for k, v in plan.index.items() if k not in stems})
-    files = write_side_files(folder, rep_plan, skeleton, opts.extra_files, replace=opts.commit == "marker")
+    files = write_side_files(folder, rep_plan, skeleton, opts.extra_files, replace=strategy(opts.commit).replaces_files)
     files.update({f.name: FileEntry(f.size) for f in own})
     hashes: dict[str, str] = {}
     all_entries = dict(entries)
@@ -228,23 +208,20 @@ def dist_section(plan: SavePlan, units: dict[int, tuple[int, ...]], reports: dic
         for kp, piece in rep["shards"].items():
             entry = shards.setdefault(kp, {"dtype": piece["dtype"], "global_shape": piece["global_shape"], "pieces": []})
             entry["pieces"].append({"rank": r, "key": piece["key"], "offsets": piece["offsets"], "shape": piece["shape"]})
-    return {"mode": mode, "node": node if mode == "marker" else None, "nodes": nodes, "written_by": written_by,
+    return {"mode": mode, "node": node if strategy(mode).per_node else None, "nodes": nodes, "written_by": written_by,
             "bytes_by_rank": {str(r): rep["bytes"] for r, rep in sorted(reports.items())},
             "rank_local": {"keys": list(local_keys), "skeletons": skeletons}, "shards": shards}
 
 
 def commit_folder(folder: str, path: Path, opts: SaveOptions) -> None:
-    """The commit: drop the owner record and rename the temporary folder into place (rename mode)."""
-    if opts.commit == "rename":
-        os.unlink(os.path.join(folder, cm.OWNER))
-        cm.commit_dir(folder, str(path), overwrite=opts.overwrite)
+    """The commit of ``folder`` (its manifest written) as ``path``, by the save's strategy
+    (:mod:`fastckpt.storage.store`: rename into place, or nothing more for a marker)."""
+    strategy(opts.commit).finish(LOCAL, folder, str(path), overwrite=opts.overwrite)
 
 
 def remove_uncommitted(folder: str | None, opts: SaveOptions) -> None:
-    """Remove a folder that will not be committed (marker mode: only while it has no manifest)."""
-    if folder and os.path.isdir(folder) and (
-            opts.commit == "rename" or not os.path.exists(os.path.join(folder, cm.MANIFEST))):
-        shutil.rmtree(folder, ignore_errors=True)
+    """Remove a folder that will not be committed (never one whose marker committed it)."""
+    strategy(opts.commit).abort(LOCAL, folder)
 
 
 @dataclass
@@ -302,7 +279,7 @@ def finish_ranks(sv: InFlight, report: dict, own: BaseException | None) -> None:
         sess.publish(f"done/{coord.rank}", report)
         if coord.rank == 0:
             decide(sv)
-        elif opts.commit == "marker" and sv.part.leader:
+        elif strategy(opts.commit).per_node and sv.part.leader:
             node_commit(sv)
         outcome = _wait_outcome(sv)
     except TimeoutError as e:  # rank 0 (the committer) died or hung: nothing was committed
@@ -311,9 +288,8 @@ def finish_ranks(sv: InFlight, report: dict, own: BaseException | None) -> None:
     # rank 0 wrote no marker: this node's marker (if any) names an uncommitted step, remove it
     rollback = not outcome["ok"] and not outcome.get("committed", False)
     if not outcome["ok"]:
-        if opts.commit == "marker" and sv.part.leader and rollback:
-            import shutil
-            shutil.rmtree(sv.folder, ignore_errors=True)
+        if strategy(opts.commit).per_node and sv.part.leader and rollback:
+            LOCAL.remove(sv.folder)
         failures = {int(r): e for r, e in outcome["failures"].items()}
         lines = "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
         raise DistributedSaveError(f"multi-rank save of {sv.path} failed: {lines}", failures) from own
@@ -370,7 +346,7 @@ def decide(sv: InFlight) -> None:
     if not failures:
         mine = {r: rep for r, rep in reports.items() if r in sv.own.group}
         try:
-            if opts.commit == "marker":
+            if strategy(opts.commit).per_node:
                 acks = sess.wait_for([f"marked/{n}" for n in sv.nodes[1:]], "waiting for the other nodes' markers")
                 failures.update({int(r): e for a in acks for r, e in a.get("failures", {}).items()})
             verdict = sess.settle("verdict", "commit") if not failures else "commit"
@@ -408,7 +384,7 @@ def node_commit(sv: InFlight) -> None:
         try:
             if missing:
                 raise TimeoutError(f"ranks {sorted(missing)} did not report")
-            dist = dist_section(sv.plan, sv.own.units, reports, mode="marker", node=coord.node, nodes=sv.nodes,
+            dist = dist_section(sv.plan, sv.own.units, reports, mode=opts.commit, node=coord.node, nodes=sv.nodes,
                                 local_keys=opts.local_keys)
             write_metadata(sv.folder, sv.plan, sv.own.files, sv.col.skeleton, sv.col.entries, opts, reports,
                            world=coord.world_size, dist=dist)

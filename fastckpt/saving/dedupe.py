@@ -14,7 +14,6 @@ This module is pure decision logic plus one ``os.link``; the saver calls it.
 
 from __future__ import annotations
 
-import errno
 import os
 import time
 import weakref
@@ -23,6 +22,7 @@ import torch
 import xxhash
 
 from ..storage.commit import read_manifest_shared
+from ..storage.store import LOCAL
 from ..errors import CorruptCheckpointError, LinkedTensorChangedError
 from ..format.layout import FilePlan
 from ..format.manifest import Manifest
@@ -66,12 +66,9 @@ def identical(f: FilePlan, hashes: dict[str, str], prev: Manifest) -> bool:
 def link_file(prev_dir: str | os.PathLike, tmp_dir: str, name: str) -> bool:
     """Hard-link ``prev_dir/name`` to ``tmp_dir/name``; False where the file system refuses links."""
     try:
-        os.link(os.path.join(os.fspath(prev_dir), name), os.path.join(tmp_dir, name))
-        return True
-    except OSError as e:
-        if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.ENOENT):
-            return False
-        raise
+        return LOCAL.link(LOCAL.join(os.fspath(prev_dir), name), LOCAL.join(tmp_dir, name))
+    except FileNotFoundError:
+        return False
 
 
 def source_hash(t) -> str | None:

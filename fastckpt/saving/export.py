@@ -5,7 +5,7 @@
 :func:`write_shards` streams the tensors in batches of at most ``batch_bytes`` (the next batch
 is fetched while the current one is written) and writes each batch with parallel ``pwrite``
 in ``chunk_bytes`` requests, through the storage layer (:class:`fastckpt.storage.io.FileWriter`
-per file, fsynced; the index by :func:`fastckpt.storage.commit.write_small_file`). The caller
+per file, fsynced; the index by :meth:`fastckpt.storage.store.Store.write_file`). The caller
 makes the folder visible (``fastckpt load --to`` writes into
 :func:`fastckpt.storage.commit.make_temp_dir` and renames it with
 :func:`~fastckpt.storage.commit.commit_dir`). :func:`warm_files` reads files with parallel sequential reads so
@@ -30,7 +30,7 @@ from ..errors import ChecksumMismatchError, CorruptCheckpointError
 from ..format.layout import shard_file_names
 from ..format.safetensors import encode_header, write_index
 from ..format.manifest import RangeCheck
-from ..storage.commit import write_small_file
+from ..storage.store import LOCAL
 from ..storage.io import DEFAULT_CHUNK_BYTES, FileWriter, default_threads, get_backend, group_by_bytes, read_exact
 from ..storage.memory import bytes_view
 
@@ -148,7 +148,7 @@ def write_shards(plan: ShardPlan, fetch: Callable[[list[str]], dict[str, torch.T
                 nxt.cancel()
     if len(plan.files) > 1:
         idx = write_index(plan.weight_map(), plan.total_bytes)
-        write_small_file(os.path.join(folder, f"{plan.stem}.safetensors.index.json"), idx)
+        LOCAL.write_file(os.path.join(folder, f"{plan.stem}.safetensors.index.json"), idx)
         written += len(idx)
     return written
 
@@ -259,8 +259,7 @@ def read_checked(path: str, size: int | None, checks: Sequence[Check]) -> bytes:
             a range differs.
     """
     want = size if size is not None else max((c.end for c in checks), default=0)
-    with open(path, "rb") as f:
-        data = f.read() if size is not None else f.read(want)
+    data = LOCAL.read_bytes(path, None if size is not None else want)
     if len(data) != want:
         raise CorruptCheckpointError(f"{path}: {len(data)} bytes on disk, manifest says "
                                      f"{'' if size is not None else 'at least '}{want} (truncated or replaced)",
@@ -292,7 +291,7 @@ def warm_files(paths: list[str], *, threads: int | None = None, range_bytes: int
     be = get_backend(None)
     jobs: list[tuple[str, int, int, Check | None]] = []
     for p in paths:
-        size = os.stat(p).st_size
+        size = LOCAL.size(p)
         pos = 0
         for c in sorted((checks or {}).get(p, ()), key=lambda c: (c.start, c.end)):
             jobs += [(p, a, min(range_bytes, c.start - a), None) for a in range(pos, c.start, range_bytes)]

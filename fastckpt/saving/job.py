@@ -11,7 +11,6 @@ and batched hashing live here too.
 from __future__ import annotations
 
 import bisect
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from ..device import DONE, AllOf, Completion, cat_to_host, to_host
 from ..format.layout import SavePlan
 from ..storage.io import ALIGN, FileWriter, default_threads, get_backend, write_all
 from ..storage.staging import StagingPool, copy_pieces, copy_runs
+from ..storage.store import LOCAL
 from . import dedupe
 from .dedupe import LinkUnchanged
 from .deferred import DeferredStaging
@@ -188,8 +188,8 @@ class SaveJob(LinkUnchanged, DeferredStaging):
         else:
             todo = sorted({p.units[i].file_index for i in self.owned} - self.linked)
         for i in todo:
-            self.writers[i] = FileWriter(self.be, os.path.join(self.tmp, p.files[i].name), p.files[i].size,
-                                         self.io.o_direct is not False, create=self.part.leader)
+            self.writers[i] = LOCAL.open_write(LOCAL.join(self.tmp, p.files[i].name), p.files[i].size,
+                                               o_direct=self.io.o_direct is not False, create=self.part.leader, backend=self.be)
 
     def _write_unit(self, i: int, slot_off: int) -> None:
         if self.first_exc is not None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from ..storage import commit as cm
-from ..storage.io import fsync_dir
+from ..storage.store import LOCAL
 from .collect import STATE_GROUP
 from ..format.safetensors import write_index
 from ..format.layout import SavePlan
@@ -34,7 +34,7 @@ def write_side_files(folder: str, plan: SavePlan, skeleton: Any, extra_files: di
         plan: the save plan (its shard files get ``bytes``/``header_bytes``/``header_xxh3`` entries).
         skeleton: the state skeleton for ``state.json``.
         extra_files: file name -> bytes.
-        replace: replace files that already exist (through a ``.tmp`` name and ``os.replace``).
+        replace: replace files that already exist (atomically: :meth:`fastckpt.storage.store.Store.write_file`).
 
     Returns:
         The manifest's ``files`` map for the shards and every file written here.
@@ -48,15 +48,10 @@ def write_side_files(folder: str, plan: SavePlan, skeleton: Any, extra_files: di
             small[f"{stem}.safetensors.index.json"] = write_index(wm, total)
     small.update(extra_files or {})
     for name, data in small.items():
-        full = os.path.join(folder, name)
-        if replace and os.path.exists(full):
-            cm.write_small_file(full + ".tmp", data)
-            os.replace(full + ".tmp", full)
-        else:
-            cm.write_small_file(full, data)
+        LOCAL.write_file(LOCAL.join(folder, name), data, replace=replace)
         files[name] = FileEntry(len(data), xxh3=xxhash.xxh3_64(data).hexdigest())
     for sub in sorted({os.path.dirname(n) for n in files if "/" in n}):  # sub-folders' entries are durable
-        fsync_dir(os.path.join(folder, sub))                               # before the manifest commits them
+        LOCAL.sync_dir(LOCAL.join(folder, sub))                            # before the manifest commits them
     return files
 
 
@@ -101,5 +96,5 @@ def manifest_doc(opts: "SaveOptions", files: dict[str, FileEntry], tensors: dict
 def write_manifest(folder: str, manifest: Manifest) -> int:
     """Write ``manifest.json`` (last, fsynced); returns the bytes of all files of the checkpoint."""
     data = manifest.to_json()
-    cm.write_small_file(os.path.join(folder, cm.MANIFEST), data)
+    LOCAL.write_file(LOCAL.join(folder, cm.MANIFEST), data)
     return sum(f.bytes for f in manifest.files.values()) + len(data)

@@ -25,11 +25,12 @@ from ..errors import InvalidArgumentError
 from ..format.safetensors import check_metadata
 from ..storage import commit as cm
 from ..storage.io import DEFAULT_CHUNK_BYTES, PosixBackend
+from ..storage.store import STRATEGIES
 
 #: Default data bytes per shard file (5e9, as HF ``save_pretrained``).
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
 #: ``commit=`` modes of a multi-rank save.
-COMMIT_MODES = ("rename", "marker")
+COMMIT_MODES = tuple(STRATEGIES)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,8 @@ from ..format.layout import SavePlan, plan_save
 from ..format.stateful import to_state_dicts
 from ..format.tree import join
 from ..storage.staging import StagingPool
+from ..storage.store import LOCAL as LOCAL_STORE, strategy
+from .remote import start_remote_save, wants_store
 from . import dedupe
 from .agree import CHECK_BYTES, array_digest, check_agreement, combined, json_leaves
 from .collect import Collected, collect
@@ -64,7 +66,7 @@ from .ranks import (RANK_KEY, Ownership, global_plan, has_split, rank_specs, spe
 _OWN = object()
 
 def _session_tag(path: Path, opts: SaveOptions) -> str:
-    return path_tag(path) if opts.commit == "rename" else "marker"  # marker: a path per node
+    return strategy(opts.commit).session_tag(path, path_tag)  # marker: a path per node
 
 
 def _check_all(infos: list[dict], what: str, exc: BaseException | None) -> None:
@@ -210,6 +212,8 @@ class Saver:
     def async_save(self, state: Any, path: str | os.PathLike, *, process_group: Any = _OWN,
                    **options: Any) -> SaveFuture:
         """See :func:`fastckpt.async_save` (``process_group`` defaults to the saver's own)."""
+        if wants_store(path, options):  # s3://... or store=: spool locally, upload with the store's commit
+            return start_remote_save(self, state, path, self.process_group if process_group is _OWN else process_group, options)
         opts = SaveOptions(**options)
         opts.check()
         pg = self.process_group if process_group is _OWN else process_group
@@ -277,7 +281,7 @@ class Saver:
         """Step 1: validate, collect and plan; multi-rank: agree on the global plan."""
         opts, coord, exc, values = sv.opts, sv.coord, None, {}
         try:
-            if sv.path.exists() and not opts.overwrite and (opts.commit == "rename" or coord.rank == 0):
+            if LOCAL_STORE.exists(str(sv.path)) and not opts.overwrite and (not strategy(opts.commit).per_node or coord.rank == 0):
                 hint = ("" if not sv.single or PathClaim(sv.path).store is None else
                         " (if every rank saves this checkpoint together, pass process_group= on every rank)")
                 raise CheckpointExistsError(f"{sv.path} already exists; pass overwrite=True to replace it "
@@ -316,7 +320,7 @@ class Saver:
         io = opts.io
         sv.plan = global_plan(sv.col.specs, [specs_from_list(i["local"]) for i in infos],
                               max_shard_bytes=io.max_shard_bytes, chunk_bytes=io.chunk_bytes, metadata=opts.metadata)
-        marker = opts.commit == "marker"
+        marker = strategy(opts.commit).per_node
         sv.nodes = list(dict.fromkeys(i["node"] for i in infos)) if marker else [coord.node]
         group = [r for r in range(coord.world_size) if not marker or infos[r]["node"] == coord.node]
         sv.own = Ownership.of(sv.plan, group, coord.world_size)

@@ -4,6 +4,13 @@ atomic commit, retention.
 Public parts (importable from ``fastckpt.storage``; integrations may use these and nothing
 else of the layer):
 
+* The seam (:mod:`.store`, :mod:`.locate`, :mod:`.fsspec_store`): :class:`Store` (every file-system
+  operation of the library: open for write at offsets, read, list, exists, remove, link, free
+  space, temporary folders, the root lock), :class:`LocalStore` / :data:`LOCAL`,
+  :class:`FsspecStore` (``s3://...``), :func:`store_for` (the store of a path or URL),
+  :class:`StorePath`; the commit strategies :class:`RenameCommit` / :class:`MarkerCommit`
+  (:data:`STRATEGIES`, :func:`strategy`).
+
 * Bytes to files (:mod:`.io`): :class:`FileWriter` (one preallocated file, parallel positional
   writes, optional O_DIRECT), :func:`write_all`, :func:`read_exact`, :func:`fsync_dir`,
   :func:`copy_file`, :func:`buffer_address`, :func:`get_backend` / :class:`PosixBackend` /
@@ -26,6 +33,10 @@ from .commit import (MANIFEST, OWNER, clean_stale_temps, commit_dir, is_committe
 from .io import (ALIGN, BACKENDS, DEFAULT_CHUNK_BYTES, FileWriter, PosixBackend, buffer_address, copy_file,
                  default_threads, fsync_dir, get_backend, read_exact, write_all)
 from .lock import RootLock
+from .store import (LOCAL, STRATEGIES, CommitStrategy, LocalStore, MarkerCommit, RenameCommit, Store, StorePath,
+                    strategy)
+from .locate import store_for
+from .fsspec_store import FsspecStore
 from .retention import (CheckpointScan, delete_checkpoint, prune_checkpoints, scan_checkpoints, select_victims,
                         step_folders)
 
@@ -33,4 +44,5 @@ __all__ = ["MANIFEST", "OWNER", "clean_stale_temps", "commit_dir", "is_committed
            "write_small_file", "ALIGN", "BACKENDS", "DEFAULT_CHUNK_BYTES", "FileWriter", "PosixBackend",
            "buffer_address", "copy_file", "default_threads", "fsync_dir", "get_backend", "read_exact", "write_all",
            "RootLock", "CheckpointScan", "delete_checkpoint", "prune_checkpoints", "scan_checkpoints",
-           "select_victims", "step_folders"]
+           "select_victims", "step_folders", "LOCAL", "STRATEGIES", "CommitStrategy", "LocalStore", "MarkerCommit",
+           "RenameCommit", "Store", "StorePath", "strategy", "store_for", "FsspecStore"]

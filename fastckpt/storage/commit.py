@@ -118,11 +118,15 @@ def commit_dir(tmp: str, path: str, *, overwrite: bool) -> None:
     fsync_dir(parent)
 
 
-def read_manifest(path: str | os.PathLike) -> Manifest:
+def read_manifest(path: str | os.PathLike, store=None) -> Manifest:
     """Read and validate the manifest of the checkpoint folder ``path``.
 
     Returns:
         The :class:`~fastckpt.format.manifest.Manifest` (:func:`fastckpt.format.manifest.parse`).
+
+    Args:
+        path: the checkpoint folder.
+        store: the :class:`fastckpt.storage.store.Store` holding it (default: the local file system).
 
     Raises:
         FileNotFoundError: no manifest (the folder is not a committed checkpoint).
@@ -130,9 +134,13 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
             field (a :class:`~fastckpt.errors.CorruptCheckpointError`; names the key and the value).
         ManifestVersionError: its format version is newer than this library understands.
     """
-    mpath = os.path.join(os.fspath(path), MANIFEST)
-    with open(mpath, "rb") as f:
-        raw = f.read()
+    if store is None:
+        mpath = os.path.join(os.fspath(path), MANIFEST)
+        with open(mpath, "rb") as f:
+            raw = f.read()
+    else:
+        mpath = store.join(os.fspath(path), MANIFEST)
+        raw = store.read_bytes(mpath)
     return parse(raw, mpath)
 
 
@@ -140,21 +148,26 @@ _SHARED: "OrderedDict[str, tuple[tuple, Manifest]]" = OrderedDict()
 _SHARED_LOCK = threading.Lock()
 
 
-def read_manifest_shared(path: str | os.PathLike) -> Manifest:
+def read_manifest_shared(path: str | os.PathLike, store=None) -> Manifest:
     """:func:`read_manifest`, memoised on the manifest file's identity (device, inode, size,
     mtime in ns): a committed manifest is never rewritten in place, so a repeated call (the
     Trainer callback checks the newest checkpoint before every save) costs one ``stat``.
-    The returned manifest is shared: read it, never modify it. Raises as :func:`read_manifest`."""
+    The returned manifest is shared: read it, never modify it. ``store``: as :func:`read_manifest`
+    (its :meth:`~fastckpt.storage.store.Store.identity` is the memo key). Raises as :func:`read_manifest`."""
     path = os.fspath(path)
-    st = os.stat(os.path.join(path, MANIFEST))
-    ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    key = os.path.abspath(path)
+    if store is None:
+        st = os.stat(os.path.join(path, MANIFEST))
+        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        key = os.path.abspath(path)
+    else:
+        ident = store.identity(store.join(path, MANIFEST))
+        key = store.normalize(path)
     with _SHARED_LOCK:
         hit = _SHARED.get(key)
         if hit is not None and hit[0] == ident:
             _SHARED.move_to_end(key)
             return hit[1]
-    m = read_manifest(path)
+    m = read_manifest(path, store)
     with _SHARED_LOCK:
         _SHARED[key] = (ident, m)
         while len(_SHARED) > 16:
@@ -162,13 +175,16 @@ def read_manifest_shared(path: str | os.PathLike) -> Manifest:
     return m
 
 
-def is_committed(path: str | os.PathLike) -> bool:
-    """True if ``path`` is a committed fastckpt checkpoint folder (visible name + valid manifest)."""
-    path = os.fspath(path)
-    if os.path.basename(os.path.normpath(path)).startswith("."):
+def is_committed(path: str | os.PathLike, store=None) -> bool:
+    """True if ``path`` is a committed fastckpt checkpoint folder (visible name + valid manifest).
+
+    ``store``: the :class:`fastckpt.storage.store.Store` holding it (default: the local file system)."""
+    path = os.fspath(path) if store is None else path
+    name = os.path.basename(os.path.normpath(path)) if store is None else store.basename(path)
+    if name.startswith("."):
         return False
     try:
-        read_manifest_shared(path)
+        read_manifest_shared(path, store)
         return True
     except (OSError, CorruptCheckpointError):
         return False

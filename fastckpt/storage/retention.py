@@ -32,18 +32,15 @@ when several jobs may share the root.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
-import socket
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from . import commit as cm
-from .io import fsync_dir
+from .locate import store_for
+from .store import Store
 
 #: Suffix of the hidden name a folder gets while :func:`delete_checkpoint` removes it.
 DOOMED_SUFFIX = ".del"
@@ -54,7 +51,7 @@ class CheckpointScan:
     """What :func:`scan_checkpoints` found under a run root.
 
     Attributes:
-        root: the run root.
+        root: the run root (a ``Path``; a ``str`` URL on a non-local store, whose folders are URLs too).
         committed: ``(step, folder)`` of every committed step folder, ascending by step.
         uncommitted: ``(step, folder)`` of step-named folders without a valid manifest (a
             crashed save of another tool, or not fastckpt), ascending by step.
@@ -62,10 +59,11 @@ class CheckpointScan:
             deletions), sorted.
     """
 
-    root: Path
+    root: Path | str
     committed: list[tuple[int, Path]] = field(default_factory=list)
     uncommitted: list[tuple[int, Path]] = field(default_factory=list)
     leftovers: list[str] = field(default_factory=list)
+    store: Store | None = None
 
     @property
     def steps(self) -> list[int]:
@@ -74,12 +72,12 @@ class CheckpointScan:
 
     def by_commit(self) -> list[int]:
         """Committed steps, oldest commit first (:func:`manifest_order`)."""
-        return manifest_order(self.committed)
+        return manifest_order(self.committed, self.store)
 
     def newest(self) -> tuple[int, Path] | None:
         """``(step, folder)`` of the most recently committed checkpoint (:func:`manifest_order`), or
         ``None``. With an earlier run's higher-numbered steps in the root this is this run's newest."""
-        order = self.by_commit()
+        order = manifest_order(self.committed, self.store)
         return (order[-1], dict(self.committed)[order[-1]]) if order else None
 
     def skipped(self) -> list[tuple[str, str]]:
@@ -87,8 +85,9 @@ class CheckpointScan:
 
         Checks whether each leftover's writer is alive (an owner-record read per leftover).
         """
-        out = [(n, describe_leftover(str(self.root / n))) for n in self.leftovers]
-        out += [(p.name, "no valid manifest.json: never committed (crashed save or not fastckpt)")
+        store = self.store or store_for(None)
+        out = [(n, describe_leftover(store.join(str(self.root), n), store)) for n in self.leftovers]
+        out += [(store.basename(str(p)), "no valid manifest.json: never committed (crashed save or not fastckpt)")
                 for _, p in self.uncommitted]
         return sorted(out)
 
@@ -99,66 +98,80 @@ def is_temp_name(name: str) -> bool:
     return name.startswith(".") and cm.TMP_MARK in name
 
 
-def describe_leftover(path: str) -> str:
+def describe_leftover(path: str, store: Store | None = None) -> str:
     """One line saying what temporary folder ``path`` is and what happens to it."""
-    state = "live writer" if cm.owner_alive(path) else "dead writer, removed on next save/prune"
+    state = "live writer" if store_for(path, store).owner_alive(path) else "dead writer, removed on next save/prune"
     if path.endswith(DOOMED_SUFFIX):
         return f"checkpoint being deleted ({state})"
     return f"temporary folder of an unfinished save ({state})"
 
 
-def step_folders(root: str | os.PathLike, prefix: str) -> list[tuple[int, Path]]:
+def step_folders(root: str | os.PathLike, prefix: str, store: Store | None = None) -> list[tuple[int, Path]]:
     """``(step, folder)`` of every ``{prefix}{step}`` folder of ``root``, ascending by step,
     committed or not (no manifest is read: one ``listdir`` plus one ``stat`` per match).
 
     Args:
         root: run root; a missing root gives ``[]``.
         prefix: step folder prefix, e.g. ``"step-"``, ``"checkpoint-"`` or ``"checkpoint_"``.
+        store: the store holding ``root`` (default: :func:`fastckpt.storage.store.store_for`);
+            folders of a non-local store are ``str`` URLs.
     """
-    root = Path(os.path.abspath(os.fspath(root)))
+    store = store_for(root, store)
     pattern = re.compile(re.escape(prefix) + r"(\d+)$")
+    top = _root(root, store)
     try:
-        names = os.listdir(root)
+        names = store.listdir(str(top))
     except (FileNotFoundError, NotADirectoryError):
         return []
-    found = [(int(m.group(1)), root / n) for n in names if (m := pattern.match(n))]
-    return sorted((s, p) for s, p in found if p.is_dir())
+    found = [(int(m.group(1)), _child(top, n, store)) for n in names if (m := pattern.match(n))]
+    return sorted((s, p) for s, p in found if store.isdir(str(p)))
 
 
-def scan_checkpoints(root: str | os.PathLike, prefix: str) -> CheckpointScan:
+def _root(root, store: Store) -> Path | str:
+    """``root`` normalised: a ``Path`` on the local store, the store's spelling elsewhere."""
+    return Path(os.path.abspath(os.fspath(root))) if store.local else store.normalize(root)
+
+
+def _child(top: Path | str, name: str, store: Store) -> Path | str:
+    return top / name if isinstance(top, Path) else store.join(top, name)
+
+
+def scan_checkpoints(root: str | os.PathLike, prefix: str, store: Store | None = None) -> CheckpointScan:
     """Sort the folders of ``root`` into committed steps, uncommitted step folders and leftovers.
 
     Args:
         root: run root; a missing root gives an empty scan.
         prefix: step folder prefix, e.g. ``"step-"``, ``"checkpoint-"`` or ``"checkpoint_"``.
+        store: the store holding ``root`` (default: :func:`fastckpt.storage.store.store_for`).
 
     Returns:
         A :class:`CheckpointScan`. Reads every step folder's manifest (memoised on its inode and
         mtime by :func:`fastckpt.storage.commit.read_manifest_shared`); to find only the newest
         committed step, walk :func:`step_folders` backwards instead.
     """
-    scan = CheckpointScan(Path(os.path.abspath(os.fspath(root))))
+    store = store_for(root, store)
+    scan = CheckpointScan(_root(root, store), store=None if store.local else store)
     try:
-        scan.leftovers.extend(sorted(n for n in os.listdir(scan.root) if is_temp_name(n)))
+        scan.leftovers.extend(sorted(n for n in store.listdir(str(scan.root)) if is_temp_name(n)))
     except (FileNotFoundError, NotADirectoryError):
         return scan
-    for step, folder in step_folders(scan.root, prefix):
-        (scan.committed if cm.is_committed(folder) else scan.uncommitted).append((step, folder))
+    for step, folder in step_folders(scan.root, prefix, store):
+        (scan.committed if cm.is_committed(folder, scan.store) else scan.uncommitted).append((step, folder))
     return scan
 
 
-def commit_time(folder: str | os.PathLike) -> float | None:
+def commit_time(folder: str | os.PathLike, store: Store | None = None) -> float | None:
     """When the committed checkpoint ``folder`` was committed: its manifest's ``created_unix_s``
     (seconds since the epoch, written with the manifest right before the commit rename), or
     ``None`` when the manifest lacks it or cannot be read (memoised manifest read, one ``stat``)."""
     try:
-        t = cm.read_manifest_shared(folder).created_unix_s
+        t = cm.read_manifest_shared(folder, store).created_unix_s
     except (OSError, ValueError):  # CorruptCheckpointError is a ValueError
         return None
     return None if t is None else float(t)
 
 
-def manifest_order(committed: Sequence[tuple[int, Path]]) -> list[int]:
+def manifest_order(committed: Sequence[tuple[int, Path]], store: Store | None = None) -> list[int]:
     """Committed steps ordered oldest commit first, by :func:`commit_time` (ties by step).
 
     Unlike :func:`commit_order` (the Trainer's folder mtime rule) no 1 s fallback: the manifest
@@ -167,11 +180,12 @@ def manifest_order(committed: Sequence[tuple[int, Path]]) -> list[int]:
 
     Args:
         committed: ``(step, folder)`` pairs (e.g. :attr:`CheckpointScan.committed`).
+        store: the store holding them (default: the local file system).
 
     Returns:
         The steps, oldest commit first.
     """
-    timed = [(commit_time(p), s) for s, p in committed]
+    timed = [(commit_time(p, store), s) for s, p in committed]
     if any(t is None for t, _ in timed):
         return sorted(s for s, _ in committed)
     return [s for _, s in sorted(timed)]
@@ -210,7 +224,8 @@ def select_victims(steps: Sequence[int], keep: int, protect: Iterable[int] = (),
     return [s for s in order if s not in kept]
 
 
-def commit_order(committed: Sequence[tuple[int, Path]], use_mtime: bool = True) -> list[int]:
+def commit_order(committed: Sequence[tuple[int, Path]], use_mtime: bool = True,
+                 store: Store | None = None) -> list[int]:
     """Committed steps ordered oldest first as ``transformers.trainer_utils.sort_checkpoints``
     orders them for the Trainer's rotation (``use_mtime=True`` in ``Trainer._save_checkpoint``,
     transformers 5.24.0): by the folder's modification time (for a fastckpt folder: when its last
@@ -221,13 +236,16 @@ def commit_order(committed: Sequence[tuple[int, Path]], use_mtime: bool = True) 
     Args:
         committed: ``(step, folder)`` pairs (e.g. :attr:`CheckpointScan.committed`).
         use_mtime: False orders by step only.
+        store: the store holding the folders (default: the local file system).
 
     Returns:
         The steps, oldest first. A folder that vanished meanwhile sorts by step as time 0.
     """
+    st = store_for(None, store)
+
     def mtime(p: Path) -> float:
         try:
-            return p.stat().st_mtime
+            return st.mtime(str(p))
         except OSError:
             return 0.0
 
@@ -281,7 +299,7 @@ def select_victims_in_order(order: Sequence[int], keep: int, protect: Iterable[i
     return victims
 
 
-def delete_checkpoint(path: str | os.PathLike) -> bool:
+def delete_checkpoint(path: str | os.PathLike, store: Store | None = None) -> bool:
     """Delete the checkpoint folder ``path`` so that no crash leaves a half-deleted checkpoint.
 
     Steps: rename ``path`` to a hidden temporary sibling ``.{name}.fastckpt-tmp-{pid}@{host}-{hex}.del``
@@ -292,8 +310,13 @@ def delete_checkpoint(path: str | os.PathLike) -> bool:
     process is gone (the next save or ``fastckpt prune``); ``fastckpt ls`` shows it as a
     checkpoint being deleted, never as a checkpoint.
 
+    On a store without an atomic rename (an object store) the first step is removing the
+    ``manifest.json`` instead (from then on it is no checkpoint), then the rest; a process killed
+    in between leaves an uncommitted folder (listed by ``fastckpt ls``, never loaded).
+
     Args:
         path: a step folder (committed or not: the caller decides what to delete).
+        store: the store holding it (default: :func:`fastckpt.storage.store.store_for`).
 
     Returns:
         True if the folder was removed, False if ``path`` did not exist.
@@ -302,25 +325,17 @@ def delete_checkpoint(path: str | os.PathLike) -> bool:
         OSError: the rename failed (e.g. EACCES, EBUSY); ``path`` is then untouched. Errors of
             the removal itself are ignored: what stays is a leftover the cleaner removes.
     """
-    path = os.path.abspath(os.fspath(path))
-    doomed = cm.temp_dir_for(path) + DOOMED_SUFFIX
-    try:
-        os.rename(path, doomed)
-    except FileNotFoundError:
+    store = store_for(path, store)
+    doomed = store.retire(store.normalize(path), DOOMED_SUFFIX)
+    if doomed is None:
         return False
-    owner = {"pid": os.getpid(), "host": socket.gethostname(), "started_unix_s": time.time()}
-    try:
-        cm.write_small_file(os.path.join(doomed, cm.OWNER), json.dumps(owner).encode(), fsync=False)
-    except OSError:
-        pass  # without a record the cleaner attributes the folder by its name (same pid and host)
-    fsync_dir(os.path.dirname(doomed))
-    shutil.rmtree(doomed, ignore_errors=True)
+    store.remove(doomed)
     return True
 
 
 def prune_checkpoints(root: str | os.PathLike, prefix: str, keep: int,
                       protect: Iterable[int] = (), by_commit_time: bool = False,
-                      by_manifest_time: bool = False) -> list[int]:
+                      by_manifest_time: bool = False, store: Store | None = None) -> list[int]:
     """Remove dead writers' temporaries in ``root``, then the committed steps beyond the newest ``keep``.
 
     Selection is :func:`select_victims` over the committed steps of :func:`scan_checkpoints`
@@ -338,6 +353,7 @@ def prune_checkpoints(root: str | os.PathLike, prefix: str, keep: int,
         by_commit_time: the Trainer's rule: folder mtime, 1 s fallback to step order (default False).
         by_manifest_time: newest = most recently committed by the manifest's time (default False:
             newest = highest step, as accelerate's and torchtitan's rotations).
+        store: the store holding ``root`` (default: :func:`fastckpt.storage.store.store_for`).
 
     Returns:
         The deleted steps, oldest first (by step, or by commit with either option).
@@ -348,13 +364,14 @@ def prune_checkpoints(root: str | os.PathLike, prefix: str, keep: int,
     """
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise ValueError(f"keep must be >= 1 (an int), got {keep!r}")
-    cm.clean_stale_temps(os.fspath(root))
-    scan = scan_checkpoints(root, prefix)
+    store = store_for(root, store)
+    store.clean_stale_temps(str(_root(root, store)))
+    scan = scan_checkpoints(root, prefix, store)
     folders = dict(scan.committed)
     if by_commit_time:
-        victims = select_victims_in_order(commit_order(scan.committed), keep, protect)
+        victims = select_victims_in_order(commit_order(scan.committed, store=store), keep, protect)
     elif by_manifest_time:
         victims = select_victims(scan.by_commit(), keep, protect, ordered=True)
     else:
         victims = select_victims(scan.steps, keep, protect)
-    return [s for s in victims if delete_checkpoint(folders[s])]
+    return [s for s in victims if delete_checkpoint(folders[s], store)]

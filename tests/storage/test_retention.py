@@ -25,6 +25,7 @@ import fastckpt
 from fastckpt.cli.main import main as cli_main
 from fastckpt.storage import commit as cm
 from fastckpt.storage import retention
+from fastckpt.storage import store as store_mod
 from fastckpt.storage.retention import (delete_checkpoint, prune_checkpoints, scan_checkpoints, select_victims,
                                         step_folders)
 
@@ -90,7 +91,7 @@ def test_scan_sorts_committed_uncommitted_and_leftovers(tmp_path):
 def test_delete_checkpoint_renames_to_a_name_the_cleaner_knows(tmp_path, monkeypatch):
     mgr = make_root(tmp_path, "step-", (1, 2))
     seen = {}
-    real = retention.shutil.rmtree
+    real = store_mod.shutil.rmtree
 
     def spy(path, *a, **kw):  # the state just before the files go
         seen["path"] = os.fspath(path)
@@ -99,7 +100,7 @@ def test_delete_checkpoint_renames_to_a_name_the_cleaner_knows(tmp_path, monkeyp
         seen["owner"] = os.path.exists(os.path.join(path, cm.OWNER))
         return real(path, *a, **kw)
 
-    monkeypatch.setattr(retention.shutil, "rmtree", spy)
+    monkeypatch.setattr(store_mod.shutil, "rmtree", spy)  # the local store removes the tree
     assert delete_checkpoint(mgr.path(1)) is True
     name = os.path.basename(seen["path"])
     assert "step-1" not in seen["listing"] and name in seen["listing"]
