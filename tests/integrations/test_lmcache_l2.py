@@ -290,14 +290,16 @@ def _data_file(path, key):
     return Path(path) / name[:2] / f"{name}.kv.safetensors"
 
 
-def test_checksum_failed_chunk_is_a_miss_and_is_dropped(tmp_path):
-    a = _adapter(tmp_path)
+@pytest.mark.parametrize("piece_bytes,piece", [(4 << 20, 0), (4096, 5)])
+def test_checksum_failed_chunk_is_a_miss_and_is_dropped(tmp_path, piece_bytes, piece):
+    """One flipped data byte: in the only piece, or in piece 5 of 16 (read in spans of 8 pieces)."""
+    a = _adapter(tmp_path, piece_bytes=piece_bytes)
     try:
         k1, k2 = _key(1), _key(2)
         assert _store(a, [k1, k2], [_Buf(_payload(1)), _Buf(_payload(2))]).is_successful()
         f = _data_file(tmp_path, k1)
         raw = bytearray(f.read_bytes())
-        raw[-100] ^= 0xFF  # one byte of the data region
+        raw[4096 + piece * min(piece_bytes, 64 << 10) + 7] ^= 0xFF  # one byte of the data region (after the header)
         f.write_bytes(raw)
         got = _load(a, [k1, k2], 64 << 10)
         assert got[0] is None and got[1] == _payload(2)  # the bad chunk is a miss, the good one loads
