@@ -25,8 +25,9 @@ its native connectors use), hashed to the file name like the in-process plugin's
 Contract (``L2AdapterInterface``): every ``submit_*`` returns at once; a small pool runs the
 task and signals the store / lookup / load event fd when its result is ready. A lookup pins
 the chunks it found against this process's evictions until ``submit_unlock``; a load reads
-every ``piece_bytes`` piece of every chunk of the task on ``read_threads`` threads straight
-into the caller's buffers. A store whose chunk does not fit (``max_bytes`` full of pinned or
+the task's chunks on ``read_threads`` threads straight into the caller's buffers, in spans of
+:data:`SPAN_PIECES` pieces (one read call each, O_DIRECT where aligned), checking each piece's
+checksum after its span is read. A store whose chunk does not fit (``max_bytes`` full of pinned or
 in-flight chunks) fails its task (the L2 interface reports store results per task); the
 typed :class:`fastckpt.errors.InsufficientSpaceError` is logged and kept in
 ``report_status()["last_store_error"]``. Chunks the store evicts to make room are reported to
@@ -208,7 +209,8 @@ class FastCkptL2Adapter(L2AdapterInterface):
         self._last_store_error = ""
         self._closed = False
         # tasks wait on pieces, pieces never wait: two pools, no deadlock
-        self._tasks = ThreadPoolExecutor(max(2, config.write_threads), thread_name_prefix="fckv-l2-task")
+        # tasks mostly wait (or read their last span): one per possible reader and writer
+        self._tasks = ThreadPoolExecutor(config.read_threads + config.write_threads, thread_name_prefix="fckv-l2-task")
         self._io = ThreadPoolExecutor(max(config.read_threads, config.write_threads), thread_name_prefix="fckv-l2-io")
         logger.info("fastckpt kv: L2 adapter at %s, max_bytes=%d, read_threads=%d, o_direct=%s",
                     self.store.root, config.store.max_bytes, config.read_threads, config.store.o_direct)
@@ -374,7 +376,7 @@ class FastCkptL2Adapter(L2AdapterInterface):
         t0 = time.perf_counter()
         n = len(keys)
         bm = Bitmap(n)
-        loaded = []
+        loaded, handles = [], []
         try:
             names = [self._name(k) for k in keys]
             handles = list(self._io.map(self.store.open_chunk, names)) if n > 1 else \
@@ -392,11 +394,22 @@ class FastCkptL2Adapter(L2AdapterInterface):
                     continue
                 bufs[i] = buf
                 step = h.piece_bytes * SPAN_PIECES
-                jobs[i] = [self._io.submit(self._read_span, h, buf, s, min(step, h.nbytes - s))
-                           for s in range(0, h.nbytes, step)]
-            for i, futs in jobs.items():
-                wait(futs)
-                err = next((f.exception() for f in futs if f.exception() is not None), None)
+                jobs[i] = [(h, buf, s, min(step, h.nbytes - s)) for s in range(0, h.nbytes, step)]
+            spans = [(i, j) for i, js in jobs.items() for j in js]
+            futs = {}
+            for i, j in spans[:-1]:  # to the I/O threads; the last span is read here (no hand-off)
+                futs.setdefault(i, []).append(self._io.submit(self._read_span, *j))
+            errs: dict = {}
+            if spans:
+                i, j = spans[-1]
+                try:
+                    self._read_span(*j)
+                except Exception as e:
+                    errs[i] = e
+            for i in jobs:
+                wait(futs.get(i, []))
+                err = errs.get(i) or next((f.exception() for f in futs.get(i, []) if f.exception() is not None),
+                                          None)
                 if err is not None:
                     self.store.drop_corrupt(handles[i], str(err))
                     continue
@@ -406,11 +419,12 @@ class FastCkptL2Adapter(L2AdapterInterface):
             self.store.stats.add(hits=len(loaded), misses=n - len(loaded),
                                  get_bytes=sum(handles[i].nbytes for i in range(n) if bm.test(i)),
                                  get_s=time.perf_counter() - t0)
+        except Exception:
+            logger.exception("fastckpt kv: L2 load task %d failed; its unread keys are misses", tid)
+        finally:
             for h in handles:
                 if h is not None:
                     self.store.close_chunk(h)
-        except Exception:
-            logger.exception("fastckpt kv: L2 load task %d failed; its unread keys are misses", tid)
         if loaded:
             self._notify_keys_accessed(loaded)
         with self._lock:
