@@ -40,6 +40,11 @@ import difflib
 import logging
 import math
 import dataclasses
+import errno
+import json
+import mmap
+import os
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -55,10 +60,11 @@ from lmcache.v1.platform import create_event_notifier
 import xxhash
 
 from fastckpt.errors import CorruptCheckpointError
-from fastckpt.format import dtype_to_str
+from fastckpt.format import dtype_to_str, parse_header
+from fastckpt.storage import ALIGN, buffer_address
 
 from .lmcache_config import OPTIONS
-from .lmcache_store import KVFileStore, StoreOptions, chunk_name
+from .lmcache_store import FORMAT_TAG, HEADER_ALIGN, ChunkHandle, KVFileStore, StoreOptions, chunk_name
 
 logger = logging.getLogger(__name__)
 
@@ -154,11 +160,71 @@ class _Store(KVFileStore):
                 self.removed.append(name)
         return freed
 
+    def read_whole(self, name: str, buf: memoryview) -> ChunkHandle | None | bool:
+        """Read chunk ``name``'s header page and data with one O_DIRECT ``preadv`` (header -> a
+        private page, data -> ``buf``): one device stream per chunk, no separate header read.
+
+        Checks the header as :meth:`KVFileStore.open_chunk` does (format tag, key, checksum count;
+        the caller checks the piece checksums of ``buf``).
+
+        Returns:
+            The chunk's handle (its descriptors already closed), None when there is no such chunk,
+            or False when this path does not apply (no O_DIRECT, an unaligned buffer, a size that
+            is not one header page + ``len(buf)``, a longer header): use :meth:`open_chunk`.
+        """
+        if not self._direct_ok or buffer_address(buf) % ALIGN or len(buf) % ALIGN:
+            return False
+        path = self.path_for(name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except FileNotFoundError:
+            with self._tlock:
+                self._index.pop(name, None)
+            return None
+        except OSError as e:
+            if e.errno == errno.EINVAL:  # no O_DIRECT on this file system
+                return False
+            raise
+        try:
+            st = os.fstat(fd)
+            if st.st_size != HEADER_ALIGN + len(buf):
+                return False
+            page = getattr(_PAGE, "buf", None)
+            if page is None:
+                page = _PAGE.buf = mmap.mmap(-1, HEADER_ALIGN)
+            if os.preadv(fd, [page, buf], 0) != st.st_size:
+                return False
+        finally:
+            os.close(fd)
+        try:
+            (n,) = struct.unpack("<Q", page[:8])
+            if 8 + n > HEADER_ALIGN:
+                return False
+            hdr = parse_header(bytes(page[8:8 + n]), st.st_size, path=path)
+            meta = hdr.metadata or {}
+            if hdr.data_offset != HEADER_ALIGN:
+                return False
+            if meta.get("format") != FORMAT_TAG or chunk_name(meta["key"]) != name:
+                raise CorruptCheckpointError(f"{path}: not the chunk of {name} (format {meta.get('format')!r})",
+                                             path=path)
+            piece, hashes = int(meta["piece_bytes"]), json.loads(meta["xxh3_64"])
+            if piece <= 0 or len(hashes) != -(-len(buf) // piece):
+                raise CorruptCheckpointError(f"{path}: {len(hashes)} checksums for {len(buf)} bytes", path=path)
+            infos = sorted(hdr.tensors.values(), key=lambda i: int(i.name.split(".")[1]))
+            return ChunkHandle(name, path, -1, -1, hdr.data_offset, [(i.dtype, i.shape) for i in infos],
+                               len(buf), meta["fmt"], meta["key"], piece, hashes, st.st_ino)
+        except (CorruptCheckpointError, ValueError, KeyError) as e:
+            self.drop_corrupt(ChunkHandle(name, path, -1, -1, 0, [], 0, "", "", 1, [], st.st_ino), str(e))
+            return None
+
     def take_removed(self) -> list[str]:
         """Names evicted since the last call."""
         with self._tlock:
             out, self.removed = self.removed, []
         return out
+
+
+_PAGE = threading.local()  # one header page per reading thread (page-aligned: an mmap)
 
 
 def _layout_of(obj, nbytes: int) -> tuple[str, list]:
@@ -174,6 +240,13 @@ def _layout_of(obj, nbytes: int) -> tuple[str, list]:
     except Exception:  # no metadata (a bare buffer) or a layout we do not describe: store the bytes
         pass
     return "BINARY", [("U8", (nbytes,), nbytes)]
+
+
+def _bytes_of(obj) -> memoryview:
+    """``obj.byte_array`` as a flat byte view."""
+    buf = obj.byte_array
+    buf = buf if isinstance(buf, memoryview) else memoryview(buf)
+    return buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
 
 
 class FastCkptL2Adapter(L2AdapterInterface):
@@ -258,10 +331,7 @@ class FastCkptL2Adapter(L2AdapterInterface):
 
     def _write_one(self, key, obj) -> int:
         """Bytes committed for ``key`` (0 if the chunk already existed)."""
-        buf = obj.byte_array
-        if not isinstance(buf, memoryview):
-            buf = memoryview(buf)
-        buf = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+        buf = _bytes_of(obj)
         fmt, groups = _layout_of(obj, len(buf))
         name = self._name(key)
         if not self.store.write(name, self._key_string(key), fmt, groups, buf):
@@ -379,20 +449,23 @@ class FastCkptL2Adapter(L2AdapterInterface):
         loaded, handles = [], []
         try:
             names = [self._name(k) for k in keys]
+            bufs = [_bytes_of(o) for o in objects]
+            if n == 1:  # one request, one chunk: header and data in one read when it applies
+                h = self.store.read_whole(names[0], bufs[0])
+                if h is not False:
+                    self._finish_whole(tid, keys[0], h, bufs[0], t0)
+                    return
             handles = list(self._io.map(self.store.open_chunk, names)) if n > 1 else \
                 [self.store.open_chunk(names[0])] if n else []
-            bufs, jobs = [None] * n, {}
+            jobs = {}
             for i, h in enumerate(handles):
                 if h is None:
                     continue
-                buf = objects[i].byte_array
-                buf = buf if isinstance(buf, memoryview) else memoryview(buf)
-                buf = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+                buf = bufs[i]
                 if len(buf) != h.nbytes:
                     logger.warning("fastckpt kv: L2 load of %s: the chunk holds %d bytes, the buffer %d; a miss",
                                    h.key, h.nbytes, len(buf))
                     continue
-                bufs[i] = buf
                 step = h.piece_bytes * SPAN_PIECES
                 jobs[i] = [(h, buf, s, min(step, h.nbytes - s)) for s in range(0, h.nbytes, step)]
             spans = [(i, j) for i, js in jobs.items() for j in js]
@@ -431,6 +504,38 @@ class FastCkptL2Adapter(L2AdapterInterface):
             self._done_loads[tid] = bm
         self._load_efd.notify()
 
+    def _finish_whole(self, tid: L2TaskId, key, h, buf: memoryview, t0: float) -> None:
+        """End a one-chunk load task read by :meth:`_Store.read_whole` (``h`` None: a miss)."""
+        bm = Bitmap(1)
+        try:
+            if h is not None:
+                self._check(h, buf, 0, h.nbytes)
+                self.store.touch(h.name)
+                bm.set(0)
+        except CorruptCheckpointError as e:
+            self.store.drop_corrupt(h, str(e))
+        self.store.stats.add(hits=int(bm.test(0)), misses=1 - int(bm.test(0)),
+                             get_bytes=h.nbytes if bm.test(0) else 0, get_s=time.perf_counter() - t0)
+        if bm.test(0):
+            self._notify_keys_accessed([key])
+        with self._lock:
+            self._done_loads[tid] = bm
+        self._load_efd.notify()
+
+    def _check(self, h, buf: memoryview, start: int, length: int) -> None:
+        """Check the xxh3-64 of each piece in data bytes ``[start, start+length)`` (when ``verify``).
+
+        Raises:
+            CorruptCheckpointError: a piece's checksum does not match.
+        """
+        if not self._verify:
+            return
+        for s in range(start, start + length, h.piece_bytes):
+            i = s // h.piece_bytes
+            if xxhash.xxh3_64_hexdigest(buf[s:min(s + h.piece_bytes, start + length)]) != h.piece_hashes[i]:
+                raise CorruptCheckpointError(f"{h.path}: checksum mismatch in piece {i} (data bytes "
+                                             f"[{s}, {min(s + h.piece_bytes, start + length)}))", path=h.path)
+
     def _read_span(self, h, buf: memoryview, start: int, length: int) -> None:
         """Read data bytes ``[start, start+length)`` (whole pieces) of ``h`` in one call, then check
         each piece's xxh3-64 (when ``verify``).
@@ -439,13 +544,7 @@ class FastCkptL2Adapter(L2AdapterInterface):
             CorruptCheckpointError: the file ends early or a piece's checksum does not match.
         """
         self.store.read_piece(h, buf, start, length)
-        if not self._verify:
-            return
-        for s in range(start, start + length, h.piece_bytes):
-            i = s // h.piece_bytes
-            if xxhash.xxh3_64_hexdigest(buf[s:min(s + h.piece_bytes, start + length)]) != h.piece_hashes[i]:
-                raise CorruptCheckpointError(f"{h.path}: checksum mismatch in piece {i} (data bytes "
-                                             f"[{s}, {min(s + h.piece_bytes, start + length)}))", path=h.path)
+        self._check(h, buf, start, length)
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
         """The load bitmap of ``task_id`` once (None before it is ready and after it was taken)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import re
 import select
@@ -119,12 +120,19 @@ class _Listener:
 
 
 class _Buf:
-    def __init__(self, data: bytes):
-        self.data = bytearray(data)
+    """A buffer like L1's: page-aligned (an mmap) unless ``aligned`` is False (a bytearray)."""
+
+    def __init__(self, data: bytes, aligned: bool = True):
+        if aligned:
+            self.data = mmap.mmap(-1, max(1, len(data)))
+            self.data[:len(data)] = data
+            self.n = len(data)
+        else:
+            self.data, self.n = bytearray(data), len(data)
 
     @property
     def byte_array(self):
-        return memoryview(self.data)
+        return memoryview(self.data)[:self.n]
 
 
 def _key(i: int) -> ObjectKey:
@@ -171,10 +179,10 @@ def _lookup(a, keys):
     return [bm.test(i) for i in range(len(keys))]
 
 
-def _load(a, keys, n):
-    bufs = [_Buf(b"\0" * n) for _ in keys]
+def _load(a, keys, n, aligned=True):
+    bufs = [_Buf(b"\0" * n, aligned) for _ in keys]
     bm = _poll(a.query_load_result, a.submit_load_task(keys, bufs))
-    return [bytes(b.data) if bm.test(i) else None for i, b in enumerate(bufs)]
+    return [bytes(b.byte_array) if bm.test(i) else None for i, b in enumerate(bufs)]
 
 
 def _adapter(path, **params) -> FastCkptL2Adapter:
@@ -290,9 +298,11 @@ def _data_file(path, key):
     return Path(path) / name[:2] / f"{name}.kv.safetensors"
 
 
-@pytest.mark.parametrize("piece_bytes,piece", [(4 << 20, 0), (4096, 5)])
-def test_checksum_failed_chunk_is_a_miss_and_is_dropped(tmp_path, piece_bytes, piece):
-    """One flipped data byte: in the only piece, or in piece 5 of 16 (read in spans of 8 pieces)."""
+@pytest.mark.parametrize("piece_bytes,piece,aligned", [(4 << 20, 0, True), (4096, 5, True), (4096, 5, False)])
+def test_checksum_failed_chunk_is_a_miss_and_is_dropped(tmp_path, piece_bytes, piece, aligned):
+    """One flipped data byte: in the only piece, or in piece 5 of 16; loads of one chunk into an
+    aligned buffer (header and data in one O_DIRECT read) and of two chunks or into an unaligned
+    buffer (header, then spans of 8 pieces)."""
     a = _adapter(tmp_path, piece_bytes=piece_bytes)
     try:
         k1, k2 = _key(1), _key(2)
@@ -301,8 +311,10 @@ def test_checksum_failed_chunk_is_a_miss_and_is_dropped(tmp_path, piece_bytes, p
         raw = bytearray(f.read_bytes())
         raw[4096 + piece * min(piece_bytes, 64 << 10) + 7] ^= 0xFF  # one byte of the data region (after the header)
         f.write_bytes(raw)
-        got = _load(a, [k1, k2], 64 << 10)
-        assert got[0] is None and got[1] == _payload(2)  # the bad chunk is a miss, the good one loads
+        assert _load(a, [k2], 64 << 10, aligned) == [_payload(2)]
+        got = _load(a, [k1], 64 << 10, aligned) + _load(a, [k1, k2], 64 << 10, aligned)
+        assert got[0] is None and got[1] is None and got[2] == _payload(2)  # a miss; the good one loads
+        assert a.report_status()["corrupt_dropped"] == 1
         assert not f.exists() and a.report_status()["corrupt_dropped"] == 1
         assert _lookup(a, [k1, k2]) == [False, True]
         assert audit(str(tmp_path))["counter"] == audit(str(tmp_path))["disk"]
