@@ -70,18 +70,23 @@ def raw_read_gbps(files: list[str], threads: int, block: int, direct: bool = Fal
     bufs = threading.local()
 
     def one(job):
-        path, off, n = job
         b = getattr(bufs, "b", None)
         if b is None:
             b = bufs.b = mmap.mmap(-1, block)
+            b.write(bytes(block))  # touched before the clock starts, as any reader's buffers are
+        if job is None:
+            time.sleep(0.01)  # so that every thread of the pool gets one of the warm-up calls
+            return 0
+        path, off, n = job
         fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
         try:
             return os.preadv(fd, [memoryview(b)[:n]], off)
         finally:
             os.close(fd)
 
-    t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(lambda _: one(None), range(threads * 4)))  # each thread's buffer, before the clock
+        t0 = time.perf_counter()
         total = sum(ex.map(one, jobs))
     return total / (time.perf_counter() - t0) / 1e9
 
@@ -380,7 +385,7 @@ def l2_summary_lines(res: dict, depth: int, rounds: int, cold: bool) -> list[str
     ratio = k("fastckpt", "get") / k("fs_native", "get")
     p99, ref99 = k("fastckpt", "get_p99_ms"), k("fs_native", "get_p99_ms")
     raw = res.get(f"L2.raw.get.d{depth}")
-    ceiling = max(raw, k("fastckpt", "get")) / k("fs_native", "get") if raw else None
+    ceiling = max(raw, k("fastckpt", "get"), k("fs_native", "get")) / k("fs_native", "get") if raw else None
     got = verdict(ratio, TARGET_L2_GET, ceiling, cold,
                   f"fs_native already reads {k('fs_native', 'get'):.2f} GB/s and the raw read of the same files "
                   f"was {raw or 0:.2f} GB/s")
