@@ -85,7 +85,8 @@ class FastCkptL2AdapterConfig(L2AdapterConfigBase):
 
     Args:
         store: the chunk store's :class:`~.lmcache_store.StoreOptions` (``path`` required).
-        read_threads: threads reading ``piece_bytes`` pieces in parallel (the load depth). Default 16.
+        read_threads: threads reading chunks (in spans of :data:`SPAN_PIECES` pieces) in parallel: the
+            load depth. Default 16.
         write_threads: threads writing chunks of store tasks in parallel. Default 4.
     """
 
