@@ -17,6 +17,16 @@ Usage::
 
 Prints one line per measurement and a summary with the ratios and the modeled TTFT of
 a 29.8K-token session (bytes to read / measured GB/s) against recomputing it.
+
+LMCache's multiprocess (server) mode: ``--l2-depth D`` (default 16) also runs the L2 adapters
+side by side, fastckpt's (:mod:`fastckpt.integrations.lmcache_l2`) and LMCache's ``fs_native``
+(its C++ file-system connector): the same chunks, the same depth (D load tasks of one chunk
+in flight; D I/O threads each: our ``read_threads``, fs_native's ``num_workers``), folders side
+by side under ``--dir``, O_DIRECT on or off for both (``--no-o-direct``), ``--l2-rounds``
+rounds in alternating order (who goes first rotates), cold page cache before each get pass.
+It reports the median over rounds of the get throughput and of each round's p50/p99 get
+latency (submit to result of one task), and checks fastckpt / fs_native >= 1.0x and p99 no
+worse. ``--l2-only`` skips the in-process backends.
 """
 
 from __future__ import annotations
@@ -24,8 +34,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -58,18 +70,23 @@ def raw_read_gbps(files: list[str], threads: int, block: int, direct: bool = Fal
     bufs = threading.local()
 
     def one(job):
-        path, off, n = job
         b = getattr(bufs, "b", None)
         if b is None:
             b = bufs.b = mmap.mmap(-1, block)
+            b.write(bytes(block))  # touched before the clock starts, as any reader's buffers are
+        if job is None:
+            time.sleep(0.01)  # so that every thread of the pool gets one of the warm-up calls
+            return 0
+        path, off, n = job
         fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
         try:
             return os.preadv(fd, [memoryview(b)[:n]], off)
         finally:
             os.close(fd)
 
-    t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(lambda _: one(None), range(threads * 4)))  # each thread's buffer, before the clock
+        t0 = time.perf_counter()
         total = sum(ex.map(one, jobs))
     return total / (time.perf_counter() - t0) / 1e9
 
@@ -225,6 +242,165 @@ def _wait_disk(be, keys):
         time.sleep(0.002)
 
 
+# ----- LMCache multiprocess mode: L2 adapters -----------------------------------------------------
+class _Buf:
+    """A page-aligned buffer with the ``byte_array`` the L2 adapters read and write."""
+
+    def __init__(self, nbytes: int):
+        import mmap
+
+        self.mm = mmap.mmap(-1, nbytes)
+
+    @property
+    def byte_array(self) -> memoryview:
+        return memoryview(self.mm)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * len(xs) + 0.5) - 1))]
+
+
+def l2_adapter(kind: str, path: str, depth: int, o_direct: bool):
+    """A fresh L2 adapter of ``kind`` ("fastckpt" or "fs_native") over ``path``, ``depth`` I/O threads."""
+    if kind == "fastckpt":
+        from fastckpt.integrations.lmcache_l2 import FastCkptL2Adapter
+
+        return FastCkptL2Adapter({"path": path, "read_threads": depth, "write_threads": depth,
+                                  "o_direct": o_direct, "durable": True})
+    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+    from lmcache.v1.distributed.l2_adapters.fs_native_l2_adapter import FSNativeL2AdapterConfig
+
+    return create_l2_adapter(FSNativeL2AdapterConfig.from_dict(
+        {"base_path": path, "num_workers": depth, "use_odirect": o_direct}))
+
+
+def l2_run(adapter, keys: list, bufs: list, depth: int, load: bool) -> tuple[float, list[float]]:
+    """Store (``load`` False) or load every key, one key per task, ``depth`` tasks in flight.
+
+    Returns:
+        (GB/s, per-task seconds from submit to result). Raises AssertionError on a failed task.
+    """
+    import select
+
+    from lmcache.v1.platform import consume_fd
+
+    fd = adapter.get_load_event_fd() if load else adapter.get_store_event_fd()
+    poll = select.poll()
+    poll.register(fd, select.POLLIN)
+    inflight: dict = {}
+    lat: list[float] = []
+    nbytes = 0
+    nxt = 0
+    t0 = time.perf_counter()
+    while nxt < len(keys) or inflight:
+        while nxt < len(keys) and len(inflight) < depth:
+            buf = bufs[nxt % len(bufs)]
+            tid = (adapter.submit_load_task if load else adapter.submit_store_task)([keys[nxt]], [buf])
+            inflight[tid] = time.perf_counter()
+            nxt += 1
+        poll.poll(1000)
+        try:
+            consume_fd(fd)
+        except BlockingIOError:
+            pass
+        now = time.perf_counter()
+        if load:
+            for tid in list(inflight):
+                bm = adapter.query_load_result(tid)
+                if bm is not None:
+                    assert bm.test(0), f"L2 load task {tid} missed"
+                    lat.append(now - inflight.pop(tid))
+        else:
+            for tid, r in adapter.pop_completed_store_tasks().items():
+                assert int(r) >= 0, f"L2 store task {tid} failed"
+                lat.append(now - inflight.pop(tid))
+        nbytes = len(lat) * len(bufs[0].byte_array)
+    return nbytes / (time.perf_counter() - t0) / 1e9, lat
+
+
+def l2_bench(a, chunk_bytes: int, n: int, res: dict, tag: str) -> list[str]:
+    """fastckpt's L2 adapter vs LMCache's fs_native, ``a.l2_rounds`` rounds in rotating order; summary lines."""
+    from lmcache.v1.distributed.api import ObjectKey
+
+    d = a.l2_depth
+    keys = [ObjectKey(chunk_hash=ObjectKey.IntHash2Bytes(0x1000 + i), model_name="bench/model", kv_rank=0)
+            for i in range(n)]
+    src = []
+    for i in range(min(d, n)):
+        b = _Buf(chunk_bytes)
+        g = torch.Generator().manual_seed(i)
+        b.byte_array[:] = torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8, generator=g).numpy().data
+        src.append(b)
+    dst = [_Buf(chunk_bytes) for _ in range(d)]
+    zeros = bytes(chunk_bytes)
+    for b in dst:  # touched once, as L1's buffers are: no page faults inside the first measured run
+        b.byte_array[:] = zeros
+    per: dict = {"fastckpt": [], "fs_native": []}
+    raw: list[float] = []
+    for r in range(a.l2_rounds):
+        order = ["fastckpt", "fs_native"] if r % 2 == 0 else ["fs_native", "fastckpt"]
+        for kind in order:
+            path = os.path.join(a.dir, f"l2-{kind}")
+            shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(path)
+            ad = l2_adapter(kind, path, d, a.o_direct)
+            try:
+                put, _ = l2_run(ad, keys, src, d, load=False)
+                os.sync()
+                drop_caches()
+                get, lat = l2_run(ad, keys, dst, d, load=True)
+            finally:
+                ad.close()
+            if kind == "fastckpt":  # the device's ceiling: the same files, one whole-file O_DIRECT read each
+                files = [os.path.join(r_, f) for r_, _, fs in os.walk(path) for f in fs
+                         if f.endswith(".safetensors")]
+                drop_caches()
+                raw.append(raw_read_gbps(files, d, chunk_bytes + 4096, direct=a.o_direct))
+                print(f"L2 raw read of the same files, depth {d}: {raw[-1]:6.2f} GB/s{tag}", flush=True)
+            shutil.rmtree(path, ignore_errors=True)
+            p50, p99 = _pct(lat, 50) * 1e3, _pct(lat, 99) * 1e3
+            per[kind].append((put, get, p50, p99))
+            print(f"L2 {kind:9s} round {r} depth {d}: put {put:6.2f} GB/s   cold get {get:6.2f} GB/s   "
+                  f"get p50 {p50:7.1f} ms  p99 {p99:7.1f} ms{tag}", flush=True)
+    med = {k: [statistics.median(x[i] for x in v) for i in range(4)] for k, v in per.items()}
+    for k, (put, get, p50, p99) in med.items():
+        res.update({f"L2.{k}.put.d{d}": put, f"L2.{k}.get.d{d}": get, f"L2.{k}.get_p50_ms.d{d}": p50,
+                    f"L2.{k}.get_p99_ms.d{d}": p99})
+    res[f"L2.raw.get.d{d}"] = statistics.median(raw)
+    return l2_summary_lines(res, d, a.l2_rounds, cold=not tag)
+
+
+#: The targets of the L2 adapter against LMCache's fs_native at the same depth.
+TARGET_L2_GET = 1.0  # fastckpt cold get GB/s / fs_native's
+TARGET_L2_P99 = 1.0  # fastckpt p99 get latency / fs_native's, at most
+
+
+def l2_summary_lines(res: dict, depth: int, rounds: int, cold: bool) -> list[str]:
+    """The L2 comparison's summary (medians in ``res``); each target line says met, NOT MET or NOT SHOWN."""
+    def k(name, what):
+        return res[f"L2.{name}.{what}.d{depth}"]
+
+    warm = "NOT SHOWN (warm page cache: run as root so the caches can be dropped)"
+    ratio = k("fastckpt", "get") / k("fs_native", "get")
+    p99, ref99 = k("fastckpt", "get_p99_ms"), k("fs_native", "get_p99_ms")
+    raw = res.get(f"L2.raw.get.d{depth}")
+    ceiling = max(raw, k("fastckpt", "get"), k("fs_native", "get")) / k("fs_native", "get") if raw else None
+    got = verdict(ratio, TARGET_L2_GET, ceiling, cold,
+                  f"fs_native already reads {k('fs_native', 'get'):.2f} GB/s and the raw read of the same files "
+                  f"was {raw or 0:.2f} GB/s")
+    lat = "met" if p99 <= TARGET_L2_P99 * ref99 else "NOT MET"
+    raw_note = f"; raw read {raw:.2f} GB/s" if raw else ""
+    return [f"L2 cold get depth {depth}: fastckpt / fs_native = {ratio:.2f}x   {got}  (medians of {rounds} "
+            f"rounds: {k('fastckpt', 'get'):.2f} vs {k('fs_native', 'get'):.2f} GB/s{raw_note})",
+            f"L2 get p99 depth {depth}: fastckpt {p99:.1f} ms, fs_native {ref99:.1f} ms   target no worse: "
+            f"{lat if cold else warm}  (p50 {k('fastckpt', 'get_p50_ms'):.1f} vs "
+            f"{k('fs_native', 'get_p50_ms'):.1f} ms)",
+            f"L2 put depth {depth}: fastckpt / fs_native = {k('fastckpt', 'put') / k('fs_native', 'put'):.2f}x  "
+            f"({k('fastckpt', 'put'):.2f} vs {k('fs_native', 'put'):.2f} GB/s; ours fsyncs every chunk before its "
+            "rename, fs_native renames without fsync)"]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", default="bench_out/kv", help="folder on the tier under test (emptied first)")
@@ -243,15 +419,38 @@ def main(argv=None) -> int:
     p.add_argument("--session-bytes", type=float, default=7.15e9, help="KV bytes of the session (480B FP8)")
     p.add_argument("--recompute-tokens-per-s", type=float, default=800.0,
                    help="assumed prefill throughput for recomputing the session (tokens/s)")
+    p.add_argument("--l2-depth", type=int, default=16,
+                   help="LMCache server mode: L2 load tasks in flight and I/O threads per adapter (0 skips it)")
+    p.add_argument("--l2-rounds", type=int, default=3, help="rounds of the L2 comparison (order rotates)")
+    p.add_argument("--l2-only", action="store_true", help="run only the L2 adapter comparison")
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args(argv)
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
-    b = Bench(a)
-    print(f"chunk {list(b.shape)} bf16 = {b.chunk_bytes / MiB:.0f} MiB, {b.n} chunks = "
-          f"{b.n * b.chunk_bytes / GiB:.2f} GiB working set, dir {a.dir}")
+    shape = [2, a.layers, a.tokens, a.heads * a.head_dim]
+    chunk_bytes = math.prod(shape) * 2
+    n = max(1, a.working_set_mib * MiB // chunk_bytes)
+    print(f"chunk {shape} bf16 = {chunk_bytes / MiB:.0f} MiB, {n} chunks = "
+          f"{n * chunk_bytes / GiB:.2f} GiB working set, dir {a.dir}")
     res: dict = {}
     cold = drop_caches()
     tag = "" if cold else " (WARM: cannot drop caches)"
+    if not a.l2_only:
+        in_process(a, res, cold, tag)
+    if a.l2_depth > 0:
+        lines = l2_bench(a, chunk_bytes, n, res, tag)
+        print("\nsummary, LMCache server mode (L2 adapters)" + tag)
+        for line in lines:
+            print("  " + line)
+    res["cold"] = cold
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+def in_process(a, res: dict, cold: bool, tag: str) -> None:
+    """The in-process backends (StoragePluginInterface and LMCache's own), as before the L2 comparison."""
+    b = Bench(a)
 
     def run(name, make, wait_done):
         for conc in a.concurrency:
@@ -295,13 +494,8 @@ def main(argv=None) -> int:
         g = res[f"{name}.get.c{hi}"]
         print(f"    {name:10s} {a.session_bytes / 1e9 / g:7.2f} s  ({recompute / (a.session_bytes / 1e9 / g):.1f}x "
               f"faster than recompute)")
-    res["cold"] = cold
     for o in b.src:
         o.ref_count_down()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
-    return 0
 
 
 if __name__ == "__main__":
