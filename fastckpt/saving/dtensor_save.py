@@ -124,17 +124,6 @@ def _host_dtensor(local: torch.Tensor, like: Any) -> Any:
                                   stride=like.stride())
 
 
-def _refuse_options(opts: SaveOptions) -> None:
-    c = opts.consistency
-    bad = [n for n, on in (("commit='marker'", opts.commit != "rename"),
-                           ("link_from", c.link_from is not None), ("defer", c.defer is not None),
-                           ("defer_frozen", c.defer_frozen), ("staging_bytes", opts.io.staging_bytes is not None))
-           if on]
-    if bad:
-        raise ValueError(f"save options {bad} are not supported for states holding DTensors (FSDP2 / tensor "
-                         "parallel) yet; drop them. Nothing was written")
-
-
 def _failure_text(v: Any) -> str:
     exc = v[0] if isinstance(v, tuple) and v and isinstance(v[0], BaseException) else v
     return fmt(exc) if isinstance(exc, BaseException) else str(exc)
@@ -251,7 +240,6 @@ def start_dtensor_save(saver: Any, state: Any, path: Path, opts: SaveOptions, pg
     own: BaseException | None = None
     values: dict[str, str] = {}
     try:
-        _refuse_options(opts)
         col = collect(with_stand_ins(state)[0], opts.stems)  # every other value error, at the call
         if path.exists() and not opts.overwrite:
             raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it atomically")

@@ -39,6 +39,7 @@ import os
 import threading
 import time
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ from ..storage.staging import StagingPool
 from . import dedupe
 from .agree import CHECK_BYTES, array_digest, check_agreement, combined, json_leaves
 from .collect import Collected, collect
-from .dtensor import has_dtensor
+from .dtensor import has_dtensor, leads_dtensor_save
 from .committer import (InFlight, commit_single, create_folder, finish_ranks, fmt, rank_report,
                         remove_uncommitted)
 from .future import SaveFuture
@@ -62,6 +63,76 @@ from .ranks import (RANK_KEY, Ownership, global_plan, has_split, rank_specs, spe
 
 #: Sentinel: "the saver's own process group".
 _OWN = object()
+
+
+#: :class:`SaveOptions` keyword names a save of a state holding DTensors refuses (``commit`` only as
+#: ``"marker"``): the one list; integrations drop them through :meth:`SaveRoute.drop`.
+DTENSOR_REFUSED = ("commit", "link_from", "defer", "defer_frozen", "staging_bytes")
+
+
+@dataclass(frozen=True)
+class SaveRoute:
+    """How :meth:`Saver.async_save` saves a state: the route and the options it refuses.
+
+    Get it from :func:`save_route`; the saver decides with the same function, so callers
+    (``CheckpointManager``, integrations) never re-detect DTensors nor keep their own lists.
+
+    Attributes:
+        dtensor: the state holds DTensors (FSDP2, tensor parallel): every rank of the DTensors'
+            device meshes (or of ``process_group``) saves it together, each writing its own chunks.
+        refused: :class:`SaveOptions` keyword names this route refuses (empty for plain states).
+    """
+
+    dtensor: bool
+    refused: tuple[str, ...] = ()
+
+    def drop(self, options: dict[str, Any]) -> dict[str, Any]:
+        """A copy of ``options`` (keyword arguments of a save) without the ones this route refuses."""
+        return {k: v for k, v in options.items() if k not in self.refused}
+
+    def check(self, opts: SaveOptions) -> None:
+        """Refuse the options this route does not support (before any file exists).
+
+        Raises:
+            ValueError: naming every refused option that is set, and saying to drop them.
+        """
+        if not self.dtensor:
+            return
+        c = opts.consistency
+        bad = [n for n, on in (("commit='marker'", opts.commit != "rename"),
+                               ("link_from", c.link_from is not None), ("defer", c.defer is not None),
+                               ("defer_frozen", c.defer_frozen), ("staging_bytes", opts.io.staging_bytes is not None))
+               if on]
+        if bad:
+            raise ValueError(f"save options {bad} are not supported for states holding DTensors (FSDP2 / tensor "
+                             "parallel) yet; drop them. Nothing was written")
+
+    def leads(self, state: Any) -> bool:
+        """True on the rank that commits the save of ``state`` (and keeps a run root's bookkeeping): for a
+        DTensor state the lowest global rank of its device meshes; for a plain state, always.
+
+        Raises:
+            UnsupportedValueError: a value DTensor saves refuse (see :func:`fastckpt.saving.dtensor.check_state`).
+        """
+        return leads_dtensor_save(state) if self.dtensor else True
+
+
+def save_route(state: Any) -> SaveRoute:
+    """The route :meth:`Saver.async_save` takes for ``state`` (the one place that decides it).
+
+    Cheap and import-free: a state cannot hold a DTensor unless ``torch.distributed.tensor`` is
+    already imported, so a plain state is never walked for DTensors in a process that has none
+    and that module is never imported to find out.
+
+    Args:
+        state: the state to save (nested dict/list/tuple; ``Stateful`` values as their ``state_dict()``).
+    """
+    if has_dtensor(state):
+        return SaveRoute(True, DTENSOR_REFUSED)
+    return _PLAIN
+
+
+_PLAIN = SaveRoute(False)
 
 def _session_tag(path: Path, opts: SaveOptions) -> str:
     return path_tag(path) if opts.commit == "rename" else "marker"  # marker: a path per node
@@ -217,7 +288,9 @@ class Saver:
             self.wait()
             state, _ = to_state_dicts(state)  # top-level Stateful objects: their state_dict(), as DCP saves them
             target = Path(os.path.abspath(os.fspath(path)))
-            if has_dtensor(state):  # FSDP2 / TP state: the DCP route (saving/dtensor_save.py)
+            route = save_route(state)
+            if route.dtensor:  # FSDP2 / TP state: the DCP route (saving/dtensor_save.py)
+                route.check(opts)
                 from .dtensor_save import start_dtensor_save
                 return start_dtensor_save(self, state, target, opts, pg)
             with no_gc():
