@@ -128,7 +128,7 @@ def _local_file(name: str, world: int) -> int | None:
 
 def write_metadata(folder: str, plan: SavePlan, files_here: tuple[int, ...] | None, skeleton: Any,
                    entries: dict[str, dict], opts: SaveOptions, reports: dict[int, dict], *, world: int,
-                   dist: dict | None) -> int:
+                   dist: dict | None, extra: dict[str, bytes] | None = None) -> int:
     """Write ``state.json``, index and extra files, then ``manifest.json`` (last). Returns bytes of all files.
 
     Args:
@@ -138,13 +138,15 @@ def write_metadata(folder: str, plan: SavePlan, files_here: tuple[int, ...] | No
         entries: alias/view/ndarray manifest entries of the replicated state.
         reports: rank -> :func:`rank_report` of the ranks whose files are in this folder.
         world: ranks of the save; ``dist``: the manifest's ``distributed`` section (multi-rank).
+        extra: small files written beside ``opts.extra_files`` (the DCP drop-in's ``dcp_metadata.json``).
     """
     here = range(len(plan.files)) if files_here is None else files_here
     shared = [plan.files[i] for i in here if _local_file(plan.files[i].name, world) is None]
     own = [plan.files[i] for i in here if _local_file(plan.files[i].name, world) is not None]
     stems = {f.name.split("-", 1)[0] for f in own}
     rep_plan = replace(plan, files=tuple(shared), index={k: v for k, v in plan.index.items() if k not in stems})
-    files = write_side_files(folder, rep_plan, skeleton, opts.extra_files, replace=opts.commit == "marker")
+    files = write_side_files(folder, rep_plan, skeleton, {**(opts.extra_files or {}), **(extra or {})},
+                             replace=opts.commit == "marker")
     files.update({f.name: {"bytes": f.size} for f in own})
     hashes: dict[str, str] = {}
     all_entries = dict(entries)
@@ -155,15 +157,36 @@ def write_metadata(folder: str, plan: SavePlan, files_here: tuple[int, ...] | No
     tensors = tensor_entries(replace(plan, files=tuple(shared + own)), hashes, {})
     for k, e in all_entries.items():
         tensors[k] = {**tensors.get(k, {}), **e}
+    chunks: dict[str, list[dict]] = {}  # tensors written in chunks by several ranks (DTensors)
+    for rep in reports.values():
+        for k, cs in rep.get("chunks", {}).items():
+            chunks.setdefault(k, []).extend(cs)
+    for k, cs in chunks.items():
+        tensors[k].pop("xxh3", None)
+        tensors[k]["chunks"] = sorted(cs, key=lambda c: c["offsets"])
+        placement = next((rep["placement"][k] for rep in reports.values() if k in rep.get("placement", {})), None)
+        if placement is not None:  # informational (docs/FORMAT.md, "Version 2")
+            tensors[k]["placement"] = placement
     manifest = manifest_doc(opts, files, tensors, world_size=world)
+    if chunks:
+        manifest["format_version"] = CHUNKS_FORMAT_VERSION
     if dist is not None:
         manifest["distributed"] = dist
     return write_manifest(folder, manifest)
 
 
+#: ``format_version`` of a manifest with at least one ``"chunks"`` entry (docs/FORMAT.md, "Version 2").
+CHUNKS_FORMAT_VERSION = 2
+
+
 def dist_section(plan: SavePlan, units: dict[int, tuple[int, ...]], reports: dict[int, dict], *, mode: str,
-                 node: str, nodes: list[str], local_keys: tuple[str, ...]) -> dict:
-    """The manifest's ``distributed`` section (docs/FORMAT.md, "Multi-rank")."""
+                 node: str, nodes: list[str], local_keys: tuple[str, ...], planner: str | None = None) -> dict:
+    """The manifest's ``distributed`` section (docs/FORMAT.md, "Multi-rank"): the one builder of it.
+
+    Args:
+        units: rank -> write units it wrote (plain states); a report's ``"written"`` (file names) counts too.
+        planner: ``"dcp"`` when DCP's planner placed the chunks (the DCP drop-in), else ``None`` (not recorded).
+    """
     written_by: dict[str, list[int]] = {}
     shards: dict[str, dict] = {}
     skeletons: dict[str, str] = {}
@@ -172,6 +195,8 @@ def dist_section(plan: SavePlan, units: dict[int, tuple[int, ...]], reports: dic
             ranks = written_by.setdefault(plan.files[plan.units[i].file_index].name, [])
             if r not in ranks:
                 ranks.append(r)
+        for name in rep.get("written", ()):  # chunked saves: the files holding pages this rank wrote
+            written_by.setdefault(name, []).append(r)
         for name in rep["files"]:
             written_by[name] = [r]
             skeletons[str(r)] = name
@@ -180,7 +205,8 @@ def dist_section(plan: SavePlan, units: dict[int, tuple[int, ...]], reports: dic
             entry["pieces"].append({"rank": r, "key": piece["key"], "offsets": piece["offsets"], "shape": piece["shape"]})
     return {"mode": mode, "node": node if mode == "marker" else None, "nodes": nodes, "written_by": written_by,
             "bytes_by_rank": {str(r): rep["bytes"] for r, rep in sorted(reports.items())},
-            "rank_local": {"keys": list(local_keys), "skeletons": skeletons}, "shards": shards}
+            "rank_local": {"keys": list(local_keys), "skeletons": skeletons}, "shards": shards,
+            **({"planner": planner} if planner else {})}
 
 
 def commit_folder(folder: str, path: Path, opts: SaveOptions) -> None:
@@ -220,6 +246,8 @@ class InFlight:
     folder: str | None = None
     nodes: list = field(default_factory=list)
     stage_exc: BaseException | None = None
+    placement: dict = field(default_factory=dict)  # DTensor key path -> mesh shape and placements (manifest)
+    header_bytes: int = 0  # bytes of file headers this rank wrote when it created the files (chunked saves)
 
     @property
     def single(self) -> bool:

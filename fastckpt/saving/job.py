@@ -365,3 +365,9 @@ def _sync_devices(sources: dict) -> None:
             import torch
             torch.cuda.synchronize()
             return
+
+
+def sync_staged(sources: dict) -> None:
+    """Wait until every device copy of ``sources`` into staging memory is complete, before any byte of
+    it is hashed or written (the chunked route of :mod:`fastckpt.saving.pages`)."""
+    _sync_devices(sources)
