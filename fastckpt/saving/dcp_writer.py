@@ -238,7 +238,8 @@ class FastCkptWriter(StorageWriter):
             raise UnsupportedPlannerError(f"{self.path}: a plan made by {_planner_name()} written with another "
                                           f"planner ({type(planner).__name__}); pass the same planner throughout")
         self.folder = sd["folder"]
-        full = self._plan(sd["specs"] if keys is not None else spec_list(planner.collected.specs))
+        full = self.plan if self.is_coordinator else self._plan(  # the coordinator planned it already
+            sd["specs"] if keys is not None else spec_list(planner.collected.specs))
         chunks = [Chunk(k, tuple(o), tuple(s), r) for k, o, s, r in sd["chunks"]]
         store = Coordinator.for_group(None).store
         coord = Coordinator(self.rank, sd["world"], store, "dcp-" + sd["session"],
