@@ -179,7 +179,7 @@ def _fsdp2_save(kind: str, state: dict, path: str) -> float:
         fut.result()
         return blocking
     if kind == "dcp FileSystemWriter":
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=4))
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=4, sync_files=True))
     else:
         dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(
             path, thread_count=4, save_distributed=True, enable_consolidation=True, thread_count_consolidation=4))
@@ -200,7 +200,7 @@ def _fsdp2_load(kind: str, state: dict, path: str) -> None:
         dcp.load(state, storage_reader=FastCkptReader(path), planner=FastCkptLoadPlanner())
 
 
-def _fsdp2_rank(rank: int, world: int, mib: int, folder: str, out: str, rnd: int) -> None:
+def _fsdp2_rank(rank: int, world: int, mib: int, folder: str, out: str, rnd: int, quick: bool = False) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import common as C
@@ -211,9 +211,16 @@ def _fsdp2_rank(rank: int, world: int, mib: int, folder: str, out: str, rnd: int
     rows = _rows(mib)
     state = _sharded_state(mesh, rows, True)
     res = {"shard_bytes": sum(v.to_local().nbytes for v in state["model"].values())}
+    copies = []  # one memory copy of this rank's shards into fresh memory: the reference of blocking time
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dup = [v.to_local().clone() for v in state["model"].values()]
+        copies.append(time.perf_counter() - t0)
+        del dup
+    res["memcpy_s"] = statistics.median(copies)
     src = {"fastckpt.load_into": "fastckpt", "dcp.load FileSystemReader": "dcp FileSystemWriter",
            "dcp.load FastCkptReader": "fastckpt"}
-    for kind in C.rotated(SAVES, rnd) * 2:  # first save of the process, then the steady state
+    for kind in C.rotated(SAVES[:2] if quick else SAVES, rnd) * 2:  # first save of the process, then the steady state
         path = os.path.join(folder, kind.replace(" ", "_"))
         try:
             if rank == 0 and os.path.exists(path):
@@ -230,7 +237,7 @@ def _fsdp2_rank(rank: int, world: int, mib: int, folder: str, out: str, rnd: int
             res[kind] = row
         except Exception as e:  # e.g. a --baseline checkout that cannot save DTensor states
             res[kind] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    for kind in C.rotated(LOADS, rnd):
+    for kind in [] if quick else C.rotated(LOADS, rnd):
         path = os.path.join(folder, src[kind].replace(" ", "_"))
         if "error" in res.get(src[kind], {}):
             res[kind] = {"error": "its save failed"}
@@ -273,13 +280,15 @@ def _one_rank_full(mib: int, folder: str) -> dict:
             "rss_grew": grew[1], "first_rss_grew": grew[0]}
 
 
-def _fsdp2_child(mib: int, folder_root: str | None, rnd: int) -> dict:
+def _fsdp2_child(mib: int, folder_root: str | None, rnd: int, quick: bool = False) -> dict:
     base = tempfile.mkdtemp(dir=folder_root)
     try:
         folder = tempfile.mkdtemp(dir=base)
-        mp.spawn(_fsdp2_rank, args=(2, mib, folder, base, rnd), nprocs=2, join=True)
+        mp.spawn(_fsdp2_rank, args=(2, mib, folder, base, rnd, quick), nprocs=2, join=True)
         res = {"ranks": [json.load(open(os.path.join(base, f"f{r}.json"))) for r in range(2)]}
         shutil.rmtree(folder)
+        if quick:
+            return res
         one = tempfile.mkdtemp(dir=base)
         res["one"] = _one_rank_full(mib, one)
         return res
@@ -305,7 +314,8 @@ def fsdp2_main(a) -> None:
         if a.baseline:
             env["PYTHONPATH"] = os.path.abspath(a.baseline) + os.pathsep + env.get("PYTHONPATH", "")
         subprocess.run([sys.executable, __file__, "--fsdp2", "--mib", str(a.mib), "--child-json", out,
-                        "--round", str(r)] + (["--dir", a.dir] if a.dir else []), env=env, check=True)
+                        "--round", str(r)] + (["--dir", a.dir] if a.dir else []) + (["--quick"] if a.quick else []),
+                       env=env, check=True)
         rounds.append(json.load(open(out)))
         os.unlink(out)
 
@@ -331,7 +341,7 @@ def fsdp2_main(a) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---|---|---:|")
     fs = stat("dcp FileSystemWriter", "wall_s")
     walls = {}
-    for kind in SAVES + ["one"]:
+    for kind in (SAVES[:2] if a.quick else SAVES + ["one"]):
         wall = stat(kind, "wall_s")
         if wall is None:
             err = next((x["ranks"][0].get(kind, {}).get("error") for x in rounds), "")
@@ -350,6 +360,8 @@ def fsdp2_main(a) -> None:
         print(f"| {label} | {1 if kind == 'one' else 2} | {wall:.2f} | {stat(kind, 'blocking_s'):.2f} | {gbps:.2f} | "
               f"{gbps / raw_w['gbps']:.2f} | {fs / wall if fs else float('nan'):.2f} | {', '.join(per_w)} | "
               f"{', '.join(per_r)} | {stat(kind, 'first_wall_s'):.2f} |")
+    if a.quick:
+        LOADS.clear()
     print("\n| load | wall s | GB/s | x raw read | x dcp.load FileSystemReader | peak RSS growth per rank MiB | "
           "bit-exact | cold cache |")
     print("|---|---:|---:|---:|---:|---|---|---|")
@@ -369,8 +381,14 @@ def fsdp2_main(a) -> None:
     if "fastckpt" in walls:
         print("\nTargets (same run):")
         ours = nbytes / walls["fastckpt"] / C.GB
-        for what, other, want in (("save >= 2x dcp.save(FileSystemWriter)", "dcp FileSystemWriter", 2.0),
-                                  ("save >= 0.9x one-rank fastckpt.save of the same state", "one", 0.9)):
+        memcpy = statistics.median(max(x["ranks"][r]["memcpy_s"] for r in range(2)) for x in rounds)
+        blocking = stat("fastckpt", "blocking_s")
+        print(f"- async_save blocking <= 1.5x one memory copy of the rank's shards: {blocking:.3f} s / "
+              f"{memcpy:.3f} s = {blocking / memcpy:.2f}x: {'met' if blocking <= 1.5 * memcpy else 'NOT MET'}")
+        want_fs = 1.0 if where.startswith("/dev/shm") else 1.2  # memory tier / disk (issue 21)
+        for what, other, want in [x for x in ((f"save >= {want_fs}x dcp.save(FileSystemWriter(sync_files=True))",
+                                   "dcp FileSystemWriter", want_fs),
+                                  ("save >= 0.9x one-rank fastckpt.save of the same state", "one", 0.9)) if x[1] in walls]:
             ratio = walls.get(other, 0) / walls["fastckpt"]
             needed = want * nbytes / walls[other] / C.GB if other in walls else 0
             ceiling = (f"it needs {needed:.2f} GB/s, above the raw device's {raw_w['gbps']:.2f} GB/s; "
@@ -398,12 +416,14 @@ def main() -> None:
                     help="checkout of another fastckpt (e.g. `git worktree add /tmp/base main`), run beside ours")
     ap.add_argument("--fsdp2", action="store_true",
                     help="2 ranks with a sharded DTensor state: fastckpt vs DCP (FileSystemWriter, HF writer), loads")
+    ap.add_argument("--quick", action="store_true",
+                    help="--fsdp2: only fastckpt.async_save vs dcp.save(FileSystemWriter), no loads, no one-rank save")
     ap.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.fsdp2 and a.child_json:
         with open(a.child_json, "w") as f:
-            json.dump(_fsdp2_child(a.mib, a.dir, a.round), f)
+            json.dump(_fsdp2_child(a.mib, a.dir, a.round, a.quick), f)
         return
     if a.fsdp2:
         fsdp2_main(a)

@@ -13,6 +13,7 @@ Public API::
     fastckpt.verify(path) -> VerifyReport
     fastckpt.check_servable(folder) -> ServableReport   # the servability gate of `fastckpt load`
     fastckpt.is_committed(path) -> bool
+    fastckpt.save_route(state) -> SaveRoute  # DTensor route or not, the options it refuses
 
 The package is laid out by layers, imports pointing one way (DESIGN.md):
 ``integrations`` -> this module -> ``cli`` -> ``manager`` -> ``saving`` | ``loading`` ->
@@ -41,7 +42,7 @@ from .coordination import LOCAL
 from .saving.future import SaveFuture
 from .saving.options import Consistency, IOTuning, SaveOptions
 from .saving.ranks import Shard
-from .saving.saver import Saver, no_gc
+from .saving.saver import Saver, SaveRoute, no_gc, save_route
 from .loading.verify import VerifyReport, verify
 from .loading.servable import ServableReport, check_servable
 
@@ -200,4 +201,4 @@ __all__ = ["save", "async_save", "load", "load_into", "LoadIntoReport", "wait", 
            "VerifyReport", "errors", "FastCkptError", "DistributedSaveError", "RankValuesDifferError", "SaveConflictError",
            "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError", "HeaderError",
            "ChecksumMismatchError", "UnsupportedValueError", "UnsupportedDtypeError", "InsufficientSpaceError"]
-__all__ += ["check_servable", "ServableReport"]
+__all__ += ["check_servable", "ServableReport", "save_route", "SaveRoute"]

@@ -27,7 +27,7 @@ Load::
 reads a fastckpt checkpoint (format 1 or 2, any saving world size) or an HF folder with DCP's
 planner doing placement and resharding, never unpickling; a dtype difference is cast as DCP's
 ``FileSystemReader`` casts it. A thin layer: the code lives in
-:mod:`fastckpt.saving.dcp_writer`, :mod:`fastckpt.saving.dtensor_save`, :mod:`fastckpt.saving.dtensor`
+:mod:`fastckpt.saving.dcp_writer` (over the engine of :mod:`fastckpt.saving.saver`), :mod:`fastckpt.saving.dtensor`
 and :mod:`fastckpt.loading.dcp_reader`.
 """
 
@@ -38,9 +38,8 @@ from typing import Any
 
 from .errors import DCPLoadError, FastCkptError, InvalidArgumentError
 from .loading.dcp_reader import FastCkptLoadPlanner, FastCkptReader, FastCkptStorageData, build_metadata
-from .saving.dcp_writer import FastCkptSavePlanner, FastCkptWriter
+from .saving.dcp_writer import FastCkptSavePlanner, FastCkptStager, FastCkptWriter
 from .saving.dtensor import background_group
-from .saving.dtensor_save import FastCkptStager
 
 
 def load(state: dict, path: str | os.PathLike, *, process_group: Any = None, verify: bool = True,

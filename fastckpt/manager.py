@@ -14,9 +14,8 @@ from .loading.reader import load
 from .storage.locate import store_for
 from .saving.future import SaveFuture
 from .format.stateful import to_state_dicts
-from .saving.dtensor import has_dtensor, leads_dtensor_save
 from .saving.committer import folder_error
-from .saving.saver import Saver
+from .saving.saver import Saver, save_route
 
 LATEST = "latest"
 
@@ -140,8 +139,9 @@ class CheckpointManager:
             _raise_typed(target, e)
         state, _ = to_state_dicts(state)  # Stateful values (DCP's protocol): their state_dict(), called once
         writer = self._writer
-        if self._saver.process_group is None and has_dtensor(state):
-            writer = leads_dtensor_save(state)  # the meshes' ranks save together: their rank 0 keeps the root
+        route = save_route(state)
+        if self._saver.process_group is None and route.dtensor:
+            writer = route.leads(state)  # the meshes' ranks save together: their rank 0 keeps the root
         if not writer:  # another rank of a multi-rank save: rank 0 does the root's bookkeeping
             return self._saver.async_save(state, target, step=step, **options)
         try:

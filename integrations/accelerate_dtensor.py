@@ -36,14 +36,6 @@ OBJECT_KEYS = ("schedulers", "custom", "scaler", "step", "iteration", "rng", "sa
                "samplers_per_process")
 
 
-def _dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without distributed
-        return None
-    return DTensor
-
-
 def is_fsdp1(model) -> bool:
     """True for a model wrapped in (or holding) ``torch.distributed.fsdp.FullyShardedDataParallel``."""
     try:
@@ -71,14 +63,6 @@ def check_not_fsdp1(acc) -> None:
             f"DTensor parameters are saved by every rank into one HF-layout checkpoint")
 
 
-def has_dtensor(model) -> bool:
-    """True when a parameter or buffer of ``model`` is a DTensor (FSDP2 ``fully_shard``, TP)."""
-    dt = _dtensor_type()
-    if dt is None:
-        return False
-    return any(isinstance(t, dt) for t in (*model.parameters(), *model.buffers()))
-
-
 def sharded(acc) -> bool:
     """True when the accelerator's models go the sharded route (any prepared model holds DTensors).
 
@@ -86,7 +70,10 @@ def sharded(acc) -> bool:
         AccelerateFSDP1Error: see :func:`check_not_fsdp1`.
     """
     check_not_fsdp1(acc)
-    return any(has_dtensor(acc.unwrap_model(m)) for m in acc._models)
+    import fastckpt
+
+    return any(fastckpt.save_route([*m.parameters(), *m.buffers()]).dtensor
+               for m in map(acc.unwrap_model, acc._models))
 
 
 def _torch_optimizer(opt):

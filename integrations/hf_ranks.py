@@ -37,9 +37,6 @@ logger = logging.getLogger("fastckpt.integrations.hf_trainer")
 #: The callback's rank-local top-level keys (one RNG state per rank).
 RNG_KEYS = ("rng", "epoch_rng")
 
-#: :func:`fastckpt.async_save` options the callback drops for DTensor states (the RNG states go into
-#: packed rows there, not ``local_keys``; the others the DCP route refuses).
-_DTENSOR_REFUSED = ("link_from", "defer", "defer_frozen", "staging_bytes", "local_keys")
 
 
 def trainer_group(args=None) -> Any:
@@ -67,19 +64,6 @@ def group_rank(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def has_dtensor(state: Any) -> bool:
-    """True when a tensor leaf of the nested ``state`` (dict/list/tuple) is a ``DTensor``."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(state, DTensor):
-        return True
-    if isinstance(state, dict):
-        return any(has_dtensor(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return any(has_dtensor(v) for v in state)
-    return False
-
-
 def rank_save_options(group, snap: dict, opts: dict) -> dict:
     """The save options of one callback save, adjusted for ``group`` (see the module docstring).
 
@@ -96,9 +80,10 @@ def rank_save_options(group, snap: dict, opts: dict) -> dict:
     out = dict(opts)
     if group is None:
         return out
-    if has_dtensor(snap):
-        for name in _DTENSOR_REFUSED:
-            out.pop(name, None)
+    route = fastckpt.save_route(snap)
+    if route.dtensor:  # the options that route refuses dropped; the RNG states go into packed rows, not local_keys
+        out = route.drop(out)
+        out.pop("local_keys", None)
         mesh = _mesh_of(snap)
         for key in RNG_KEYS:
             rng = snap.pop(key, None)
@@ -259,9 +244,7 @@ def load_rank_rng(ckpt: str, snap: dict, rank: int, world_size: int) -> tuple[di
 # --- FSDP2 (parameters are DTensors): the calls accelerate's FSDP2 checkpointing makes ---------
 def is_sharded(model) -> bool:
     """True when a parameter of ``model`` is a ``DTensor`` (FSDP2 ``fully_shard``, tensor parallel)."""
-    from torch.distributed.tensor import DTensor
-
-    return model is not None and any(isinstance(p, DTensor) for p in model.parameters())
+    return model is not None and fastckpt.save_route(list(model.parameters())).dtensor
 
 
 def torch_optimizer(optimizer) -> Any:

@@ -89,7 +89,7 @@ def _as_tensor(key: str, v: Any) -> torch.Tensor:
     return v.detach()
 
 
-def _view_key(t: torch.Tensor) -> tuple:
+def _view_in_storage(t: torch.Tensor) -> tuple:
     return (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
@@ -156,18 +156,18 @@ def _add_group(out: Collected, members: list[tuple[str, torch.Tensor]], names: d
             rest.append((key, t))
             continue
         stem = names[key][1]
-        tied = first.get((stem, _view_key(t)))
+        tied = first.get((stem, _view_in_storage(t)))
         if tied is not None and not stem.endswith(".safetensors"):
             out.entries[key] = {"alias": tied}  # tied weights within one model group
             continue
         _add(out, key, t, names)  # the group's reader expects it in its file: its own bytes
-        first.setdefault((stem, _view_key(t)), key)
+        first.setdefault((stem, _view_in_storage(t)), key)
     stored: dict[tuple, str] = {}  # view -> first weights key holding it
     for (_, view), key in first.items():
         stored.setdefault(view, key)
     state = []
     for key, t in rest:
-        target = stored.get(_view_key(t))
+        target = stored.get(_view_in_storage(t))
         if target is not None:
             out.entries[key] = {"alias": target}
         else:
@@ -181,7 +181,7 @@ def _share(out: Collected, members: list[tuple[str, torch.Tensor]]) -> None:
     if len(members) == 1:
         _add(out, members[0][0], members[0][1], {})
         return
-    views = {_view_key(t) for _, t in members}
+    views = {_view_in_storage(t) for _, t in members}
     first_key, first = members[0]
     if len(views) == 1:
         _add(out, first_key, first, {})

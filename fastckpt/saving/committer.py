@@ -38,7 +38,7 @@ from ..storage.store import LOCAL, Store, strategy
 from .collect import Collected
 from .future import SaveFuture
 from .job import Part, SaveJob
-from ..format.manifest import FileEntry, parse_distributed
+from ..format.manifest import FileEntry, TensorChunk, parse_distributed
 from .metadata import manifest_doc, merge_entry, tensor_entries, write_manifest, write_side_files
 from .options import SaveOptions
 from .ranks import Ownership, local_stem
@@ -159,7 +159,7 @@ def _local_file(name: str, world: int) -> int | None:
 
 def write_metadata(folder: str, plan: SavePlan, files_here: tuple[int, ...] | None, skeleton: Any,
                    entries: dict[str, dict], opts: SaveOptions, reports: dict[int, dict], *, world: int,
-                   dist: dict | None) -> int:
+                   dist: dict | None, extra: dict[str, bytes] | None = None) -> int:
     """Write ``state.json``, index and extra files, then ``manifest.json`` (last). Returns bytes of all files.
 
     Args:
@@ -169,13 +169,15 @@ def write_metadata(folder: str, plan: SavePlan, files_here: tuple[int, ...] | No
         entries: alias/view/ndarray manifest entries of the replicated state.
         reports: rank -> :func:`rank_report` of the ranks whose files are in this folder.
         world: ranks of the save; ``dist``: the manifest's ``distributed`` section (multi-rank).
+        extra: small files written beside ``opts.extra_files`` (the DCP drop-in's ``dcp_metadata.json``).
     """
     here = range(len(plan.files)) if files_here is None else files_here
     shared = [plan.files[i] for i in here if _local_file(plan.files[i].name, world) is None]
     own = [plan.files[i] for i in here if _local_file(plan.files[i].name, world) is not None]
     stems = {f.name.split("-", 1)[0] for f in own}
     rep_plan = replace(plan, files=tuple(shared), index={k: v for k, v in plan.index.items() if k not in stems})
-    files = write_side_files(folder, rep_plan, skeleton, opts.extra_files, replace=strategy(opts.commit).replaces_files)
+    files = write_side_files(folder, rep_plan, skeleton, {**(opts.extra_files or {}), **(extra or {})},
+                             replace=strategy(opts.commit).replaces_files)
     files.update({f.name: FileEntry(f.size) for f in own})
     hashes: dict[str, str] = {}
     all_entries = dict(entries)
@@ -186,14 +188,31 @@ def write_metadata(folder: str, plan: SavePlan, files_here: tuple[int, ...] | No
     tensors = tensor_entries(replace(plan, files=tuple(shared + own)), hashes, {})
     for k, e in all_entries.items():
         tensors[k] = merge_entry(tensors.get(k), e)
+    chunks: dict[str, list[dict]] = {}  # tensors written in chunks by several ranks (DTensors)
+    for rep in reports.values():
+        for k, cs in rep.get("chunks", {}).items():
+            chunks.setdefault(k, []).extend(cs)
+    for k, cs in chunks.items():  # format 2 (Manifest.version derives it from the chunks)
+        entry = tensors[k]
+        entry.xxh3 = None
+        entry.chunks = [TensorChunk(tuple(c["offsets"]), tuple(c["shape"]), c["xxh3"])
+                        for c in sorted(cs, key=lambda c: c["offsets"])]
+        placement = next((rep["placement"][k] for rep in reports.values() if k in rep.get("placement", {})), None)
+        if placement is not None:  # informational (docs/FORMAT.md, "Version 2")
+            entry.placement = placement
     manifest = manifest_doc(opts, files, tensors, world_size=world,
                             distributed=None if dist is None else parse_distributed(dist))
     return write_manifest(folder, manifest)
 
 
 def dist_section(plan: SavePlan, units: dict[int, tuple[int, ...]], reports: dict[int, dict], *, mode: str,
-                 node: str, nodes: list[str], local_keys: tuple[str, ...]) -> dict:
-    """The manifest's ``distributed`` section (docs/FORMAT.md, "Multi-rank")."""
+                 node: str, nodes: list[str], local_keys: tuple[str, ...], planner: str | None = None) -> dict:
+    """The manifest's ``distributed`` section (docs/FORMAT.md, "Multi-rank"): the one builder of it.
+
+    Args:
+        units: rank -> write units it wrote (plain states); a report's ``"written"`` (file names) counts too.
+        planner: ``"dcp"`` when DCP's planner placed the chunks (the DCP drop-in), else ``None`` (not recorded).
+    """
     written_by: dict[str, list[int]] = {}
     shards: dict[str, dict] = {}
     skeletons: dict[str, str] = {}
@@ -202,6 +221,8 @@ def dist_section(plan: SavePlan, units: dict[int, tuple[int, ...]], reports: dic
             ranks = written_by.setdefault(plan.files[plan.units[i].file_index].name, [])
             if r not in ranks:
                 ranks.append(r)
+        for name in rep.get("written", ()):  # chunked saves: the files holding pages this rank wrote
+            written_by.setdefault(name, []).append(r)
         for name in rep["files"]:
             written_by[name] = [r]
             skeletons[str(r)] = name
@@ -210,7 +231,8 @@ def dist_section(plan: SavePlan, units: dict[int, tuple[int, ...]], reports: dic
             entry["pieces"].append({"rank": r, "key": piece["key"], "offsets": piece["offsets"], "shape": piece["shape"]})
     return {"mode": mode, "node": node if strategy(mode).per_node else None, "nodes": nodes, "written_by": written_by,
             "bytes_by_rank": {str(r): rep["bytes"] for r, rep in sorted(reports.items())},
-            "rank_local": {"keys": list(local_keys), "skeletons": skeletons}, "shards": shards}
+            "rank_local": {"keys": list(local_keys), "skeletons": skeletons}, "shards": shards,
+            **({"planner": planner} if planner else {})}
 
 
 def commit_folder(folder: str, path: Path, opts: SaveOptions) -> None:
@@ -247,6 +269,8 @@ class InFlight:
     folder: str | None = None
     nodes: list = field(default_factory=list)
     stage_exc: BaseException | None = None
+    placement: dict = field(default_factory=dict)  # DTensor key path -> mesh shape and placements (manifest)
+    header_bytes: int = 0  # bytes of file headers this rank wrote when it created the files (chunked saves)
 
     @property
     def single(self) -> bool:

@@ -5,7 +5,8 @@ of it, or :class:`FastCkptSavePlanner`; ``dcp.async_save`` alike) writes a fastc
 HF-layout safetensors files of FULL tensors (the files a one-process
 :func:`fastckpt.save` of the state with every DTensor replaced by its ``full_tensor()`` writes),
 each rank writing the chunks DCP's planner gives it at their offsets, committed by one rename.
-DCP decides where chunks go; fastckpt moves the bytes (:mod:`fastckpt.saving.chunk_job`).
+DCP decides where chunks go; fastckpt moves the bytes with the engine of :func:`fastckpt.save` (:mod:`fastckpt.saving.pages`: the
+saver's staging pool, file writer, checksums, manifest builder and commit).
 
 DCP's call order (``torch.distributed.checkpoint.state_dict_saver``), and what happens here:
 
@@ -20,7 +21,7 @@ DCP's call order (``torch.distributed.checkpoint.state_dict_saver``), and what h
    ``writer.prepare_global_plan``: checks every rank planned the same state, creates the hidden
    folder and every file (headers written), hands each rank the folder, the store session and
    the list of all chunks with their writer;
-3. every rank: ``writer.write_data``: :class:`~fastckpt.saving.chunk_job.ChunkJob`; rank 0 then
+3. every rank: ``writer.write_data``: :class:`~fastckpt.saving.pages.PageJob`; rank 0 then
    waits for every rank's outcome (store) and removes the folder if any failed. A non-tensor value
    (a BYTE_IO item, which DCP's default planner would ``torch.save``, i.e. pickle) is taken from the
    planner (``lookup_object``) and stored as JSON in ``state.json`` (``fastckpt.format.tree``:
@@ -40,17 +41,16 @@ import json
 import os
 import socket
 import uuid
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 from torch.distributed.checkpoint import Metadata, SavePlan, SavePlanner, StorageWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -59,30 +59,24 @@ from ..errors import CheckpointExistsError, UnsupportedPlannerError, Unsupported
 from ..format.dtypes import dtype_to_str
 from ..format.layout import plan_save
 from ..format.tree import flatten, join, unflatten
-from ..storage import commit as cm
-from ..storage.io import FileWriter, get_backend, memory_backed, write_all
+from ..storage.memory import host_buffer, pin_if_possible
+from ..device import to_host
 from ..storage.staging import StagingPool
-from .chunk_job import ChunkJob, run_job
-from .chunks import Chunk, check_tiling
+from .pages import Chunk, PageJob, check_tiling, create_files, run_job
 from .collect import Collected, collect
-from .committer import commit_folder, create_folder, fmt, remove_uncommitted
-from ..format.manifest import Distributed, FileEntry, TensorChunk
-from .metadata import manifest_doc, merge_entry, tensor_entries, write_manifest, write_side_files
+from .dtensor import check_state, placement_of, view_key, walk_state, with_stand_ins
+from .committer import commit_folder, create_folder, dist_section, fmt, remove_uncommitted, write_metadata
 from .options import SaveOptions
-from .ranks import RANK_KEY, local_stem, rank_specs, spec_list, specs_from_list
+from .ranks import spec_list, specs_from_list
 
 _KEY = "fastckpt"
+_ALIGN = 64
 #: DCP's ``Metadata`` as JSON, written beside the manifest for plans of DCP's own planners (docs/FORMAT.md).
 DCP_METADATA = "dcp_metadata.json"
 
 
 def _planner_name() -> str:
     return "fastckpt.dcp.FastCkptSavePlanner"
-
-
-def _placement(p: Any) -> str:
-    """``"Shard(1)"`` / ``"Replicate()"``: a placement as the manifest names it."""
-    return f"Shard({p.dim})" if hasattr(p, "dim") else f"{type(p).__name__}()"
 
 
 class FastCkptSavePlanner(DefaultSavePlanner):
@@ -93,33 +87,24 @@ class FastCkptSavePlanner(DefaultSavePlanner):
     Args:
         weights: as :class:`fastckpt.SaveOptions` (default ``{"model": "model"}``): top-level key ->
             HF file stem of the tensors directly under it.
-        local: ``(rank, collected)``: this rank's rank-local state (``local_keys`` of a
-            :func:`fastckpt.save` of a DTensor state; :func:`fastckpt.saving.collect.collect` of
-            ``{"local": {key: subtree}}``), written by this rank alone to ``rank0000r-*.safetensors`` and
-            ``state-rank0000r.json`` as a ``process_group=`` save writes it (docs/FORMAT.md, "Multi-rank").
 
     Raises (from ``set_up_planner``, before any file exists):
         UnsupportedValueError / UnsupportedDtypeError: a value fastckpt cannot store (names the key path).
     """
 
-    def __init__(self, weights: dict[str, str] | None = None, *, local: tuple[int, Collected] | None = None) -> None:
+    def __init__(self, weights: dict[str, str] | None = None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.weights = weights if weights is not None else {"model": "model"}
-        self.local = local
         self.collected: Collected | None = None
         self.arrays: dict[str, Any] = {}
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
         """Collect ``state_dict`` (any nesting fastckpt saves) and set DCP's planner up on its arrays."""
-        from .dtensor import check_state, with_stand_ins
         check_state(state_dict)
         sub, dts = with_stand_ins(state_dict)
         col = collect(sub, self.weights)
         self.collected = col
         self.arrays = {s.key: dts[s.key] if s.key in dts else col.sources[s.key] for s in col.specs}  # NumPy: its tensor
-        if self.local is not None:  # rank-local tensors: keys of this rank only, so DCP's dedup keeps them here
-            pre = RANK_KEY.format(self.local[0])
-            self.arrays.update((pre + k, t) for k, t in self.local[1].sources.items())
         super().set_up_planner(self.arrays, storage_meta, is_coordinator)
 
     def create_local_plan(self) -> SavePlan:
@@ -127,22 +112,10 @@ class FastCkptSavePlanner(DefaultSavePlanner):
         plan = super().create_local_plan()
         col = self.collected
         info = {"skeleton": col.skeleton, "specs": spec_list(col.specs), "entries": col.entries,
-                "placement": {k: {"mesh_shape": list(v.device_mesh.shape), "placements": [_placement(p) for p in v.placements]}
-                              for k, v in self.arrays.items() if hasattr(v, "placements")}}
+                "placement": {k: placement_of(v) for k, v in self.arrays.items() if hasattr(v, "placements")}}
         data = {"digest": hashlib.sha256(json.dumps([info["skeleton"], info["specs"]], sort_keys=True).encode()).hexdigest(),
-                "info": info if self.is_coordinator else None, "weights": self.weights, "local": self._local_info()}
+                "info": info if self.is_coordinator else None, "weights": self.weights}
         return SavePlan(plan.items, storage_data=plan.storage_data, planner_data={_KEY: data})
-
-    def _local_info(self) -> dict | None:
-        """This rank's rank-local specs, entries and skeleton (keys under ``RANK_KEY``), or ``None``."""
-        if self.local is None:
-            return None
-        rank, col = self.local
-        pre = RANK_KEY.format(rank)
-        entries = {pre + k: {**e, **{ref: pre + e[ref] for ref in ("alias", "view") if ref in e}}
-                   for k, e in col.entries.items()}
-        return {"rank": rank, "specs": spec_list(rank_specs(col.specs, rank)), "entries": entries,
-                "skeleton": col.skeleton if (col.specs or col.entries) else None}
 
     def resolve_data(self, write_item: Any) -> Any:
         """The local tensor of ``write_item`` (a DTensor's local shard; never pickled bytes)."""
@@ -188,7 +161,6 @@ class FastCkptWriter(StorageWriter):
         self.is_coordinator, self.rank = False, 0
         self.folder: str | None = None
         self.committed = False
-        self.local: list[dict] = []  # coordinator: every rank's rank-local info (local_keys)
         self.save_id = uuid.uuid4().hex
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -224,7 +196,6 @@ class FastCkptWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: check the ranks agree, create the folder and files, tell each rank its part."""
-        self.local = []  # coordinator: every rank's rank-local info (local_keys; fastckpt's planner only)
         if all(_ours(p) for p in plans):
             datas = [p.planner_data[_KEY] for p in plans]
             bad = [r for r, d in enumerate(datas) if d["digest"] != datas[0]["digest"]]
@@ -232,35 +203,24 @@ class FastCkptWriter(StorageWriter):
                 raise ValueError(f"{self.path}: ranks {bad} planned a state whose keys, dtypes or shapes differ "
                                  "from rank 0's; every rank must save the same state (DTensors by global shape)")
             info = next(d["info"] for d in datas if d["info"] is not None)
-            self.local = [d["local"] for d in datas if d.get("local")]
             keys = None
         else:
             info = _dcp_plan_info(plans, self.opts.stems)
             keys = info["keys"]
-        local_specs = [row for loc in self.local for row in loc["specs"]]
         chunks = [Chunk(keys[it.index.fqn] if keys else it.index.fqn, tuple(it.tensor_data.chunk.offsets),
                         tuple(it.tensor_data.chunk.sizes), r)
                   for r, p in enumerate(plans) for it in p.items if it.tensor_data is not None]
         chunks = [c for c in chunks if c.numel or not c.shape]
-        plan = self._plan(info["specs"] + local_specs)
+        plan = self._plan(info["specs"])
         check_tiling(plan, chunks)
         if self.path.exists() and not self.opts.overwrite:
             raise CheckpointExistsError(f"{self.path} already exists; pass overwrite=True to replace it atomically")
         self.info, self.plan = info, plan
         self.folder = create_folder(self.path, self.opts, plan.file_bytes)
-        be = get_backend(self.opts.io.io_backend)
-        # every file created and preallocated (only sized on tmpfs & co.), its header written once, by this rank
-        prealloc = not memory_backed(self.folder)
-        for f in plan.files:
-            w = FileWriter(be, os.path.join(self.folder, f.name), f.size, False, create=True, preallocate=prealloc)
-            try:
-                write_all(be, w.fd, memoryview(f.prefix), 0)
-                w.sync()
-            finally:
-                w.close()
+        create_files(plan, self.folder, self.opts)  # every file preallocated, its header written once, here
         shared = {"folder": self.folder, "session": uuid.uuid4().hex, "world": len(plans),
                   "chunks": [[c.key, list(c.offsets), list(c.shape), c.rank] for c in chunks],
-                  "header_bytes": sum(len(f.prefix) for f in plan.files), "local_specs": local_specs}
+                  "header_bytes": sum(len(f.prefix) for f in plan.files)}
         if keys is not None:  # DCP's planner: the other ranks have no collected state
             shared.update(keys=keys, specs=info["specs"])
         return [SavePlan(p.items, storage_data=shared, planner_data=p.planner_data, usable=p.usable) for p in plans]
@@ -271,7 +231,7 @@ class FastCkptWriter(StorageWriter):
                          metadata=self.opts.metadata)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        """Write this rank's chunks (:mod:`fastckpt.saving.chunk_job`); the coordinator then waits for every
+        """Write this rank's chunks (:mod:`fastckpt.saving.pages`); the coordinator then waits for every
         rank and removes the folder if one failed. Returns a completed future of ``WriteResult`` s."""
         sd = plan.storage_data
         keys: dict[str, str] | None = sd.get("keys")
@@ -279,15 +239,15 @@ class FastCkptWriter(StorageWriter):
             raise UnsupportedPlannerError(f"{self.path}: a plan made by {_planner_name()} written with another "
                                           f"planner ({type(planner).__name__}); pass the same planner throughout")
         self.folder = sd["folder"]
-        full = self._plan((sd["specs"] if keys is not None else spec_list(planner.collected.specs))
-                          + sd.get("local_specs", []))
+        full = self.plan if self.is_coordinator else self._plan(  # the coordinator planned it already
+            sd["specs"] if keys is not None else spec_list(planner.collected.specs))
         chunks = [Chunk(k, tuple(o), tuple(s), r) for k, o, s, r in sd["chunks"]]
         store = Coordinator.for_group(None).store
         coord = Coordinator(self.rank, sd["world"], store, "dcp-" + sd["session"],
                             os.environ.get("FASTCKPT_NODE") or socket.gethostname())
         timeout = self.opts.timeout_s if self.opts.timeout_s is not None else group_timeout_s(None)
         sess = coord.session("save", timeout)
-        job = ChunkJob(full, chunks, self.rank, self.folder, self.opts, self.pool, sess)
+        job = PageJob(full, chunks, self.rank, self.folder, self.opts, self.pool, sess)
         results: list[WriteResult] = []
         err: BaseException | None = None
         try:
@@ -311,9 +271,7 @@ class FastCkptWriter(StorageWriter):
                 results.append(WriteResult(index=it.index, size_in_bytes=int(torch.Size(size).numel()),
                                            storage_data={"key": key, "offsets": list(off), "shape": list(size),
                                                          "xxh3": hashes.get(ci), "rank": self.rank}))
-            side = _write_local_skeleton(self.folder, planner._local_info() if keys is None else None)
-            rank_info = {"rank": self.rank, "bytes": nbytes + sum(f["bytes"] for f in side.values()),
-                         "files": files + sorted(side), "side": side}
+            rank_info = {"rank": self.rank, "bytes": nbytes, "files": files}
             results.append(WriteResult(index=MetadataIndex("@fastckpt/rank"), size_in_bytes=nbytes, storage_data={"rank_info": rank_info}))
         except BaseException as e:
             err = e
@@ -344,55 +302,36 @@ class FastCkptWriter(StorageWriter):
             raise
 
     def _finish(self, results: list[list[WriteResult]], metadata: Metadata) -> None:
+        """Every rank's results as the saver's rank reports, then the saver's manifest builder and commit."""
         plan, info, opts = self.plan, self.info, self.opts
-        single: dict[str, str] = {}
-        multi: dict[str, list[dict]] = {}
-        ranks: dict[int, dict] = {}
+        shapes = {t.spec.key: list(t.spec.shape) for f in plan.files for t in f.tensors}
+        reports: dict[int, dict] = {}
         values: dict[str, Any] = {}
-        for rank_results in results:
+        for r, rank_results in enumerate(results):
+            rep = reports.setdefault(r, {"hashes": {}, "chunks": {}, "files": {}, "entries": {}, "shards": {},
+                                         "bytes": 0, "written": [], "placement": info.get("placement", {})})
             for res in rank_results:
                 d = res.storage_data
                 if "rank_info" in d:
-                    ranks[d["rank_info"]["rank"]] = d["rank_info"]
+                    rep["bytes"], rep["written"] = d["rank_info"]["bytes"], d["rank_info"]["files"]
                 elif "value" in d:
                     values[res.index.fqn] = unflatten(d["value"], _no_array)
-                elif d["xxh3"] is not None:
-                    multi.setdefault(d["key"], []).append({"offsets": d["offsets"], "shape": d["shape"], "xxh3": d["xxh3"]})
-        shapes = {t.spec.key: list(t.spec.shape) for f in plan.files for t in f.tensors}
-        for k in list(multi):
-            if len(multi[k]) == 1 and multi[k][0]["shape"] == shapes[k]:
-                single[k] = multi.pop(k)[0]["xxh3"]
-        stems = {local_stem(loc["rank"]) for loc in self.local}  # rank-local files get no HF index, as in ranks.py
-        skeleton, extra = info["skeleton"], opts.extra_files
+                elif d["xxh3"] is None:
+                    continue
+                elif d["shape"] == shapes[d["key"]]:
+                    rep["hashes"][d["key"]] = d["xxh3"]
+                else:
+                    rep["chunks"].setdefault(d["key"], []).append(
+                        {"offsets": d["offsets"], "shape": d["shape"], "xxh3": d["xxh3"]})
+        skeleton, extra = info["skeleton"], None
         if "keys" in info:  # DCP's planner: the JSON values into the skeleton, DCP's metadata beside it
             skeleton = flatten(_dcp_tree(info, values), lambda k, v: None)
-            extra = {**(extra or {}), DCP_METADATA: _dcp_metadata_json(metadata, info, self.storage_meta())}
-        files = write_side_files(self.folder, replace(plan, index={k: v for k, v in plan.index.items() if k not in stems}),
-                                 skeleton, extra)
-        for r in sorted(ranks):
-            files.update({n: FileEntry(**d) for n, d in ranks[r].get("side", {}).items()})  # rank-local skeletons
-        tensors = tensor_entries(plan, single, info["entries"])
-        for loc in self.local:
-            for k, e in loc["entries"].items():
-                tensors[k] = merge_entry(tensors.get(k), e)
-        for k, cs in multi.items():  # the manifest's version follows from the chunks (format 2)
-            tensors[k].xxh3 = None
-            tensors[k].chunks = [TensorChunk(tuple(c["offsets"]), tuple(c["shape"]), c["xxh3"])
-                                 for c in sorted(cs, key=lambda c: c["offsets"])]
-            if k in info.get("placement", {}):  # informational (docs/FORMAT.md, "Version 2")
-                tensors[k].placement = info["placement"][k]
-        written_by: dict[str, list[int]] = {}
-        for r in sorted(ranks):
-            for name in ranks[r]["files"]:
-                written_by.setdefault(name, []).append(r)
-        section = Distributed(
-            mode="rename", node=None, nodes=[os.environ.get("FASTCKPT_NODE") or socket.gethostname()],
-            written_by=written_by, bytes_by_rank={r: ranks[r]["bytes"] for r in sorted(ranks)},
-            rank_local_keys=list(opts.local_keys),
-            rank_local_skeletons={r: n for r in sorted(ranks) for n in ranks[r].get("side", {})},
-            planner="dcp")
-        manifest = manifest_doc(opts, files, tensors, world_size=len(results), distributed=section)
-        write_manifest(self.folder, manifest)
+            extra = {DCP_METADATA: _dcp_metadata_json(metadata, info, self.storage_meta())}
+        node = os.environ.get("FASTCKPT_NODE") or socket.gethostname()
+        dist = dist_section(plan, {}, reports, mode="rename", node=node, nodes=[node], local_keys=opts.local_keys,
+                            planner="dcp")
+        write_metadata(self.folder, plan, None, skeleton, info["entries"], opts, reports, world=len(results),
+                       dist=dist, extra=extra)
         commit_folder(self.folder, self.path, opts)
         self.committed = True
 
@@ -400,6 +339,92 @@ class FastCkptWriter(StorageWriter):
         """DCP's ``StorageMeta`` of this save (``checkpoint_id``: the folder; ``save_id``: new per save),
         as DCP's ``FileSystemWriter`` gives it; recorded in ``dcp_metadata.json``."""
         return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
+
+
+class FastCkptStager(AsyncStager):
+    """DCP ``AsyncStager``: snapshots a state at the call into one reused host buffer.
+
+    ``stage(state)`` returns the same nesting with every tensor copied into the buffer and
+    every DTensor rebuilt on its copied local shard (same mesh, placements, global shape); other
+    values are shared. The same view under two key paths (tied weights) stays one copy;
+    different views of one storage are copied apart. The buffer grows as needed and is reused
+    by the next ``stage``: start the next save only after the previous one finished
+    (``dcp.async_save(...).result()``; fastckpt's own saves do).
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def stage(self, state_dict: Any) -> Any:
+        """A snapshot of ``state_dict`` (see the class docstring); blocks until copied."""
+        from torch.distributed.tensor import DTensor
+        leaves: list[torch.Tensor] = []
+        seen: dict[int, int] = {}
+
+        def local(v: torch.Tensor) -> torch.Tensor:
+            return v.to_local() if isinstance(v, DTensor) else v
+
+        def ident(v: torch.Tensor) -> Any:
+            return id(v) if isinstance(v, DTensor) else view_key(v)
+
+        def find(_: str, v: Any) -> None:
+            if isinstance(v, torch.Tensor) and ident(v) not in seen:
+                seen[ident(v)] = len(leaves)
+                leaves.append(v)
+        walk_state(state_dict, "", find)
+        offs, total = [], 0
+        for v in leaves:
+            t = local(v)
+            offs.append(total)
+            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        if self._buf is None or self._buf.numel() < total:
+            # page-locked when CUDA is present: device -> host copies of CUDA DTensors run at full speed
+            self._buf = pin_if_possible(host_buffer(max(total, 1))[0])
+        copies: list[torch.Tensor] = []
+        for v, off in zip(leaves, offs):
+            t = local(v)
+            n = t.numel() * t.element_size()
+            dst = self._buf[off:off + n]
+            to_host(dst, t).wait()  # explicit completion before anything reads the buffer
+            c = dst.view(t.dtype).view(t.shape) if t.numel() else torch.empty(t.shape, dtype=t.dtype)
+            if isinstance(v, DTensor):
+                c = _host_dtensor(c, v)
+            copies.append(c)
+
+        def rebuild(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                return copies[seen[ident(v)]]
+            if isinstance(v, dict):
+                return {k: rebuild(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [rebuild(x) for x in v]
+            if isinstance(v, tuple):
+                return tuple(rebuild(x) for x in v)
+            return v
+        return rebuild(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """No-op: :meth:`stage` blocks until the copy is done."""
+
+    def close(self) -> None:
+        """Drop the buffer."""
+        self._buf = None
+
+
+def _host_dtensor(local: torch.Tensor, like: Any) -> Any:
+    """A DTensor with ``like``'s mesh, placements and global shape on the host tensor ``local``
+    (``DTensor.from_local`` would move it back to the mesh's device, e.g. CUDA)."""
+    from torch.distributed.tensor import DTensor
+    try:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        spec = DTensorSpec(like.device_mesh, tuple(like.placements),
+                           tensor_meta=TensorMeta(like.shape, like.stride(), like.dtype))
+        return DTensor(local, spec, requires_grad=False)
+    except (ImportError, TypeError):  # torch moved the spec: the public constructor (CPU meshes stay on the host)
+        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                  stride=like.stride())
 
 
 def _ours(plan: SavePlan) -> bool:
@@ -555,19 +580,3 @@ class _Item:
         self.index = type("Index", (), {"fqn": fqn})()
 
 
-def _write_local_skeleton(folder: str, local: dict | None) -> dict[str, dict]:
-    """Write rank ``local["rank"]``'s ``state-rank0000r.json`` (rank-local skeleton); returns
-    ``{file name: {"bytes", "xxh3"}}`` (empty without rank-local state)."""
-    if local is None or local["skeleton"] is None:
-        return {}
-    name = f"state-rank{local['rank']:05d}.json"
-    data = json.dumps(local["skeleton"], separators=(",", ":")).encode()
-    cm.write_small_file(os.path.join(folder, name), data)
-    return {name: {"bytes": len(data), "xxh3": xxhash.xxh3_64(data).hexdigest()}}
-
-
-def read_manifest_bytes(path: Path) -> dict:
-    """``bytes_total`` and ``bytes_by_rank`` of a committed checkpoint (every rank reads them after the commit)."""
-    m = cm.read_manifest(path)
-    return {"bytes_total": m.bytes_total or 0,
-            "bytes_by_rank": dict(m.distributed.bytes_by_rank) if m.distributed is not None else {}}

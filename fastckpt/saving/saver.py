@@ -20,9 +20,13 @@ make the call. Call order of one save, on every rank of its group:
    removes the folder: nothing partial is ever committed. ``SaveFuture.result()`` returns
    the path or raises (multi-rank: ``DistributedSaveError`` naming each failed rank).
 
-A state holding DTensors (FSDP2, tensor parallel) takes the DCP route of
-:mod:`fastckpt.saving.dtensor_save` at ``async_save`` (same folder format, chunks placed by DCP's
-planner, the same staging pool, file writer, checksums and rename commit).
+A state holding DTensors (FSDP2, tensor parallel; :func:`save_route`) takes the same steps on
+every rank of the DTensors' device meshes (or of ``process_group``): collected once with each
+DTensor standing in by its global shape, one exchange of each rank's chunks, the same plan on
+every rank, one writer per chunk (:func:`fastckpt.saving.pages.assign_writers`); at the call
+each rank copies its chunks straight into the pages it writes in the staging pool (one host
+copy), the head bytes of pages another rank writes travel through the store
+(:mod:`fastckpt.saving.pages`), and the manifest records a checksum per chunk.
 
 Without ``process_group`` a call saves from this process alone even when torch.distributed
 is initialized (``if rank == 0: fastckpt.save(...)``); plain calls from several ranks for one
@@ -39,6 +43,7 @@ import os
 import threading
 import time
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +58,9 @@ from .remote import start_remote_save, wants_store
 from . import dedupe
 from .agree import CHECK_BYTES, array_digest, check_agreement, combined, json_leaves
 from .collect import Collected, collect
-from .dtensor import has_dtensor
+from .dtensor import (check_state, has_dtensor, leads_dtensor_save, mesh_coordinator, mesh_ranks, placement_of,
+                      refuse_local_dtensors, with_stand_ins)
+from .pages import PageJob, assign_writers, check_tiling, create_files
 from .committer import (InFlight, commit_single, create_folder, finish_ranks, fmt, rank_report,
                         remove_uncommitted)
 from .future import SaveFuture
@@ -64,6 +71,77 @@ from .ranks import (RANK_KEY, Ownership, global_plan, has_split, rank_specs, spe
 
 #: Sentinel: "the saver's own process group".
 _OWN = object()
+
+
+#: :class:`SaveOptions` keyword names a save of a state holding DTensors refuses (``commit`` only as
+#: ``"marker"``): the one list; integrations drop them through :meth:`SaveRoute.drop`.
+DTENSOR_REFUSED = ("commit", "link_from", "defer", "defer_frozen", "staging_bytes")
+
+
+@dataclass(frozen=True)
+class SaveRoute:
+    """How :meth:`Saver.async_save` saves a state: the route and the options it refuses.
+
+    Get it from :func:`save_route`; the saver decides with the same function, so callers
+    (``CheckpointManager``, integrations) never re-detect DTensors nor keep their own lists.
+
+    Attributes:
+        dtensor: the state holds DTensors (FSDP2, tensor parallel): every rank of the DTensors'
+            device meshes (or of ``process_group``) saves it together, each writing its own chunks.
+        refused: :class:`SaveOptions` keyword names this route refuses (empty for plain states).
+    """
+
+    dtensor: bool
+    refused: tuple[str, ...] = ()
+
+    def drop(self, options: dict[str, Any]) -> dict[str, Any]:
+        """A copy of ``options`` (keyword arguments of a save) without the ones this route refuses."""
+        return {k: v for k, v in options.items() if k not in self.refused}
+
+    def check(self, opts: SaveOptions) -> None:
+        """Refuse the options this route does not support (before any file exists).
+
+        Raises:
+            InvalidArgumentError: (a ``ValueError``) naming every refused option that is set, and
+                saying to drop them.
+        """
+        if not self.dtensor:
+            return
+        c = opts.consistency
+        bad = [n for n, on in (("commit='marker'", strategy(opts.commit).per_node),
+                               ("link_from", c.link_from is not None), ("defer", c.defer is not None),
+                               ("defer_frozen", c.defer_frozen), ("staging_bytes", opts.io.staging_bytes is not None))
+               if on]
+        if bad:
+            raise InvalidArgumentError(f"save options {bad} are not supported for states holding DTensors (FSDP2 / tensor "
+                             "parallel) yet; drop them. Nothing was written")
+
+    def leads(self, state: Any) -> bool:
+        """True on the rank that commits the save of ``state`` (and keeps a run root's bookkeeping): for a
+        DTensor state the lowest global rank of its device meshes; for a plain state, always.
+
+        Raises:
+            UnsupportedValueError: a value DTensor saves refuse (see :func:`fastckpt.saving.dtensor.check_state`).
+        """
+        return leads_dtensor_save(state) if self.dtensor else True
+
+
+def save_route(state: Any) -> SaveRoute:
+    """The route :meth:`Saver.async_save` takes for ``state`` (the one place that decides it).
+
+    Cheap and import-free: a state cannot hold a DTensor unless ``torch.distributed.tensor`` is
+    already imported, so a plain state is never walked for DTensors in a process that has none
+    and that module is never imported to find out.
+
+    Args:
+        state: the state to save (nested dict/list/tuple; ``Stateful`` values as their ``state_dict()``).
+    """
+    if has_dtensor(state):
+        return SaveRoute(True, DTENSOR_REFUSED)
+    return _PLAIN
+
+
+_PLAIN = SaveRoute(False)
 
 def _session_tag(path: Path, opts: SaveOptions) -> str:
     return strategy(opts.commit).session_tag(path, path_tag)  # marker: a path per node
@@ -83,11 +161,14 @@ def _digest(col: Collected) -> str:
     return hashlib.sha256(desc.encode()).hexdigest()
 
 
-def _values(col: Collected) -> dict[str, str]:
+def _values(col: Collected, sources: dict | None = None, skip: set[str] = frozenset()) -> dict[str, str]:
     """Digests of the replicated values every rank compares (:mod:`fastckpt.saving.agree`): every JSON
-    leaf, and every tensor of at most ``CHECK_BYTES`` (hashed here, at the call)."""
+    leaf, and every tensor of at most ``CHECK_BYTES`` (hashed here, at the call) of ``sources``
+    (default ``col.sources``) outside ``skip`` (DTensors: each rank holds its own chunks)."""
     out = json_leaves(col.skeleton)
-    out.update((k, array_digest(t)) for k, t in col.sources.items() if t.numel() * t.element_size() <= CHECK_BYTES)
+    src = col.sources if sources is None else sources
+    out.update((k, array_digest(t)) for k, t in src.items()
+               if k not in skip and k in col.sources and t.numel() * t.element_size() <= CHECK_BYTES)
     return out
 
 
@@ -221,11 +302,9 @@ class Saver:
             self.wait()
             state, _ = to_state_dicts(state)  # top-level Stateful objects: their state_dict(), as DCP saves them
             target = Path(os.path.abspath(InvalidArgumentError.check_path(path)))
-            if has_dtensor(state):  # FSDP2 / TP state: the DCP route (saving/dtensor_save.py)
-                from .dtensor_save import start_dtensor_save
-                return start_dtensor_save(self, state, target, opts, pg)
+            route = save_route(state)
             with no_gc():
-                return self._start(state, target, opts, pg)
+                return self._start(state, target, opts, pg, route)
 
     def _plan(self, specs: list, opts: SaveOptions) -> SavePlan:
         """:func:`plan_save`, memoised on its inputs (a training run saves the same layout each time)."""
@@ -238,18 +317,26 @@ class Saver:
         self._plan_memo = (key, plan)
         return plan
 
-    def _start(self, state: Any, path: Path, opts: SaveOptions, pg: Any) -> SaveFuture:
+    def _start(self, state: Any, path: Path, opts: SaveOptions, pg: Any, route: SaveRoute) -> SaveFuture:
         t0 = time.perf_counter()
         self._join_priming()
-        single = pg is None or (isinstance(pg, str) and pg == LOCAL)
-        coord = Coordinator.single() if single else Coordinator.for_group(pg)
+        if route.dtensor:  # every rank of the DTensors' meshes (or of process_group) saves together
+            meshes = check_state(state)  # the state's structure: alike on every rank
+            coord = mesh_coordinator(pg, mesh_ranks(meshes))
+        else:
+            single = pg is None or (isinstance(pg, str) and pg == LOCAL)
+            coord = Coordinator.single() if single else Coordinator.for_group(pg)
         timeout = opts.timeout_s if opts.timeout_s is not None else group_timeout_s(pg)
         name = "save" if coord.is_single else numbered_session(coord, "save", _session_tag(path, opts))
         sv = InFlight(coord, coord.session(name, timeout), path, opts, SaveFuture(path), t0)
         try:
-            self._prepare(sv, state)
-            self._open(sv)
-            self._stage(sv)
+            if route.dtensor:
+                self._prepare_chunks(sv, state, route)
+                self._stage_chunks(sv)
+            else:
+                self._prepare(sv, state)
+                self._open(sv)
+                self._stage(sv)
         except BaseException:
             self._abort(sv)
             raise
@@ -326,6 +413,103 @@ class Saver:
         sv.own = Ownership.of(sv.plan, group, coord.world_size)
         sv.part = Part(sv.own.units[coord.rank], sv.own.files, leader=coord.rank == group[0])
 
+    def _prepare_chunks(self, sv: InFlight, state: Any, route: SaveRoute) -> None:
+        """Step 1 of a state holding DTensors: validate and collect once (DTensors by global shape), each
+        rank's chunks (``DTensor.__create_chunk_list__``, as DCP's planner takes them), one exchange; then
+        every rank builds the same plan and the same writer of every chunk (:func:`assign_writers`)."""
+        opts, coord, exc = sv.opts, sv.coord, None
+        values: dict[str, str] = {}
+        held: list[list] = []
+        loc_specs: list = []
+        try:
+            route.check(opts)
+            if sv.path.exists() and not opts.overwrite:
+                raise CheckpointExistsError(f"{sv.path} already exists; pass overwrite=True to replace it atomically")
+            split = split_state(state, opts.local_keys) if has_split(state, opts.local_keys) else None
+            if split is not None:
+                refuse_local_dtensors(split.local)
+            sub, found = with_stand_ins(split.replicated if split else state)
+            sv.col = collect(sub, opts.stems)
+            dts = {k for k, v in found.items() if hasattr(v, "placements")}
+            sv.sources = {s.key: (found[s.key].to_local() if s.key in dts else found[s.key].detach())
+                          if s.key in found else sv.col.sources[s.key] for s in sv.col.specs}
+            loc_specs = self._collect_local(sv, split) if split else []
+            for s in sv.col.specs:
+                if s.key in dts:
+                    held += [[s.key, list(c.offsets), list(c.sizes)] for c in found[s.key].__create_chunk_list__()]
+                else:
+                    held.append([s.key, [0] * len(s.shape), list(s.shape)])
+            held += [[s.key, [0] * len(s.shape), list(s.shape)] for s in loc_specs]
+            sv.placement = {k: placement_of(found[k]) for k in dts}
+            values = _values(sv.col, sv.sources, skip=dts)
+        except Exception as e:
+            exc = e
+        infos = sv.sess.all_gather("prep", {"ok": exc is None, "error": exc and fmt(exc), "node": coord.node,
+                                            "digest": exc is None and _digest(sv.col),
+                                            "values": exc is None and combined(values),
+                                            "local": [] if exc is not None else spec_list(loc_specs),
+                                            "chunks": held}, "planning")
+        for i in infos:
+            if i["ok"] and infos[0]["ok"] and i["digest"] != infos[0]["digest"]:
+                i.update(ok=False, error="state (keys, dtypes, shapes; DTensors by global shape) differs from rank "
+                                         "0's; every rank must save the same state (per-rank values under local_keys)")
+        if exc is not None:
+            raise exc  # this rank's own error, its own type; the others name it (DistributedSaveError)
+        _check_all(infos, "planning", exc)
+        check_agreement(sv.sess, values, [i["values"] for i in infos], sv.path, "comparing the values stored once")
+        io = opts.io
+        sv.plan = global_plan(sv.col.specs, [specs_from_list(i["local"]) for i in infos],
+                              max_shard_bytes=io.max_shard_bytes, chunk_bytes=io.chunk_bytes, metadata=opts.metadata)
+        chunks = assign_writers([i["chunks"] for i in infos])
+        check_tiling(sv.plan, chunks)
+        sv.nodes = [coord.node]
+        sv.own = Ownership(tuple(range(coord.world_size)), {}, tuple(range(len(sv.plan.files))))
+        sv.part = Part((), None, leader=coord.rank == 0)
+        sv.job = PageJob(sv.plan, chunks, coord.rank, None, opts, self.pool, sv.sess)
+
+    def _stage_chunks(self, sv: InFlight) -> None:
+        """Steps 2-3 of a state holding DTensors: copy this rank's chunks straight into the pages it writes
+        (one host copy), the leader creates the folder and every file; one exchange tells every rank
+        whether every rank got there (a rank's own failure raises its own error there)."""
+        exc = None
+        try:
+            sv.job.stage(sv.sources)
+            if sv.part.leader:
+                sv.folder = create_folder(sv.path, sv.opts, sv.plan.file_bytes, [f.name for f in sv.plan.files])
+                sv.header_bytes = create_files(sv.plan, sv.folder, sv.opts)
+        except Exception as e:
+            exc = e
+        opened = sv.sess.all_gather("open", {"ok": exc is None, "error": exc and fmt(exc), "folder": sv.folder},
+                                    "staging and creating the folder")
+        if exc is not None:
+            raise exc
+        _check_all(opened, "staging and creating the folder", exc)
+        sv.folder = sv.job.folder = opened[0]["folder"]
+
+    def _write_chunks(self, sv: InFlight) -> dict:
+        """Step 4 of a state holding DTensors (background): edges, writes, checksums; returns the report."""
+        job = sv.job
+        try:
+            job.send_edges()
+            job.write()
+            hashes = job.hashes()
+        except BaseException as e:
+            job.fail_edges(e)
+            raise
+        shapes = {t.spec.key: t.spec.shape for f in sv.plan.files for t in f.tensors}
+        whole: dict[str, str] = {}
+        pieces: dict[str, list[dict]] = {}
+        for ci, h in hashes.items():
+            c = job.chunks[ci]
+            if c.shape == tuple(shapes[c.key]) and not any(c.offsets):
+                whole[c.key] = h
+            else:
+                pieces.setdefault(c.key, []).append({"offsets": list(c.offsets), "shape": list(c.shape), "xxh3": h})
+        report = rank_report(sv.coord.rank, whole, sv.local, sv.folder, job.bytes_written + sv.header_bytes, 0)
+        report.update(chunks=pieces, placement=sv.placement,
+                      written=sorted({sv.plan.files[fi].name for fi, _, _, _ in job.lay.spans}))
+        return report
+
     @staticmethod
     def _collect_local(sv: InFlight, split) -> list:
         """Collect this rank's local state under :data:`RANK_KEY` keys; returns its specs."""
@@ -387,7 +571,12 @@ class Saver:
     def _finish(self, sv: InFlight) -> None:
         """Steps 4-5, in the background thread."""
         job, own, report = sv.job, sv.stage_exc, None
-        if own is None:
+        if own is None and isinstance(job, PageJob):
+            try:
+                report = self._write_chunks(sv)
+            except BaseException as e:
+                own = e
+        elif own is None:
             try:
                 job.start_verify()
                 job.write_all()

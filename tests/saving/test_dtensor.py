@@ -118,14 +118,14 @@ def rank_failing_on_rank1(folder: str, where: str) -> dict:
     """Rank 1 fails where ``where`` says; rank 0 must fail at once, not after ``timeout_s``:
 
     - ``"edge"``: in the background, before handing over its edge bytes (rank 0 waits for them);
-    - ``"call"``: at the call, copying to host memory (rank 0 must not enter DCP's collectives alone).
+    - ``"call"``: at the call, copying to host memory (rank 0 must not create and write the files alone).
     Then every rank saves the same path again: the process stays usable, no stale store keys."""
     import time
 
     import torch.distributed as dist
-    from fastckpt.saving import chunk_job, dtensor_save
-    owner, name, exc = ((chunk_job.ChunkJob, "stage", RuntimeError("injected staging failure")) if where == "edge"
-                        else (dtensor_save.FastCkptStager, "stage", MemoryError("injected host-buffer failure")))
+    from fastckpt.saving import pages
+    owner, name, exc = ((pages.PageJob, "send_edges", RuntimeError("injected staging failure")) if where == "edge"
+                        else (pages.PageJob, "stage", MemoryError("injected host-buffer failure")))
     state = _distribute(_full_state())
     path = os.path.join(folder, f"bad-{where}")
     orig = getattr(owner, name)

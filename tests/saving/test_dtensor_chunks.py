@@ -1,4 +1,4 @@
-"""The pure page layout of DTensor saves (fastckpt.saving.chunks): simulated in memory for any number of
+"""The pure page layout of DTensor saves (fastckpt.saving.pages): simulated in memory for any number of
 ranks, uneven Shard(d) splits and odd element sizes, every rank's pages, copies and edge hand-overs
 rebuild the exact bytes of the full-tensor files, and no page has two writers."""
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from fastckpt.format.dtypes import dtype_to_str
 from fastckpt.format.layout import ArraySpec, plan_save
-from fastckpt.saving.chunks import PAGE, Chunk, check_tiling, chunk_runs, layout
+from fastckpt.saving.pages import PAGE, Chunk, check_tiling, chunk_runs, rank_layout as layout
 
 DTYPES = [torch.float32, torch.float16, torch.float64, torch.int8, torch.int64]
 
