@@ -159,12 +159,12 @@ class Bench:
 
     # ----- backends -------------------------------------------------------------------------
     def ours(self, path: str, threads: int):
-        from fastckpt.integrations.lmcache import FastCkptKVBackend
+        from fastckpt.integrations.lmcache.backend import FastCkptKVBackend
 
         cfg = self.cfg.from_defaults(chunk_size=self.a.tokens, local_cpu=False,
                                      max_local_cpu_size=self.cfg.max_local_cpu_size,
                                      storage_plugins=["fastckpt"], extra_config={
-                                         "storage_plugin.fastckpt.module_path": "fastckpt.integrations.lmcache",
+                                         "storage_plugin.fastckpt.module_path": "fastckpt.integrations.lmcache.backend",
                                          "storage_plugin.fastckpt.class_name": "FastCkptKVBackend",
                                          "storage_plugin.fastckpt.path": path,
                                          "storage_plugin.fastckpt.read_threads": self.a.read_threads,

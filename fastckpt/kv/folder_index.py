@@ -1,4 +1,4 @@
-"""The shared half of :class:`~.lmcache_store.KVFileStore`: lock, counters, index, eviction.
+"""The shared half of :class:`~.file_store.KVFileStore`: lock, counters, index, eviction.
 
 :class:`KVFolderIndex` is the base class of ``KVFileStore``. It owns what several processes
 share through the folder, and this process's view of it, but never a chunk's contents:
@@ -9,8 +9,8 @@ share through the folder, and this process's view of it, but never a chunk's con
 * this process's LRU index of chunk names, its pins and its in-flight writes;
 * lookup, removal (also of corrupt chunks) and LRU eviction down to ``max_bytes``.
 
-Writing and reading chunk files is in :mod:`.lmcache_store`, which also describes the folder
-layout and the rules (case C8); options, stats and handles are in :mod:`.lmcache_format`.
+Writing and reading chunk files is in :mod:`.file_store`, which also describes the folder
+layout and the rules (case C8); options, stats and handles are in :mod:`.chunk`.
 No LMCache import.
 
 The accounting protocol (what keeps the shared capacity exact across processes):
@@ -50,10 +50,10 @@ from pathlib import Path
 
 from fastckpt.errors import InsufficientSpaceError
 
-from .lmcache_format import LOCK_NAME, SUFFIX, ChunkHandle, KVStats, StoreOptions
+from .chunk import LOCK_NAME, SUFFIX, ChunkHandle, KVStats, KVStoreOptions
 
-# the store's logger name, as before this module was split out of lmcache_store
-logger = logging.getLogger(__name__.rpartition(".")[0] + ".lmcache_store")
+# one logger for the whole KV store (this module and file_store)
+logger = logging.getLogger("fastckpt.kv")
 
 #: ``.fckv.lock`` header: magic, used bytes, generation (bumped on every change), holder pid
 #: (the process inside the lock; 0 when it was left cleanly). An older or unknown header is
@@ -129,14 +129,14 @@ def audit(root: str) -> dict:
 class KVFolderIndex:
     """Shared counters, index, pins and eviction of one KV chunk folder (base of ``KVFileStore``).
 
-    Constructed through :class:`~.lmcache_store.KVFileStore` (same argument, same errors):
+    Constructed through :class:`~.file_store.KVFileStore` (same argument, same errors):
     creates the folder, opens ``.fckv.lock`` and rebuilds the index and the shared
     used-bytes counter by a scan. The index, pins and in-flight set belong to this
     process (guarded by a thread lock); files and the counter are shared (guarded by
     the flock).
     """
 
-    def __init__(self, options: StoreOptions):
+    def __init__(self, options: KVStoreOptions):
         self.opts = options
         self.root = os.path.abspath(options.path)
         os.makedirs(self.root, exist_ok=True)

@@ -1,6 +1,6 @@
 """The shared KV capacity across processes (issue 15): exact accounting, crashes, a stress run.
 
-The protocol (see ``integrations/lmcache_index.py``): every file created, renamed or unlinked in
+The protocol (see ``fastckpt/kv/folder_index.py``): every file created, renamed or unlinked in
 the folder is changed under the folder lock, and that lock section adds exactly the size change
 it made; a process killed inside the lock leaves its pid in the header and the next section
 recounts. So the counter equals the folder's bytes at every lock release and the folder never
@@ -21,8 +21,8 @@ import time
 import pytest
 
 from fastckpt.errors import CorruptCheckpointError, InsufficientSpaceError
-from fastckpt.integrations.lmcache_index import KVFolderIndex, audit
-from fastckpt.integrations.lmcache_store import TMP_RE, KVFileStore, StoreOptions, chunk_name
+from fastckpt.kv.folder_index import KVFolderIndex, audit
+from fastckpt.kv.file_store import TMP_RE, KVFileStore, KVStoreOptions, chunk_name
 
 PIECE = 8 << 10
 HEADER = 4096
@@ -48,7 +48,7 @@ def _payload(i: int) -> bytes:
 def _store(path, **kw) -> KVFileStore:
     kw.setdefault("piece_bytes", PIECE)
     kw.setdefault("durable", False)
-    return KVFileStore(StoreOptions(path=str(path), **kw))
+    return KVFileStore(KVStoreOptions(path=str(path), **kw))
 
 
 def _put(st: KVFileStore, i: int) -> bool:

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from fastckpt.integrations.lmcache_config import check_config, main, parse_options
+from fastckpt.integrations.lmcache.config import check_config, main, parse_options
 
 GOOD = {
     "storage_plugins": ["fastckpt"],
     "extra_config": {
-        "storage_plugin.fastckpt.module_path": "fastckpt.integrations.lmcache",
+        "storage_plugin.fastckpt.module_path": "fastckpt.integrations.lmcache.backend",
         "storage_plugin.fastckpt.class_name": "FastCkptKVBackend",
         "storage_plugin.fastckpt.path": "/mnt/array/kv",
         "storage_plugin.fastckpt.max_bytes": 1 << 30,
@@ -25,7 +25,7 @@ GOOD = {
 OLD_03X = {
     "external_backends": ["fastckpt"],
     "extra_config": {
-        "external_backend.fastckpt.module_path": "fastckpt.integrations.lmcache",
+        "external_backend.fastckpt.module_path": "fastckpt.integrations.lmcache.backend",
         "external_backend.fastckpt.class_name": "FastCkptKVBackend",
         "external_backend.fastckpt.path": "/mnt/array/kv",
     },
@@ -93,7 +93,7 @@ def test_cli_module_prints_one_line_not_a_traceback(tmp_path):
     """The real command line (python -m ...) on the issue's inputs."""
     for extra in ({"storage_plugin.fastckpt.max_bytes": "5GB"}, {"storage_plugin.fastckpt.piece_bytes": 1000},
                   {"storage_plugin.fastckpt.read_thread": 8}):
-        r = subprocess.run([sys.executable, "-m", "fastckpt.integrations.lmcache_config", _yaml(tmp_path, extra)],
+        r = subprocess.run([sys.executable, "-m", "fastckpt.integrations.lmcache.config", _yaml(tmp_path, extra)],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
         (line,) = r.stdout.strip().splitlines()
