@@ -53,10 +53,8 @@ from fastckpt.errors import CorruptCheckpointError
 from fastckpt.format import encode_header, read_header_fd
 from fastckpt.storage import ALIGN, FileWriter, buffer_address, fsync_dir, get_backend, read_exact
 
-from .chunk import (  # noqa: F401  (re-exported: the store's public types)
-    FORMAT_TAG, HEADER_ALIGN, LOCK_NAME, SUFFIX, ChunkHandle, KVStats, KVStoreOptions, chunk_name, piece_hashes,
-)
-from .folder_index import FINAL_RE, TMP_RE, KVFolderIndex, logger  # noqa: F401  (re-exported)
+from .chunk import FORMAT_TAG, HEADER_ALIGN, ChunkHandle, KVStoreOptions, chunk_name, piece_hashes
+from .folder_index import KVFolderIndex, logger
 
 
 class KVFileStore(KVFolderIndex):

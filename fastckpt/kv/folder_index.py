@@ -41,7 +41,6 @@ import fcntl
 import logging
 import os
 import re
-import socket
 import struct
 import threading
 import time
@@ -49,6 +48,8 @@ from collections import OrderedDict
 from pathlib import Path
 
 from fastckpt.errors import InsufficientSpaceError
+from fastckpt.storage.commit import host_tag, pid_alive
+from fastckpt.storage.lock import flock_exclusive
 
 from .chunk import LOCK_NAME, SUFFIX, ChunkHandle, KVStats, KVStoreOptions
 
@@ -63,9 +64,9 @@ _LOCK_MAGIC = b"FCKVLCK2"
 #: Name of a committed chunk file (group 1: the chunk name).
 FINAL_RE = re.compile(r"^([0-9a-f]{32})\.kv\.safetensors$")
 #: Name of a chunk file being written, ``.tmp.<chunk name>.<host>.<pid>.<hex>`` (never a hit;
-#: groups: chunk name, host, pid). :meth:`KVFolderIndex.temp_path_for` makes them.
+#: groups: chunk name, host tag (:func:`fastckpt.storage.commit.host_tag`), pid).
+#: :meth:`KVFolderIndex.temp_path_for` makes them.
 TMP_RE = re.compile(r"^\.tmp\.([0-9a-f]{32})\.([^.]+)\.(\d+)\.[0-9a-f]+$")
-_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
 
 
 def _read_header(fd: int) -> tuple[int, int, int] | None:
@@ -114,7 +115,7 @@ def audit(root: str) -> dict:
     """
     fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        flock_exclusive(fd)
         try:
             hdr = _read_header(fd)
             disk, chunks, temps = _folder_bytes(root)
@@ -159,7 +160,7 @@ class KVFolderIndex:
     def temp_path_for(self, name: str) -> str:
         """A fresh temporary path for writing chunk ``name`` in its sub-folder (see :data:`TMP_RE`:
         it names this host and process, so a scan can tell a dead writer's leftover)."""
-        return os.path.join(self.root, name[:2], f".tmp.{name}.{_HOST}.{os.getpid()}.{os.urandom(4).hex()}")
+        return os.path.join(self.root, name[:2], f".tmp.{name}.{host_tag()}.{os.getpid()}.{os.urandom(4).hex()}")
 
     def _locked(self):
         """The folder lock as a context manager (re-entrant in one thread).
@@ -178,7 +179,7 @@ class KVFolderIndex:
                 store._tlock.acquire()
                 try:
                     if store._depth == 0:
-                        fcntl.flock(store._lock_fd, fcntl.LOCK_EX)
+                        flock_exclusive(store._lock_fd)
                         try:
                             store._open_section()
                         except BaseException:
@@ -270,16 +271,11 @@ class KVFolderIndex:
     def _tmp_is_stale(self, m: re.Match, mtime: float, now: float) -> bool:
         if now - mtime > self.opts.stale_tmp_s:
             return True
-        if m.group(2) == _HOST:
+        if m.group(2) == host_tag():
             pid = int(m.group(3))
             if pid == os.getpid():
                 return m.group(1) not in self._writing
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:
-                return False
+            return not pid_alive(pid, mtime)  # its writer started before it was last written
         return False
 
     def _rescan_locked(self) -> None:

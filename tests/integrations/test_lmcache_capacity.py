@@ -21,8 +21,8 @@ import time
 import pytest
 
 from fastckpt.errors import CorruptCheckpointError, InsufficientSpaceError
-from fastckpt.kv.folder_index import KVFolderIndex, audit
-from fastckpt.kv.file_store import TMP_RE, KVFileStore, KVStoreOptions, chunk_name
+from fastckpt.kv import KVFileStore, KVStoreOptions, audit, chunk_name
+from fastckpt.kv.folder_index import TMP_RE, KVFolderIndex
 
 PIECE = 8 << 10
 HEADER = 4096

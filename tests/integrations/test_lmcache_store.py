@@ -18,9 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from fastckpt.errors import CorruptCheckpointError, InsufficientSpaceError
-from fastckpt.kv.file_store import (
-    TMP_RE, KVFileStore, KVStoreOptions, chunk_name,
-)
+from fastckpt.kv import KVFileStore, KVStoreOptions, chunk_name
+from fastckpt.kv.folder_index import TMP_RE
 
 SHAPE = (2, 2, 256, 128)  # 2 * 2 * 256 * 128 * 2 bytes = 256 KiB per chunk
 PIECE = 64 << 10
