@@ -69,7 +69,7 @@ FINAL_RE = re.compile(r"^([0-9a-f]{32})\.kv\.safetensors$")
 TMP_RE = re.compile(r"^\.tmp\.([0-9a-f]{32})\.([^.]+)\.(\d+)\.[0-9a-f]+$")
 
 
-def _read_header(fd: int) -> tuple[int, int, int] | None:
+def _read_lock_header(fd: int) -> tuple[int, int, int] | None:
     """``(used bytes, generation, holder pid)`` from an open ``.fckv.lock``; None if absent or unknown."""
     raw = os.pread(fd, _LOCK_FMT.size, 0)
     if len(raw) != _LOCK_FMT.size:
@@ -117,7 +117,7 @@ def audit(root: str) -> dict:
     try:
         flock_exclusive(fd)
         try:
-            hdr = _read_header(fd)
+            hdr = _read_lock_header(fd)
             disk, chunks, temps = _folder_bytes(root)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -205,7 +205,7 @@ class KVFolderIndex:
         return _Ctx()
 
     def _open_section(self) -> None:
-        hdr = _read_header(self._lock_fd)
+        hdr = _read_lock_header(self._lock_fd)
         if hdr is None or hdr[2] != 0:
             if hdr is not None and hdr[2] == os.getpid():
                 logger.info("fastckpt kv: %s: a lock section of this process ended by an error; "
@@ -219,7 +219,7 @@ class KVFolderIndex:
             self._write_header(hdr[0], hdr[1])
 
     def _close_section(self) -> None:
-        hdr = _read_header(self._lock_fd)
+        hdr = _read_lock_header(self._lock_fd)
         if hdr is not None:
             os.pwrite(self._lock_fd, _LOCK_FMT.pack(_LOCK_MAGIC, hdr[0], hdr[1], 0), 0)
 
@@ -228,10 +228,10 @@ class KVFolderIndex:
 
     def _used_locked(self) -> int:
         """The shared used-bytes counter (lock held; valid: the section was opened by a check)."""
-        hdr = _read_header(self._lock_fd)
+        hdr = _read_lock_header(self._lock_fd)
         if hdr is None:  # clobbered by someone outside the protocol
             self._rescan_locked()
-            hdr = _read_header(self._lock_fd)
+            hdr = _read_lock_header(self._lock_fd)
         return hdr[0]
 
     def _adjust_used(self, delta: int) -> None:
@@ -239,7 +239,7 @@ class KVFolderIndex:
 
         Called after the change: if the header is unreadable, the recount already sees it.
         """
-        hdr = _read_header(self._lock_fd)
+        hdr = _read_lock_header(self._lock_fd)
         if hdr is None:
             self._rescan_locked()
             return
@@ -305,7 +305,7 @@ class KVFolderIndex:
         recency = {n: i for i, n in enumerate(self._index)}
         found.sort(key=lambda t: (recency.get(t[1], -1), t[0]))  # unseen files first, oldest first
         self._index = OrderedDict((n, size) for _, n, size in found)
-        hdr = _read_header(self._lock_fd)
+        hdr = _read_lock_header(self._lock_fd)
         self._write_header(used, (hdr[1] if hdr else 0) + 1)
         self._last_scan = time.monotonic()
         self.stats.add(rescans=1)

@@ -293,7 +293,7 @@ class Saver:
                 if split is None:
                     sv.plan = self._plan(sv.col.specs, opts)
                     return
-                io = opts.io  # local keys / Shard values in one process: the one-rank case of their layout
+                io = opts.io  # local keys in one process: the one-rank case of their layout
                 sv.plan = global_plan(sv.col.specs, [loc_specs], max_shard_bytes=io.max_shard_bytes,
                                       chunk_bytes=io.chunk_bytes, metadata=opts.metadata)
                 sv.nodes, sv.own = [coord.node], Ownership.of(sv.plan, [0], 1)
@@ -310,7 +310,7 @@ class Saver:
         for i in infos:
             if i["ok"] and infos[0]["ok"] and i["digest"] != infos[0]["digest"]:
                 i.update(ok=False, error="replicated state (keys, dtypes, shapes) differs from rank 0's; put "
-                                         "per-rank values under local_keys or wrap them in Shard")
+                                         "per-rank values under local_keys or save DTensors")
         _check_all(infos, "planning", exc)
         check_agreement(sv.sess, values, [i["values"] for i in infos], sv.path, "comparing the replicated values")
         io = opts.io

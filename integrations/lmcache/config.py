@@ -282,7 +282,7 @@ def parse_options(cfg, name: str | None = None) -> tuple[str, BackendOptions]:
                                 stats_log_interval_s=vals["stats_log_interval_s"])
 
 
-def _load(config: str | None) -> dict:
+def _read_yaml_or_env(config: str | None) -> dict:
     if config:
         import yaml  # PyYAML ships with LMCache's dependencies
 
@@ -298,7 +298,7 @@ def _load(config: str | None) -> dict:
     return cfg
 
 
-def main(argv: list[str] | None = None) -> int:
+def check_cli(argv: list[str] | None = None) -> int:
     """CLI: check a YAML config file (or the environment); exit 1 if there are warnings."""
     import argparse
 
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                         "LMCACHE_EXTERNAL_BACKENDS and LMCACHE_EXTRA_CONFIG (JSON) from the environment)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = _load(args.config)
+        cfg = _read_yaml_or_env(args.config)
     except Exception as e:  # missing file, bad JSON (ValueError), bad YAML (yaml.YAMLError)
         if not isinstance(e, (OSError, ValueError)) and not type(e).__module__.startswith("yaml"):
             raise
@@ -351,4 +351,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(check_cli())

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fastckpt.integrations.lmcache.config import check_config, main, parse_options
+from fastckpt.integrations.lmcache.config import check_config, check_cli, parse_options
 
 GOOD = {
     "storage_plugins": ["fastckpt"],
@@ -64,11 +64,11 @@ def test_bad_values_are_refused_with_the_key_named(bad):
 def test_cli_checks_the_environment_form(capsys, monkeypatch):
     monkeypatch.setenv("LMCACHE_STORAGE_PLUGINS", "fastckpt")
     monkeypatch.setenv("LMCACHE_EXTRA_CONFIG", json.dumps(GOOD["extra_config"]))
-    assert main([]) == 0 and "fastckpt -> /mnt/array/kv" in capsys.readouterr().out
+    assert check_cli([]) == 0 and "fastckpt -> /mnt/array/kv" in capsys.readouterr().out
     monkeypatch.delenv("LMCACHE_STORAGE_PLUGINS")
     monkeypatch.setenv("LMCACHE_EXTERNAL_BACKENDS", "fastckpt")
     monkeypatch.setenv("LMCACHE_EXTRA_CONFIG", json.dumps(OLD_03X["extra_config"]))
-    assert main([]) == 1 and "0.3.x" in capsys.readouterr().out
+    assert check_cli([]) == 1 and "0.3.x" in capsys.readouterr().out
 
 
 def _yaml(tmp_path, extra: dict, top: dict | None = None) -> str:
@@ -81,9 +81,9 @@ def _yaml(tmp_path, extra: dict, top: dict | None = None) -> str:
 
 @pytest.fixture
 def _cli(capsys):
-    """``main([config.yaml])`` on a YAML file written from ``extra``/``top``: (rc, stdout, stderr)."""
+    """``check_cli([config.yaml])`` on a YAML file written from ``extra``/``top``: (rc, stdout, stderr)."""
     def run(tmp_path, extra: dict, top: dict | None = None):
-        rc = main([_yaml(tmp_path, extra, top)])
+        rc = check_cli([_yaml(tmp_path, extra, top)])
         r = capsys.readouterr()
         return rc, r.out, r.err
     return run
