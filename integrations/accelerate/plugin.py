@@ -396,7 +396,7 @@ class FastCkptState:
     def _load_sharded(self, folder: Path, device: str, strict: bool, read_opts: dict) -> None:
         """Every rank, accelerate's FSDP load contract (pre-hooks get no models; GradScaler before
         the optimizers): :func:`fastckpt.load_into` reads this rank's regions only (any saved world
-        size), then ``set_state_dict``; per-rank state: :func:`accelerate_dtensor.per_rank`."""
+        size), then ``set_state_dict``; per-rank state: :func:`.fsdp2.per_rank`."""
         acc = self.acc
         for hook in list(getattr(acc, "_load_model_state_pre_hook", {}).values()):
             hook([], str(folder))
