@@ -42,7 +42,7 @@ WORKER = textwrap.dedent(r'''
     # this checkout's plugin (an installed fastckpt.integrations may point at another tree)
     from integrations.accelerate import plugin as fca
     from integrations.hf.models import tiny_llama
-    assert Path(fca.__file__).resolve().parent.parent == Path(os.environ["FASTCKPT_REPO"]).resolve()
+    assert Path(fca.__file__).resolve().parents[2] == Path(os.environ["FASTCKPT_REPO"]).resolve()  # integrations/accelerate/plugin.py
 
     mode, proj, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     EPOCHS = 3
