@@ -19,7 +19,7 @@ Prints one line per measurement and a summary with the ratios and the modeled TT
 a 29.8K-token session (bytes to read / measured GB/s) against recomputing it.
 
 LMCache's multiprocess (server) mode: ``--l2-depth D`` (default 16) also runs the L2 adapters
-side by side, fastckpt's (:mod:`fastckpt.integrations.lmcache_l2`) and LMCache's ``fs_native``
+side by side, fastckpt's (:mod:`fastckpt.integrations.lmcache.l2`) and LMCache's ``fs_native``
 (its C++ file-system connector): the same chunks, the same depth (D load tasks of one chunk
 in flight; D I/O threads each: our ``read_threads``, fs_native's ``num_workers``), folders side
 by side under ``--dir``, O_DIRECT on or off for both (``--no-o-direct``), ``--l2-rounds``
@@ -176,12 +176,12 @@ class Bench:
 
     # ----- backends -------------------------------------------------------------------------
     def ours(self, path: str, threads: int):
-        from fastckpt.integrations.lmcache import FastCkptKVBackend
+        from fastckpt.integrations.lmcache.backend import FastCkptKVBackend
 
         cfg = self.cfg.from_defaults(chunk_size=self.a.tokens, local_cpu=False,
                                      max_local_cpu_size=self.cfg.max_local_cpu_size,
                                      storage_plugins=["fastckpt"], extra_config={
-                                         "storage_plugin.fastckpt.module_path": "fastckpt.integrations.lmcache",
+                                         "storage_plugin.fastckpt.module_path": "fastckpt.integrations.lmcache.backend",
                                          "storage_plugin.fastckpt.class_name": "FastCkptKVBackend",
                                          "storage_plugin.fastckpt.path": path,
                                          "storage_plugin.fastckpt.read_threads": self.a.read_threads,
@@ -264,7 +264,7 @@ def _pct(xs: list[float], q: float) -> float:
 def l2_adapter(kind: str, path: str, depth: int, o_direct: bool):
     """A fresh L2 adapter of ``kind`` ("fastckpt" or "fs_native") over ``path``, ``depth`` I/O threads."""
     if kind == "fastckpt":
-        from fastckpt.integrations.lmcache_l2 import FastCkptL2Adapter
+        from fastckpt.integrations.lmcache.l2 import FastCkptL2Adapter
 
         return FastCkptL2Adapter({"path": path, "read_threads": depth, "write_threads": depth,
                                   "o_direct": o_direct, "durable": True})

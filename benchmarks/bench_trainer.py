@@ -33,10 +33,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import common as C  # noqa: E402
 try:
-    from fastckpt.integrations import hf_trainer
+    from fastckpt.integrations.hf import trainer as hf_trainer
 except ImportError:
     sys.path.insert(0, str(REPO))
-    from fastckpt.integrations import hf_trainer  # noqa: E402
+    from fastckpt.integrations.hf import trainer as hf_trainer  # noqa: E402
 
 
 def make_model(hidden: int, layers: int, vocab: int, lora: bool):

@@ -25,7 +25,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration, set_seed
 
-from fastckpt.integrations.accelerate import enable
+from fastckpt.integrations.accelerate.plugin import enable
 
 
 class Progress:

@@ -18,7 +18,7 @@ import argparse
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from fastckpt.integrations.hf_trainer import FastCkptCallback
+from fastckpt.integrations.hf.trainer import FastCkptCallback
 
 VOCAB, SEQ = 128, 16
 

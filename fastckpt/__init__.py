@@ -2,14 +2,16 @@
 
 Public API::
 
-    fastckpt.save(state, path, *, process_group=None, **options) -> Path   # durable + committed on return
-    fastckpt.async_save(state, path, *, process_group=None, **options) -> SaveFuture  # returns once staged
+    fastckpt.save(state, path, *, process_group=None, overwrite=False, step=None, ...) -> Path   # durable + committed
+    fastckpt.async_save(state, path, *, process_group=None, ...) -> SaveFuture  # returns once staged
+        (keyword-only options: those of fastckpt.SaveOptions, its IOTuning and Consistency fields by name)
     fastckpt.load(path, *, device="cpu", keys=None, verify=True) -> dict
     fastckpt.load_into(state, path, *, strict=None, verify=True, report=None) -> state   # in place, resharding
     fastckpt.LoadIntoReport                   # missing / unexpected / cast keys of a load_into
     fastckpt.CheckpointManager(root, keep_last=None, prefix="step-", process_group=None)
+    fastckpt.newest_common_step(root, process_group=None) -> int | None   # commit="marker" restart point
     fastckpt.Saver(process_group=None)        # a saver of your own (its failures stay its own)
-    fastckpt.SaveOptions / IOTuning / Consistency, fastckpt.Shard
+    fastckpt.SaveOptions / IOTuning / Consistency
     fastckpt.verify(path) -> VerifyReport
     fastckpt.check_servable(folder) -> ServableReport   # the servability gate of `fastckpt load`
     fastckpt.is_committed(path) -> bool
@@ -24,8 +26,9 @@ See docs/FORMAT.md for the on-disk format and README.md for figures.
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from . import errors
 from .storage.commit import read_manifest
@@ -37,11 +40,11 @@ from .errors import (CheckpointExistsError, CheckpointNotFoundError, ChecksumMis
 from .loading.reader import load, open_checkpoint
 from .loading.into import LoadIntoReport, load_into
 from .loading.source import Source, resolve_source
-from .manager import CheckpointManager
+from .manager import CheckpointManager, newest_common_step
 from .coordination import LOCAL
 from .saving.future import SaveFuture
-from .saving.options import Consistency, IOTuning, SaveOptions
-from .saving.ranks import Shard
+from .saving.options import DEFAULT_MAX_SHARD_BYTES, Consistency, IOTuning, SaveOptions
+from .storage.io import DEFAULT_CHUNK_BYTES, PosixBackend
 from .saving.saver import Saver, SaveRoute, no_gc, save_route
 from .loading.verify import VerifyReport, verify
 from .loading.servable import ServableReport, check_servable
@@ -58,7 +61,17 @@ def _saver() -> Saver:
     return _default_saver
 
 
-def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None, **options: Any) -> SaveFuture:
+def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None,
+               overwrite: bool = False, step: int | None = None, weights: dict[str, str] | None = None,
+               extra_files: dict[str, bytes] | None = None, metadata: dict[str, str] | None = None,
+               on_commit: Callable[[Path], None] | None = None, local_keys: tuple[str, ...] | list[str] = (),
+               commit: str = "rename", timeout_s: float | None = None,
+               io: IOTuning | None = None, consistency: Consistency | None = None,
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+               threads: int | None = None, staging_bytes: int | None = None, o_direct: bool | None = None,
+               io_backend: str | PosixBackend | None = None, min_free_bytes: int = 0,
+               link_from: str | os.PathLike | None = None, link_check: str = "hash", early_writes: bool = False,
+               defer_frozen: bool = False, defer: Callable[[str, bool], bool] | None = None) -> SaveFuture:
     """Stage ``state`` into host memory and write it to ``path`` in the background.
 
     Returns as soon as every tensor is copied into the staging buffer: the checkpoint holds
@@ -78,16 +91,25 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
             :class:`fastckpt.storage.Store` saves there: written into a local spool, then uploaded with
             ``manifest.json`` last (docs/FORMAT.md, "Commit strategies and stores"); ``fut.result()``
             then returns the URL. Not with ``process_group`` or ``link_from``.
-        **options: see :class:`fastckpt.SaveOptions` (``overwrite``, ``weights``,
-            ``extra_files``, ``metadata``, ``step``, ``max_shard_bytes``, ``chunk_bytes``,
-            ``threads``, ``staging_bytes``, ``o_direct``, ``io_backend``, ``link_from``,
-            ``link_check``, ``early_writes`` (default ``False`` here: the call returns after the
-            copy and the writes start then), ``defer_frozen``, ``defer``, ...; multi-rank:
-            ``local_keys``, ``commit``, ``timeout_s``).
         process_group: ``torch.distributed`` group whose ranks all save this checkpoint together
             (every rank of it must make the call; each writes part of the bytes; rank 0 commits).
             Default ``None``: this process saves alone, even when a process group is
             initialized (the ``if rank == 0: fastckpt.save(...)`` pattern).
+        overwrite, step, weights, extra_files, metadata, on_commit: what to save (defaults: refuse an
+            existing ``path``, no step, ``{"model": "model"}``, none, none, none); see
+            :class:`fastckpt.SaveOptions`.
+        local_keys, commit, timeout_s: multi-rank saves: per-rank top-level keys (default none),
+            ``"rename"`` (default) or ``"marker"``, seconds to wait for the other ranks (default the
+            group's timeout); see :class:`fastckpt.SaveOptions`.
+        io, max_shard_bytes, chunk_bytes, threads, staging_bytes, o_direct, io_backend,
+            min_free_bytes: how the bytes move, as an :class:`fastckpt.IOTuning` or its fields by
+            name (a field given by name and left at its default keeps ``io``'s value); defaults:
+            5e9 data bytes per shard file, 8 MiB per write, :func:`fastckpt.storage.io.default_threads`,
+            this rank's part of the state, O_DIRECT where supported, the POSIX backend, 0 bytes.
+        consistency, link_from, link_check, early_writes, defer_frozen, defer: what the save may assume
+            about live tensors, as a :class:`fastckpt.Consistency` or its fields by name (same rule);
+            ``early_writes`` is ``False`` here: the call returns after the copy and the writes start
+            then.
 
     DTensor states (FSDP2 ``fully_shard``, tensor parallel: ``Shard(d)`` / ``Replicate()`` on any
     mesh, uneven shards) are saved by every rank together: with ``process_group=None`` the ranks
@@ -134,22 +156,53 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
         ...                      # keep training
         fut.result()             # durable
     """
-    return _saver().async_save(state, path, process_group=process_group, **options)
+    return _saver().async_save(
+        state, path, process_group=process_group, overwrite=overwrite, step=step, weights=weights,
+        extra_files=extra_files, metadata=metadata, on_commit=on_commit, local_keys=local_keys, commit=commit,
+        timeout_s=timeout_s, io=io, consistency=consistency,
+        **_given(max_shard_bytes=max_shard_bytes, chunk_bytes=chunk_bytes, threads=threads,
+                 staging_bytes=staging_bytes, o_direct=o_direct, io_backend=io_backend,
+                 min_free_bytes=min_free_bytes, link_from=link_from, link_check=link_check,
+                 early_writes=early_writes, defer_frozen=defer_frozen, defer=defer))
 
 
-def save(state: Any, path: str | os.PathLike, *, process_group: Any = None, **options: Any) -> Path:
+#: Defaults of the :class:`IOTuning` and :class:`Consistency` fields that ``save`` / ``async_save``
+#: also take by name.
+_FIELD_DEFAULTS = {f.name: f.default for f in (*fields(IOTuning), *fields(Consistency))}
+
+
+def _given(**flat: Any) -> dict[str, Any]:
+    """The group fields given a value other than their default (so ``io=`` / ``consistency=`` keep theirs)."""
+    return {k: v for k, v in flat.items() if v is not _FIELD_DEFAULTS[k] and v != _FIELD_DEFAULTS[k]}
+
+
+def save(state: Any, path: str | os.PathLike, *, process_group: Any = None,
+         overwrite: bool = False, step: int | None = None, weights: dict[str, str] | None = None,
+         extra_files: dict[str, bytes] | None = None, metadata: dict[str, str] | None = None,
+         on_commit: Callable[[Path], None] | None = None, local_keys: tuple[str, ...] | list[str] = (),
+         commit: str = "rename", timeout_s: float | None = None,
+         io: IOTuning | None = None, consistency: Consistency | None = None,
+         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+         threads: int | None = None, staging_bytes: int | None = None, o_direct: bool | None = None,
+         io_backend: str | PosixBackend | None = None, min_free_bytes: int = 0,
+         link_from: str | os.PathLike | None = None, link_check: str = "hash", early_writes: bool = True,
+         defer_frozen: bool = False, defer: Callable[[str, bool], bool] | None = None) -> Path:
     """Write ``state`` to ``path`` and return once every byte is durable and committed.
 
-    Same as ``async_save(state, path, early_writes=True, **options).result()`` (writes start
-    while the state is still being copied, since the caller waits for both); the folder appears only
-    complete (written to a hidden sibling, fsynced, renamed).
+    Same as ``async_save(state, path, ...).result()`` with ``early_writes=True`` by default (writes
+    start while the state is still being copied, since the caller waits for both); the folder
+    appears only complete (written to a hidden sibling, fsynced, renamed).
 
     Args:
-        state, path, **options: as :func:`async_save` (options: :class:`SaveOptions`; multi-rank:
-            ``local_keys``, ``commit``, ``timeout_s`` in seconds, default the group's timeout).
+        state, path: as :func:`async_save`.
         process_group: ``None`` (default): this process saves alone, even when a process group is
             initialized. A ``torch.distributed`` group: every rank of it must make the same call;
             each writes part of the bytes and rank 0 commits once every rank succeeded.
+        overwrite, step, weights, extra_files, metadata, on_commit, local_keys, commit, timeout_s,
+            io, max_shard_bytes, chunk_bytes, threads, staging_bytes, o_direct, io_backend,
+            min_free_bytes, consistency, link_from, link_check, defer_frozen, defer: as
+            :func:`async_save` (:class:`SaveOptions`).
+        early_writes: start writing staged units while the state is still copied. Default ``True``.
 
     Example::
 
@@ -160,8 +213,13 @@ def save(state: Any, path: str | os.PathLike, *, process_group: Any = None, **op
         The errors of :func:`async_save`, and any I/O failure (``OSError`` with its errno,
         e.g. ENOSPC, EIO) of the background writers, with nothing committed.
     """
-    options.setdefault("early_writes", True)  # the caller waits for the whole save: overlap copy and disk
-    return async_save(state, path, process_group=process_group, **options).result()
+    return async_save(state, path, process_group=process_group, overwrite=overwrite, step=step, weights=weights,
+                      extra_files=extra_files, metadata=metadata, on_commit=on_commit, local_keys=local_keys,
+                      commit=commit, timeout_s=timeout_s, io=io, consistency=consistency,
+                      max_shard_bytes=max_shard_bytes, chunk_bytes=chunk_bytes, threads=threads,
+                      staging_bytes=staging_bytes, o_direct=o_direct, io_backend=io_backend,
+                      min_free_bytes=min_free_bytes, link_from=link_from, link_check=link_check,
+                      early_writes=early_writes, defer_frozen=defer_frozen, defer=defer).result()
 
 
 def reserve(nbytes: int, *, background: bool = True) -> None:
@@ -197,7 +255,7 @@ def wait() -> None:
 
 
 __all__ = ["save", "async_save", "load", "load_into", "LoadIntoReport", "wait", "reserve", "prime_hashes", "verify", "is_committed", "read_manifest", "open_checkpoint",
-           "CheckpointManager", "Saver", "no_gc", "resolve_source", "Source", "SaveFuture", "SaveOptions", "IOTuning", "Consistency", "Shard", "LOCAL",
+           "CheckpointManager", "newest_common_step", "Saver", "no_gc", "resolve_source", "Source", "SaveFuture", "SaveOptions", "IOTuning", "Consistency", "LOCAL",
            "VerifyReport", "errors", "FastCkptError", "DistributedSaveError", "RankValuesDifferError", "SaveConflictError",
            "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError", "HeaderError",
            "ChecksumMismatchError", "UnsupportedValueError", "UnsupportedDtypeError", "InsufficientSpaceError"]

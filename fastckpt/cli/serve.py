@@ -414,7 +414,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     if args.merge_lora and src.adapter_dir and not args.to:
         raise ValueError("--merge-lora writes a new folder: pass --to DIR")
     if args.verify:
-        if not _verify(src):
+        if not _verify_source(src):
             return 1
     if args.to:
         out = export(src, os.path.abspath(args.to), args)
@@ -489,7 +489,7 @@ def _warm_source(src: Source, args: argparse.Namespace) -> None:
     print(f"fastckpt load: warmed; {checked.summary()}", file=sys.stderr)
 
 
-def _verify(src: Source) -> bool:
+def _verify_source(src: Source) -> bool:
     from ..loading.verify import verify
     if src.resolved.manifest is None:
         print(f"{src.path}: no manifest, no checksums: headers and index validated", file=sys.stderr)

@@ -411,9 +411,9 @@ class _Parser:
         if not isinstance(f, dict):
             raise self.fail(where, f, "an object with 'bytes'")
         return FileEntry(bytes=self.get(f, "bytes", where, "a non-negative integer", _nat),
-                         xxh3=self.get(f, "xxh3", where, "an xxh3 hex string", _digest, optional=True),
+                         xxh3=self.get(f, "xxh3", where, "an xxh3 hex string", _is_digest, optional=True),
                          header_bytes=self.get(f, "header_bytes", where, "a non-negative integer", _nat, optional=True),
-                         header_xxh3=self.get(f, "header_xxh3", where, "an xxh3 hex string", _digest, optional=True))
+                         header_xxh3=self.get(f, "header_xxh3", where, "an xxh3 hex string", _is_digest, optional=True))
 
     def tensor(self, key: str, e: Any) -> TensorEntry:
         where = f"tensors[{key!r}]"
@@ -434,7 +434,7 @@ class _Parser:
                          dtype=self.get(e, "dtype", where, "a dtype string", _str, tensor=key),
                          shape=self.ints(e, "shape", where, tensor=key),
                          offsets=self.ints(e, "offsets", where, n=2, tensor=key),  # type: ignore[arg-type]
-                         xxh3=self.get(e, "xxh3", where, "an xxh3 hex string", _digest, optional=True, tensor=key),
+                         xxh3=self.get(e, "xxh3", where, "an xxh3 hex string", _is_digest, optional=True, tensor=key),
                          placement=self.get(e, "placement", where, "an object", lambda x: isinstance(x, dict),
                                             optional=True, tensor=key),
                          ndarray=nd)
@@ -457,7 +457,7 @@ class _Parser:
                 raise self.fail(w, c, "an object with 'offsets', 'shape', 'xxh3'", key)
             ch = TensorChunk(self.ints(c, "offsets", w, n=len(shape), tensor=key),  # type: ignore[arg-type]
                        self.ints(c, "shape", w, n=len(shape), tensor=key),  # type: ignore[arg-type]
-                       self.get(c, "xxh3", w, "an xxh3 hex string", _digest, tensor=key))
+                       self.get(c, "xxh3", w, "an xxh3 hex string", _is_digest, tensor=key))
             if any(o + n > m for o, n, m in zip(ch.offsets, ch.shape, shape)):
                 raise self.fail(w, c, f"a chunk inside the tensor's shape {list(shape)}", key)
             out.append(ch)
@@ -547,7 +547,7 @@ def _str(x: Any) -> bool:
     return isinstance(x, str)
 
 
-def _digest(x: Any) -> bool:
+def _is_digest(x: Any) -> bool:
     return isinstance(x, str)
 
 

@@ -7,8 +7,7 @@ or 2) or a plain HF folder, with DCP's planner deciding placement and resharding
 unpickled and no ``.metadata`` file is needed:
 
 * :meth:`FastCkptReader.read_metadata` builds DCP's ``Metadata`` from the manifest
-  (``TensorStorageMetadata``: one chunk per full tensor, or one per saved :class:`~fastckpt.Shard`
-  piece; non-tensor values: ``BytesStorageMetadata``, whose values stay in ``Metadata.storage_data``
+  (``TensorStorageMetadata``: one chunk per full tensor; non-tensor values: ``BytesStorageMetadata``, whose values stay in ``Metadata.storage_data``
   as the JSON values of ``state.json``; ``planner_data``: DCP's ``flatten_state_dict`` mapping of
   the saved state; ``storage_meta``: from ``dcp_metadata.json`` when the writer left one, whose
   fqns, dtypes and sizes the rebuilt metadata is checked against).
@@ -73,10 +72,10 @@ class FastCkptStorageData:
 
 
 def _marked(v: Any, path: str, marks: dict[int, str]) -> Any:
-    """The saved state with each tensor (and shard placeholder) replaced by an empty meta tensor
+    """The saved state with each tensor replaced by an empty meta tensor
     whose ``id`` maps to its key path in ``marks``, rank-local subtrees left out: DCP's own
     flattening of it then names the fqns exactly as it names the caller's state."""
-    if isinstance(v, Leaf) or (isinstance(v, dict) and len(v) == 1 and "__shard__" in v):
+    if isinstance(v, Leaf):
         t = torch.empty(0, device="meta")
         marks[id(t)] = path
         return t

@@ -37,7 +37,7 @@ from ..storage.io import PosixBackend, get_backend, readv_exact
 from ..storage.locate import is_url, store_for
 from .chunks import box_bytes, chunk_problem
 from .reader import READ_CHUNK_BYTES, check_threads, default_read_threads
-from .regions import Box, Run, Stored, box_runs, contains, dim0_blocks, intersect, split_runs
+from .regions import Box, ByteRun, Stored, box_runs, contains, dim0_blocks, intersect, split_runs
 from .stored import Check, CheckpointIndex, TensorDesc, open_index
 
 #: Host bounce memory (bytes) for destinations that are not contiguous CPU tensors.
@@ -65,7 +65,7 @@ class LoadIntoReport:
 
 
 @dataclass
-class Target:
+class FillTarget:
     """One tensor leaf to fill: ``local`` holds global region ``region`` of ``desc``'s tensor."""
 
     key: str
@@ -113,7 +113,7 @@ class _Plan:
 
     def __init__(self, idx: CheckpointIndex):
         self.idx = idx
-        self.targets: list[Target] = []
+        self.targets: list[FillTarget] = []
         self.values: dict[str, Any] = {}
         self.used: set[str] = set()
         self.missing: list[str] = []
@@ -172,7 +172,7 @@ class _Plan:
         if local.device.type == "meta":
             raise ValueError(f"{path!r}: the state tensor is on the meta device; allocate it (e.g. "
                              "model.to_empty(device=...)) before load_into")
-        t = Target(path, local, region, desc, stored=stored)
+        t = FillTarget(path, local, region, desc, stored=stored)
         got = 0
         for st in desc.pieces:
             b = intersect(st.box, region)
@@ -199,13 +199,13 @@ def _describe_desc(d: TensorDesc) -> str:
     return f"shape {list(d.shape)} dtype {d.dtype}"
 
 
-def _walk(state: Any, path: str, segs: tuple, plan: _Plan) -> None:
+def _plan_leaves(state: Any, path: str, segs: tuple, plan: _Plan) -> None:
     if isinstance(state, dict) and state:
         for k, x in state.items():
-            _walk(x, join(path, k), segs + (k,), plan)
+            _plan_leaves(x, join(path, k), segs + (k,), plan)
     elif isinstance(state, (list, tuple)) and state:
         for i, x in enumerate(state):
-            _walk(x, join(path, i), segs + (i,), plan)
+            _plan_leaves(x, join(path, i), segs + (i,), plan)
     else:
         plan.leaf(state, path, segs)
 
@@ -281,12 +281,12 @@ def read_box(files: Files, ex: ThreadPoolExecutor, parts: list[tuple[Stored, Box
         f.result()
 
 
-def _read_run(files: Files, run: Run, out: memoryview, key: str) -> None:
+def _read_run(files: Files, run: ByteRun, out: memoryview, key: str) -> None:
     readv_exact(files.be, files.fd(run.file), [out[run.dst_offset:run.dst_offset + run.nbytes]], run.file_offset,
                 path=run.file, what=key)
 
 
-def _fill(t: Target, files: Files, ex: ThreadPoolExecutor, chunk: int, buffer_bytes: int) -> list:
+def _fill(t: FillTarget, files: Files, ex: ThreadPoolExecutor, chunk: int, buffer_bytes: int) -> list:
     """Fill one target; returns the futures of a direct read (the caller waits), [] when done here."""
     loc = t.local
     if loc.device.type == "cpu" and loc.is_contiguous() and t.stored is None:
@@ -325,7 +325,7 @@ def verify_region(key: str, checks: list[Check], local: torch.Tensor, region: Bo
             raise ChecksumMismatchError(f"{c.what}: {problem}", path=c.stored.file, tensor=key)
 
 
-def _verify_cast(t: Target, files: Files, ex: ThreadPoolExecutor, chunk: int) -> None:
+def _verify_cast(t: FillTarget, files: Files, ex: ThreadPoolExecutor, chunk: int) -> None:
     """:func:`verify_region` for a target filled with a cast: its tensor no longer holds the stored
     bytes, so each checksummed box overlapping the region is read again (stored dtype) and hashed.
 
@@ -342,10 +342,10 @@ def _verify_cast(t: Target, files: Files, ex: ThreadPoolExecutor, chunk: int) ->
             raise ChecksumMismatchError(f"{c.what}: {problem}", path=c.stored.file, tensor=t.key)
 
 
-def _verify_targets(targets: list[Target], files: Files, ex: ThreadPoolExecutor, chunk: int) -> None:
+def _verify_targets(targets: list[FillTarget], files: Files, ex: ThreadPoolExecutor, chunk: int) -> None:
     """Check the filled targets' checksums, several tensors hashed at once (xxhash releases the GIL);
     reads of partly covered boxes go to ``ex``. Raises the first failure in target order."""
-    def one(t: Target) -> None:
+    def one(t: FillTarget) -> None:
         if t.stored is None:
             verify_region(t.key, t.desc.checks, t.local, t.region, files, ex, chunk)
         else:
@@ -403,9 +403,8 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
     bytes are never reinterpreted. A tensor of another shape is always refused.
 
     No collective is made: every rank may call it with its own state. Any world size loads any other:
-    the sources are fastckpt checkpoints of format 1 (one process, or multi-rank: a
-    :class:`~fastckpt.Shard` value is assembled from the saved pieces that overlap the region) and
-    format 2 (full tensors with per-chunk checksums), and plain HF folders / safetensors files.
+    the sources are fastckpt checkpoints of format 1 (one process, or multi-rank with rank-local
+    subtrees) and format 2 (full tensors with per-chunk checksums), and plain HF folders / safetensors files.
 
     HF folders (no manifest; ``model.safetensors``, sharded with an index, hub snapshot folders):
     a tensor leaf matches the stored tensor named by the longest suffix of its key segments joined
@@ -500,7 +499,7 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
         local_rank = _default_rank()
     idx = open_index(path, local_rank)
     plan = _Plan(idx)
-    _walk(state, "", (), plan)
+    _plan_leaves(state, "", (), plan)
     unexpected = plan.unexpected()
     if plan.mismatched or (plan.missing and strict is not False) or (unexpected and strict is True):
         _raise_mismatch(plan, unexpected if strict else [], idx.resolved.root)

@@ -26,17 +26,16 @@ import torch
 import xxhash
 
 from ..format.dtypes import str_to_dtype
-from ..errors import ChecksumMismatchError, CheckpointNotFoundError, DeviceUnavailableError, KeysNotFoundError  # noqa: F401  (re-exported)
+from ..errors import ChecksumMismatchError, CheckpointNotFoundError, DeviceUnavailableError, KeysNotFoundError, ShardedCheckpointError  # noqa: F401  (re-exported)
 from ..errors import InvalidArgumentError
 from ..format.safetensors import TensorInfo
-from ..format.manifest import TensorEntry
+from ..format.manifest import Manifest, TensorEntry
 from ..storage.locate import is_url, store_for
 from ..storage.io import ALIGN, O_DIRECT, PosixBackend, get_backend, read_exact, readv_exact
 from ..storage.memory import aligned_buffer, host_buffer
 from .resolve import Resolved, resolve
 from .chunks import check_chunks
-from .assemble import fill_placeholders, piece_keys
-from ..format.tree import key_filter, unflatten
+from ..format.tree import join, key_filter, unflatten
 
 SMALL_BYTES = 1 << 20
 #: Default bytes per read request: 4 MiB requests, many in flight, reach this disk's deep-queue bandwidth.
@@ -322,9 +321,8 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
             file and the key).
         KeysNotFoundError: (a ``KeyError``) a key in ``keys`` matches nothing stored; names it
             and a few keys that exist (before any read).
-        ShardedCheckpointError: a multi-rank checkpoint's :class:`~fastckpt.Shard` value whose saved
-            pieces do not cover the tensor (fill a state with :func:`fastckpt.load_into`), or a rank-local
-            subtree (``local_keys``). Shard values whose pieces cover the tensor come back whole.
+        ShardedCheckpointError: a multi-rank checkpoint's rank-local subtree (``local_keys``): fill a
+            state with :func:`fastckpt.load_into` (``local_rank=``).
     """
     from .engines import check_device
     check_device(device)
@@ -351,7 +349,6 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
         e = entries[k]
         target = e.target or k
         stored.add(target)
-    stored.update(piece_keys(r.manifest.to_dict(), keep))  # multi-rank Shard pieces: assembled below
     raw = _read(r, sorted(stored), device, threads=threads, chunk_bytes=chunk_bytes, io_backend=io_backend,
                        verify=verify)
     raw = {k: _to(t, device) for k, t in raw.items()}
@@ -372,9 +369,25 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
         return t.numpy() if kind == "ndarray" else t
 
     tree = unflatten(r.skeleton, get, keep)
-    if r.manifest.distributed is not None:  # never return {"__shard__": ...} placeholders
-        tree = fill_placeholders(tree, r.manifest.to_dict(), lambda k: get(k, "tensor"), r.root)
+    if r.manifest.distributed is not None:  # never return {"__rank_local__": ...} placeholders
+        _refuse_rank_local(tree, r.manifest, r.root)
     return tree
+
+
+def _refuse_rank_local(tree: Any, manifest: Manifest, root: str, path: str = "") -> None:
+    """Raise :class:`ShardedCheckpointError` at the first rank-local placeholder in ``tree``."""
+    if isinstance(tree, dict):
+        if len(tree) == 1 and "__rank_local__" in tree:
+            raise ShardedCheckpointError(
+                f"{root}: {path or tree['__rank_local__']!r} is a rank-local subtree (saved per rank with "
+                f"local_keys by {manifest.world_size} ranks); plain load cannot merge it: fill a state "
+                "with one saved rank's with fastckpt.load_into(state, path, local_rank=r), or load the rest with "
+                "load(path, keys=...)")
+        for k, x in tree.items():
+            _refuse_rank_local(x, manifest, root, join(path, k))
+    elif isinstance(tree, (list, tuple)):
+        for i, x in enumerate(tree):
+            _refuse_rank_local(x, manifest, root, join(path, i))
 
 
 def _check_keys_found(keys: Any, paths: Iterable[str], root: str) -> None:

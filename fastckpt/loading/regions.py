@@ -3,7 +3,7 @@
 A region (a "box") is ``(offsets, shape)`` in element indexes of a tensor's global index space.
 A stored tensor (:class:`Stored`) is a C-order run of elements in a file; it may hold the whole
 tensor (offsets all zero: a plain or format-v2 full-tensor entry, an HF tensor) or one piece of it
-(a v1 multi-rank :class:`~fastckpt.saving.ranks.Shard` piece, at the piece's global offsets).
+at the piece's global offsets.
 
 :func:`box_runs` turns "this box of that stored tensor goes to this box of a C-order destination"
 into ``(file offset, destination byte offset, nbytes)`` runs: a split along dim 0 (``Shard(0)``) is
@@ -48,7 +48,7 @@ class Stored:
 
 
 @dataclass(frozen=True)
-class Run:
+class ByteRun:
     """Read ``nbytes`` at ``file_offset`` of ``file`` into destination bytes ``[dst_offset, +nbytes)``."""
 
     file: str
@@ -86,7 +86,7 @@ def _strides(shape: tuple[int, ...]) -> list[int]:
     return out
 
 
-def box_runs(src: Stored, box: Box, dst: Box) -> list[Run]:
+def box_runs(src: Stored, box: Box, dst: Box) -> list[ByteRun]:
     """Byte runs that copy global ``box`` from ``src`` into a C-order destination covering global ``dst``.
 
     Args:
@@ -107,7 +107,7 @@ def box_runs(src: Stored, box: Box, dst: Box) -> list[Run]:
     off, shape = box
     nd = len(shape)
     if nd == 0:
-        return [Run(src.file, src.abs_offset, 0, isz)]
+        return [ByteRun(src.file, src.abs_offset, 0, isz)]
     if math.prod(shape) == 0:
         return []
     ss, ds = _strides(src.shape), _strides(dst[1])
@@ -118,7 +118,7 @@ def box_runs(src: Stored, box: Box, dst: Box) -> list[Run]:
     block = math.prod(shape[j:]) * isz
     s_rel = [o - so for o, so in zip(off, src.origin)]
     d_rel = [o - do for o, do in zip(off, dst[0])]
-    runs: list[Run] = []
+    runs: list[ByteRun] = []
     idx = [0] * j
     while True:
         s = sum((s_rel[d] + idx[d]) * ss[d] for d in range(j)) + s_rel[j] * ss[j]
@@ -126,9 +126,9 @@ def box_runs(src: Stored, box: Box, dst: Box) -> list[Run]:
         fo, do = src.abs_offset + s * isz, t * isz
         last = runs[-1] if runs else None
         if last is not None and last.file_offset + last.nbytes == fo and last.dst_offset + last.nbytes == do:
-            runs[-1] = Run(src.file, last.file_offset, last.dst_offset, last.nbytes + block)
+            runs[-1] = ByteRun(src.file, last.file_offset, last.dst_offset, last.nbytes + block)
         else:
-            runs.append(Run(src.file, fo, do, block))
+            runs.append(ByteRun(src.file, fo, do, block))
         d = j - 1
         while d >= 0:
             idx[d] += 1
@@ -140,15 +140,15 @@ def box_runs(src: Stored, box: Box, dst: Box) -> list[Run]:
             return runs
 
 
-def split_runs(runs: list[Run], max_bytes: int) -> list[Run]:
+def split_runs(runs: list[ByteRun], max_bytes: int) -> list[ByteRun]:
     """``runs`` with each run longer than ``max_bytes`` cut into pieces of at most ``max_bytes``."""
-    out: list[Run] = []
+    out: list[ByteRun] = []
     for r in runs:
         if r.nbytes <= max_bytes:
             out.append(r)
             continue
         for a in range(0, r.nbytes, max_bytes):
-            out.append(Run(r.file, r.file_offset + a, r.dst_offset + a, min(max_bytes, r.nbytes - a)))
+            out.append(ByteRun(r.file, r.file_offset + a, r.dst_offset + a, min(max_bytes, r.nbytes - a)))
     return out
 
 

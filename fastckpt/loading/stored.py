@@ -3,9 +3,8 @@
 :func:`open_index` turns any readable source into a :class:`CheckpointIndex`:
 
 * fastckpt v1 (one process): one :class:`~fastckpt.loading.regions.Stored` per tensor, whole-tensor xxh3;
-* fastckpt v1 multi-rank: replicated tensors as above; a ``{"__shard__": key path}`` placeholder
-  becomes the saved :class:`~fastckpt.saving.ranks.Shard` pieces (``rank*`` files), each at its
-  global offsets with its own xxh3;
+* fastckpt v1 multi-rank: replicated tensors as above; rank-local subtrees (``local_keys``) from
+  the ``rank*`` files of the rank asked for;
 * fastckpt v2: full tensors whose checksums are per chunk (``"chunks"``);
 * a plain HF folder or safetensors file: tensors by name, no checksums.
 
@@ -25,7 +24,6 @@ from ..format.dtypes import itemsize, str_to_dtype
 from ..format.layout import RANK_KEY
 from ..format.safetensors import safe_join
 from ..format.tree import join, unflatten
-from ..format.manifest import ShardInfo
 from ..storage.store import LOCAL
 from .regions import Box, Stored
 from .resolve import Resolved, resolve
@@ -49,8 +47,8 @@ class TensorDesc:
     Attributes:
         key: key path (fastckpt) or tensor name (HF).
         shape: global shape. dtype: safetensors dtype string.
-        pieces: stored tensors that tile it (one for a full tensor; the Shard pieces otherwise).
-        checks: checksummed boxes (whole tensor, v2 chunks or v1 pieces); empty for HF files.
+        pieces: stored tensors that tile it (one: every format stores full tensors).
+        checks: checksummed boxes (whole tensor or v2 chunks); empty for HF files.
     """
 
     key: str
@@ -70,7 +68,7 @@ class CheckpointIndex:
         values: key path -> non-tensor leaf value from ``state.json`` (fastckpt only).
         rank_local: key path -> top-level key of each rank-local subtree (``local_keys`` saves) that
             was not filled in from a saved rank (see ``local_rank`` of :func:`open_index`).
-        tree: the saved state with each tensor (and shard placeholder) as a :class:`Leaf` (fastckpt),
+        tree: the saved state with each tensor as a :class:`Leaf` (fastckpt),
             or ``{name: Leaf}`` (HF files).
     """
 
@@ -155,14 +153,13 @@ def open_index(path: str | os.PathLike, local_rank: int | None = None) -> Checkp
         idx.tree = {name: Leaf(name) for name in r.tensors}
         return idx
     idx.tree = unflatten(r.skeleton, lambda k, kind: Leaf(k))
-    shards = r.manifest.distributed.shards if r.manifest.distributed is not None else {}
-    _walk(idx, idx.tree, "", shards)
+    _index_value(idx, idx.tree, "")
     if idx.rank_local and local_rank is not None:
-        _add_rank_local(idx, local_rank, shards)
+        _add_rank_local(idx, local_rank)
     return idx
 
 
-def _add_rank_local(idx: CheckpointIndex, rank: int, shards: dict[str, ShardInfo]) -> None:
+def _add_rank_local(idx: CheckpointIndex, rank: int) -> None:
     """Index saved rank ``rank``'s rank-local subtrees (``state-rank*.json``, keys ``@rank{r}/...``)."""
     r = idx.resolved
     assert r.manifest is not None
@@ -181,44 +178,27 @@ def _add_rank_local(idx: CheckpointIndex, rank: int, shards: dict[str, ShardInfo
     local = local.get("local", {}) if isinstance(local, dict) else {}
     for path, key in list(idx.rank_local.items()):
         if key in local:
-            _walk(idx, local[key], path, shards)
+            _index_value(idx, local[key], path)
             del idx.rank_local[path]
 
 
-def _walk(idx: CheckpointIndex, v: Any, path: str, shards: dict[str, ShardInfo]) -> None:
+def _index_value(idx: CheckpointIndex, v: Any, path: str) -> None:
     r = idx.resolved
     if isinstance(v, Leaf):
         st = _stored(r, v.key)
         idx.tensors[path] = TensorDesc(path, st.shape, st.dtype, [st], _checks(r, v.key, st))
         return
-    if isinstance(v, dict) and len(v) == 1 and ("__shard__" in v or "__rank_local__" in v):
-        if "__rank_local__" in v:
-            idx.rank_local[path] = v["__rank_local__"]
-            return
-        info = shards.get(v["__shard__"])
-        if info is None:
-            raise CorruptCheckpointError(f"{r.root}: state.json has a shard placeholder at {path!r} that the "
-                                         "manifest's distributed.shards lacks", path=r.root, tensor=path)
-        desc = TensorDesc(path, info.global_shape, info.dtype, [])
-        for p in info.pieces:
-            st = _stored(r, p.key, p.offsets)
-            if tuple(st.shape) != p.shape or len(st.shape) != len(desc.shape) \
-                    or any(o + n > m for o, n, m in zip(st.origin, st.shape, desc.shape)):
-                raise CorruptCheckpointError(f"{r.root}: shard piece {p.key!r} of {path!r} (shape {list(st.shape)} "
-                                             f"at {list(st.origin)}) does not fit global shape {list(desc.shape)}",
-                                             path=st.file, tensor=path)
-            desc.pieces.append(st)
-            desc.checks.extend(_checks(r, p.key, st))
-        idx.tensors[path] = desc
+    if isinstance(v, dict) and len(v) == 1 and "__rank_local__" in v:
+        idx.rank_local[path] = v["__rank_local__"]
         return
     if isinstance(v, dict):
         for k, x in v.items():
-            _walk(idx, x, join(path, k), shards)
+            _index_value(idx, x, join(path, k))
         if not v:
             idx.values[path] = {}
     elif isinstance(v, (list, tuple)):
         for i, x in enumerate(v):
-            _walk(idx, x, join(path, i), shards)
+            _index_value(idx, x, join(path, i))
         if not v:
             idx.values[path] = type(v)()
     else:

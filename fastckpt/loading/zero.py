@@ -1,6 +1,6 @@
 """Rebuild full weights from a DeepSpeed ZeRO-1/2/3 checkpoint written by fastckpt's engine.
 
-A DeepSpeed ``save_dir`` written through :class:`fastckpt.integrations.deepspeed.FastCkptCheckpointEngine`
+A DeepSpeed ``save_dir`` written through :class:`fastckpt.integrations.deepspeed.engine.FastCkptCheckpointEngine`
 holds ``latest`` (the tag name) and ``TAG/``, in which every DeepSpeed "file" is a committed
 fastckpt folder (``{"ds": state}``; values DeepSpeed stores that are not tensors are tagged JSON,
 e.g. ``{"__ds_size__": [64, 32]}`` for a ``torch.Size``) and ``fastckpt_tag.json`` lists the
@@ -50,7 +50,7 @@ from ..storage.store import LOCAL
 from .reader import load
 
 #: The marker fastckpt's DeepSpeed engine writes in a tag folder once every rank committed
-#: (the same name as :data:`fastckpt.integrations.deepspeed_tag.MARKER`).
+#: (the same name as :data:`fastckpt.integrations.deepspeed.tag.MARKER`).
 MARKER = "fastckpt_tag.json"
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -102,7 +102,7 @@ def refuse_native(path: str) -> None:
 def _native_ds(p: str) -> NativeCheckpointError:
     return NativeCheckpointError(
         f"{p}: a native DeepSpeed checkpoint file (torch.save pickle); fastckpt never unpickles. Save with "
-        "fastckpt's engine (fastckpt.integrations.deepspeed.install(engine) before save_checkpoint), or knowingly "
+        "fastckpt's engine (fastckpt.integrations.deepspeed.engine.install(engine) before save_checkpoint), or knowingly "
         "use DeepSpeed's own zero_to_fp32.py on a folder you trust (it unpickles)", pickle_file=p)
 
 

@@ -1,7 +1,7 @@
 """Values a multi-rank save stores once must be equal on every rank: compared through the store.
 
 A multi-rank save (a state holding DTensors, or ``process_group=``) stores each value that is not a
-DTensor, a :class:`~fastckpt.Shard` or under ``local_keys`` once: it is *replicated*, taken as equal
+DTensor or under ``local_keys`` once: it is *replicated*, taken as equal
 on every rank. A value that differs between ranks (each rank's RNG state, a per-rank counter, a
 per-rank data-loader position) would be taken from whichever rank writes it, silently. So every
 rank digests its replicated values and the ranks compare the digests in the save's first store

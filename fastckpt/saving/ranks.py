@@ -3,62 +3,18 @@
 A save of one process is the one-rank case: every unit is its own. In a multi-rank save the
 state holds replicated values (equal on every rank; their write units are cut into contiguous
 runs of about equal bytes, one per rank, so each rank writes part of every shared file),
-rank-local subtrees (top-level keys in ``local_keys``: each rank writes them to its own
-``rank0000r-*.safetensors`` files) and :class:`Shard` values (a piece of a global tensor,
-written by its rank like a local value). All ranks build the same global plan from the
+and rank-local subtrees (top-level keys in ``local_keys``: each rank writes them to its own
+``rank0000r-*.safetensors`` files). All ranks build the same global plan from the
 replicated specs and every rank's local specs; see docs/FORMAT.md ("Multi-rank").
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
 
 from ..format.layout import RANK_KEY, ArraySpec, SavePlan, plan_save
-from ..format.tree import join
-
-
-@dataclass(frozen=True)
-class Shard:
-    """This rank's piece of a global tensor (ZeRO/FSDP/TP shard), saved by this rank only.
-
-    .. deprecated::
-        Save DTensors instead (FSDP2 ``fully_shard``, tensor parallel, or
-        ``torch.distributed.tensor.distribute_tensor``): ``fastckpt.save`` writes them as full
-        tensors in HF layout, each rank writing its own chunks. ``Shard`` keeps working for one
-        more release and emits a ``DeprecationWarning``.
-
-    Attributes:
-        tensor: the local piece (any device, any dtype fastckpt stores).
-        global_shape: shape of the whole tensor.
-        offsets: global index of ``tensor[0, ..., 0]`` (one int per dim).
-
-    Raises:
-        ValueError: the piece does not fit ``global_shape`` at ``offsets``.
-    """
-
-    tensor: torch.Tensor
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        warnings.warn("fastckpt.Shard is deprecated and will be removed after the next release: save DTensors "
-                      "instead (FSDP2 fully_shard / tensor parallel / distribute_tensor); fastckpt.save writes them as "
-                      "full tensors in HF layout, each rank writing its own chunks", DeprecationWarning, stacklevel=3)
-        g, o, s = tuple(self.global_shape), tuple(self.offsets), tuple(self.tensor.shape)
-        if not (len(g) == len(o) == len(s)) or any(a < 0 or a + n > m for a, n, m in zip(o, s, g)):
-            raise ValueError(f"Shard of shape {s} at offsets {o} does not fit global shape {g}")
-
-
-def shard_dim0(full: torch.Tensor, rank: int, world_size: int) -> Shard:
-    """The ``torch.chunk(full, world_size)[rank]`` piece of ``full`` as a :class:`Shard`."""
-    size = -(-full.shape[0] // world_size)
-    a = min(rank * size, full.shape[0])
-    piece = full[a:a + size]
-    return Shard(piece, tuple(full.shape), (a,) + (0,) * (full.dim() - 1))
 
 
 @dataclass
@@ -66,9 +22,10 @@ class Split:
     """A rank's state split for a multi-rank save.
 
     Attributes:
-        replicated: the state with local subtrees and shards replaced by placeholders.
-        local: ``{"local": {key: subtree}, "shards": {key path: tensor}}`` of this rank.
-        shards: key path -> placement (``global_shape``, ``offsets``, ``shape``) of each Shard.
+        replicated: the state with local subtrees replaced by ``{"__rank_local__": key}``.
+        local: ``{"local": {key: subtree}}`` of this rank.
+        shards: always empty (the manifest's ``distributed.shards`` of the removed pre-release
+            ``Shard`` values; DTensors take the chunked route).
     """
 
     replicated: Any
@@ -76,51 +33,24 @@ class Split:
     shards: dict[str, dict]
 
 
-def _strip(v: Any, path: str, shards: dict, local: dict) -> Any:
-    if isinstance(v, Shard):
-        local.setdefault("shards", {})[path] = v.tensor
-        shards[path] = {"global_shape": list(v.global_shape), "offsets": list(v.offsets),
-                        "shape": list(v.tensor.shape)}
-        return {"__shard__": path}
-    if isinstance(v, dict):
-        return {k: _strip(x, join(path, k), shards, local) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_strip(x, join(path, i), shards, local) for i, x in enumerate(v)]
-    if isinstance(v, tuple):
-        return tuple(_strip(x, join(path, i), shards, local) for i, x in enumerate(v))
-    return v
-
-
 def split_state(state: Any, local_keys: tuple[str, ...]) -> Split:
-    """Separate replicated values, rank-local top-level subtrees and :class:`Shard` values."""
-    shards: dict[str, dict] = {}
+    """Separate replicated values and rank-local top-level subtrees (``local_keys``)."""
     local: dict = {}
     if not isinstance(state, dict):
-        return Split(_strip(state, "", shards, local), local, shards)
+        return Split(state, local, {})
     rep = {}
     for k, v in state.items():
         if k in local_keys:
             local.setdefault("local", {})[k] = v
             rep[k] = {"__rank_local__": k}
         else:
-            rep[k] = _strip(v, join("", k), shards, local)
-    return Split(rep, local, shards)
+            rep[k] = v
+    return Split(rep, local, {})
 
 
 def has_split(state: Any, local_keys: tuple[str, ...]) -> bool:
-    """True when ``state`` holds a :class:`Shard` or a ``local_keys`` subtree (cheap walk)."""
-    if isinstance(state, dict) and any(k in state for k in local_keys):
-        return True
-
-    def walk(v: Any) -> bool:
-        if isinstance(v, Shard):
-            return True
-        if isinstance(v, dict):
-            return any(walk(x) for x in v.values())
-        if isinstance(v, (list, tuple)):
-            return any(walk(x) for x in v)
-        return False
-    return walk(state)
+    """True when ``state`` holds a ``local_keys`` subtree."""
+    return isinstance(state, dict) and any(k in state for k in local_keys)
 
 
 def local_stem(rank: int) -> str:

@@ -155,7 +155,7 @@ def _check_all(infos: list[dict], what: str, exc: BaseException | None) -> None:
                                    failures) from exc
 
 
-def _digest(col: Collected) -> str:
+def _structure_digest(col: Collected) -> str:
     """The replicated state's structure (key paths, dtypes, shapes), not its values (:func:`_values`)."""
     desc = json.dumps([sorted(json_leaves(col.skeleton)), [(s.key, s.dtype, list(s.shape)) for s in col.specs]])
     return hashlib.sha256(desc.encode()).hexdigest()
@@ -384,7 +384,7 @@ class Saver:
                 if split is None:
                     sv.plan = self._plan(sv.col.specs, opts)
                     return
-                io = opts.io  # local keys / Shard values in one process: the one-rank case of their layout
+                io = opts.io  # local keys in one process: the one-rank case of their layout
                 sv.plan = global_plan(sv.col.specs, [loc_specs], max_shard_bytes=io.max_shard_bytes,
                                       chunk_bytes=io.chunk_bytes, metadata=opts.metadata)
                 sv.nodes, sv.own = [coord.node], Ownership.of(sv.plan, [0], 1)
@@ -395,13 +395,13 @@ class Saver:
                 raise
             exc = e
         infos = sv.sess.all_gather("prep", {"ok": exc is None, "error": exc and fmt(exc), "node": coord.node,
-                                            "digest": exc is None and _digest(sv.col),
+                                            "digest": exc is None and _structure_digest(sv.col),
                                             "values": exc is None and combined(values),
                                             "local": [] if exc is not None else spec_list(loc_specs)}, "planning")
         for i in infos:
             if i["ok"] and infos[0]["ok"] and i["digest"] != infos[0]["digest"]:
                 i.update(ok=False, error="replicated state (keys, dtypes, shapes) differs from rank 0's; put "
-                                         "per-rank values under local_keys or wrap them in Shard")
+                                         "per-rank values under local_keys or save DTensors")
         _check_all(infos, "planning", exc)
         check_agreement(sv.sess, values, [i["values"] for i in infos], sv.path, "comparing the replicated values")
         io = opts.io
@@ -445,7 +445,7 @@ class Saver:
         except Exception as e:
             exc = e
         infos = sv.sess.all_gather("prep", {"ok": exc is None, "error": exc and fmt(exc), "node": coord.node,
-                                            "digest": exc is None and _digest(sv.col),
+                                            "digest": exc is None and _structure_digest(sv.col),
                                             "values": exc is None and combined(values),
                                             "local": [] if exc is not None else spec_list(loc_specs),
                                             "chunks": held}, "planning")

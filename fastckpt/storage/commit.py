@@ -214,11 +214,25 @@ def owner_alive(tmp: str) -> bool:
         pid, local = int(m.group(1)), m.group(2) == host_tag()
     if not local or pid == os.getpid():
         return True
-    return _pid_alive(pid, started)
+    return pid_alive(pid, started)
 
 
-def _pid_alive(pid: int, not_after_unix_s: float | None) -> bool:
-    """True if local process ``pid`` exists (and, when given, started before ``not_after_unix_s``)."""
+def pid_alive(pid: int, not_after_unix_s: float | None = None) -> bool:
+    """True if local process ``pid`` may still be the writer of something made at ``not_after_unix_s``.
+
+    The one stale-owner check of the library: temporary checkpoint folders (:func:`owner_alive`)
+    and KV chunk temp files (:mod:`fastckpt.kv`) are removed only when it says their local writer
+    is gone.
+
+    Args:
+        pid: a process id on this host.
+        not_after_unix_s: when given, a process that started after this time (Unix seconds) is a
+            reuse of the pid, not the writer, and counts as dead. Default None (no check).
+
+    Returns:
+        False if no such process exists (or it is a later reuse of the pid); True otherwise,
+        including when it exists but belongs to another user.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -36,6 +36,37 @@ from ..errors import CheckpointLockedError
 LOCK_FILE = ".fastckpt.storage.lock"
 
 
+def flock_exclusive(fd: int, timeout_s: float | None = None) -> bool:
+    """Take the exclusive ``flock(2)`` of open file ``fd``; the one lock primitive of the library.
+
+    Used by :class:`RootLock` and by the KV chunk store's folder lock (:mod:`fastckpt.kv`). The
+    kernel drops it when the holder's file description closes or the holder dies.
+
+    Args:
+        fd: an open file descriptor of the lock file.
+        timeout_s: seconds to wait for another holder to let go; 0 tries once, None (the
+            default) waits as long as it takes.
+
+    Returns:
+        True once the lock is held; False if ``timeout_s`` passed first.
+
+    Raises:
+        OSError: ``flock`` failed for another reason than contention (e.g. EBADF).
+    """
+    if timeout_s is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return True
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+
 class RootLock:
     """Re-entrant (per object), inter-process exclusive lock on a checkpoint root.
 
@@ -97,19 +128,12 @@ class RootLock:
             self._fd, self._depth = fd, 1
 
     def _flock(self, fd: int, timeout_s: float) -> None:
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    h = self.holder() or {}
-                    raise CheckpointLockedError(
-                        f"{os.path.dirname(self.path)}: another job is writing checkpoints here "
-                        f"(lock {self.path} held by pid {h.get('pid', '?')} on host {h.get('host', '?')}); "
-                        "use a different root, stop that job, or pass a larger lock_timeout_s") from None
-                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        if not flock_exclusive(fd, timeout_s):
+            h = self.holder() or {}
+            raise CheckpointLockedError(
+                f"{os.path.dirname(self.path)}: another job is writing checkpoints here "
+                f"(lock {self.path} held by pid {h.get('pid', '?')} on host {h.get('host', '?')}); "
+                "use a different root, stop that job, or pass a larger lock_timeout_s")
 
     def release(self) -> None:
         """Drop one level of the lock; the last release unlocks and closes the file."""

@@ -4,7 +4,7 @@
 ``tests/conftest.py`` and runs ``tests/test_state_checkpointing.py`` and the save/load tests of
 ``tests/test_accelerator.py`` with ``FASTCKPT_ACCELERATE_MODE`` set:
 
-- ``sync``: every ``Accelerator.__init__`` ends with ``fastckpt.integrations.accelerate.enable(self)``;
+- ``sync``: every ``Accelerator.__init__`` ends with ``fastckpt.integrations.accelerate.plugin.enable(self)``;
 - ``async``: ``enable(self, async_save=True)``;
 - ``off`` (or unset): nothing is patched (the baseline run; in our own test tree this file then
   does nothing either).
@@ -45,7 +45,7 @@ def pytest_configure(config):
         raise pytest.UsageError(f"FASTCKPT_ACCELERATE_MODE must be sync, async or off, got {MODE!r}")
     from accelerate import Accelerator
 
-    from fastckpt.integrations import accelerate as fca
+    from fastckpt.integrations.accelerate import plugin as fca
 
     original = Accelerator.__init__
     if getattr(original, "_fastckpt_switch", False):

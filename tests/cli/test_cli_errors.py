@@ -20,10 +20,10 @@ from fastckpt.cli.main import build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]
 try:
-    from fastckpt.integrations import accelerate as fca
+    from fastckpt.integrations.accelerate import plugin as fca
 except ImportError:  # pyproject mapping not installed: import from the source tree
     sys.path.insert(0, str(REPO))
-    from integrations import accelerate as fca
+    from integrations.accelerate import plugin as fca
 
 PATTERNS = ("step-N", "checkpoint-N", "checkpoint_N")
 

@@ -23,8 +23,8 @@ from fastckpt.saving.export import copy_checked, read_checked, warm_files
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from integrations.hf_trainer import model_snapshot  # noqa: E402
-from integrations.models import tiny_llama  # noqa: E402
+from integrations.hf.trainer import model_snapshot  # noqa: E402
+from integrations.hf.models import tiny_llama  # noqa: E402
 
 ADAPTER = "adapter_model.safetensors"
 TOK_CFG = json.dumps({"model_max_length": 64, "tokenizer_class": "PreTrainedTokenizerFast"}).encode()

@@ -26,7 +26,7 @@ from fastckpt.loading.servable import check_servable
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from integrations.hf_trainer import model_snapshot  # noqa: E402
+from integrations.hf.trainer import model_snapshot  # noqa: E402
 
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)

@@ -15,7 +15,7 @@ from fastckpt.cli.main import main
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from integrations.hf_trainer import model_snapshot  # noqa: E402
+from integrations.hf.trainer import model_snapshot  # noqa: E402
 
 
 def _tiny_llama(seed: int = 0):

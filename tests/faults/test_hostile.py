@@ -272,7 +272,7 @@ def test_loading_never_unpickles(tmp_path, monkeypatch):
         with pytest.raises((FastCkptError, FileNotFoundError)):
             fastckpt.load(bad)
     try:
-        from fastckpt.integrations import hf_trainer
+        from fastckpt.integrations.hf import trainer as hf_trainer
     except ImportError:
         hf_trainer = None
     if hf_trainer is not None and hasattr(hf_trainer, "get_last_checkpoint"):

@@ -10,12 +10,12 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 try:
-    from fastckpt.integrations import accelerate as fca
-    from fastckpt.integrations.models import tiny_llama
+    from fastckpt.integrations.accelerate import plugin as fca
+    from fastckpt.integrations.hf.models import tiny_llama
 except ImportError:
     sys.path.insert(0, str(REPO))
-    from integrations import accelerate as fca
-    from integrations.models import tiny_llama
+    from integrations.accelerate import plugin as fca
+    from integrations.hf.models import tiny_llama
 
 import fastckpt
 

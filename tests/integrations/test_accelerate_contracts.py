@@ -19,10 +19,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 try:
-    from fastckpt.integrations import accelerate as fca
+    from fastckpt.integrations.accelerate import plugin as fca
 except ImportError:
     sys.path.insert(0, str(REPO))
-    from integrations import accelerate as fca
+    from integrations.accelerate import plugin as fca
 
 import fastckpt
 from fastckpt.errors import (AccelerateCheckpointNotFoundError, AccelerateStateError, ChecksumMismatchError,
@@ -350,9 +350,9 @@ EXIT_SCRIPT = textwrap.dedent(r'''
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
     try:
-        from fastckpt.integrations import accelerate as fca
+        from fastckpt.integrations.accelerate import plugin as fca
     except ImportError:
-        from integrations import accelerate as fca
+        from integrations.accelerate import plugin as fca
     if sys.argv[2] == "fail":
         import fastckpt.saving.saver as saver_mod
         def failing(sv, report):

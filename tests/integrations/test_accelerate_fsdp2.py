@@ -6,7 +6,7 @@ in 2 processes is ``MULTI_CPU``, whose ``prepare`` refuses a model with DTensor 
 and registers it the way accelerate's FSDP2 path leaves it (``accelerator._models.append(model)``,
 what ``prepare_model`` does before ``fsdp2_prepare_model``); optimizer, scheduler and dataloader
 go through ``accelerator.prepare``. The save/load calls are accelerate's own
-(``accelerator.save_state`` / ``load_state``), bound by ``fastckpt.integrations.accelerate.enable``.
+(``accelerator.save_state`` / ``load_state``), bound by ``fastckpt.integrations.accelerate.plugin.enable``.
 
 Checked: save_state -> fresh model (other init, RNG moved on) -> load_state restores every rank's
 parameter shards and optimizer state bit-exactly and each rank's own RNG state; the next epoch's
@@ -64,8 +64,8 @@ def _setup(project: str, seed: int, vocab: int = 131):
     from torch.distributed.fsdp import fully_shard
 
     sys.path.insert(0, str(REPO))
-    from integrations import accelerate as fca
-    from integrations.models import tiny_llama
+    from integrations.accelerate import plugin as fca
+    from integrations.hf.models import tiny_llama
     acc = _accelerator(project)
     model = tiny_llama(seed=seed, vocab_size=vocab)  # odd vocab: uneven Shard(0) of embed/lm_head (66/65)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -186,13 +186,13 @@ def rank_resume_world1(project: str, folder: str) -> dict:
         def emit(self, record):
             records.append(record.getMessage())
     handler = Grab(level=logging.WARNING)
-    logging.getLogger("integrations.accelerate_dtensor").addHandler(handler)
+    logging.getLogger("integrations.accelerate.fsdp2").addHandler(handler)
     try:
         acc, model, opt, sched, dl, plugin = _setup(project, seed=1)
         acc.load_state(folder)
         return {"full": _full(model, opt), "lr": _local(model, opt)["lr"], "rng": _rng(), "warnings": records}
     finally:
-        logging.getLogger("integrations.accelerate_dtensor").removeHandler(handler)
+        logging.getLogger("integrations.accelerate.fsdp2").removeHandler(handler)
 
 
 def rank_fsdp1_refused() -> dict:
@@ -200,8 +200,8 @@ def rank_fsdp1_refused() -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     sys.path.insert(0, str(REPO))
-    from integrations import accelerate as fca
-    from integrations.models import tiny_llama
+    from integrations.accelerate import plugin as fca
+    from integrations.hf.models import tiny_llama
     acc = _accelerator("unused")
     acc._models.append(FullyShardedDataParallel(tiny_llama(seed=0), device_id=torch.device("cpu")))
     try:
@@ -313,7 +313,7 @@ def rank_load_refused(project: str, folder: str) -> dict:
 
 def test_ddp_checkpoint_refused_for_fsdp2_models(pool, tmp_path):
     sys.path.insert(0, str(REPO))
-    from integrations.models import tiny_llama
+    from integrations.hf.models import tiny_llama
     folder = tmp_path / "ddp_ckpt"  # the layout the plugin writes for DDP models (rank 0 alone)
     fastckpt.save({"model": tiny_llama(seed=0, vocab_size=131).state_dict(), "optimizers": [{}], "schedulers": [{}],
                    "custom": [], "scaler": None, "samplers": [None], "rng": {"cpu": torch.get_rng_state()},

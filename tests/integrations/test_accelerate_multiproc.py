@@ -40,9 +40,9 @@ WORKER = textwrap.dedent(r'''
     from accelerate.utils import ProjectConfiguration, set_seed
     sys.path.insert(0, os.environ["FASTCKPT_REPO"])
     # this checkout's plugin (an installed fastckpt.integrations may point at another tree)
-    from integrations import accelerate as fca
-    from integrations.models import tiny_llama
-    assert Path(fca.__file__).resolve().parent.parent == Path(os.environ["FASTCKPT_REPO"]).resolve()
+    from integrations.accelerate import plugin as fca
+    from integrations.hf.models import tiny_llama
+    assert Path(fca.__file__).resolve().parents[2] == Path(os.environ["FASTCKPT_REPO"]).resolve()  # integrations/accelerate/plugin.py
 
     mode, proj, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     EPOCHS = 3

@@ -11,7 +11,7 @@ import torch
 
 import fastckpt
 from fastckpt.errors import CheckpointNotFoundError
-from fastckpt.integrations.deepspeed import FastCkptCheckpointEngine, decode, encode, install
+from fastckpt.integrations.deepspeed.engine import FastCkptCheckpointEngine, decode, encode, install
 
 
 def test_engine_interface_roundtrip(tmp_path):

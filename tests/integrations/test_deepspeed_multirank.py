@@ -65,7 +65,7 @@ def _deepspeed():
 
 def _engine(stage: int, seed: int):
     ds = _deepspeed()
-    from fastckpt.integrations.deepspeed import install
+    from fastckpt.integrations.deepspeed.engine import install
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(_config(), dtype=torch.float32)
     eng, *_ = ds.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -160,7 +160,7 @@ def rank_frozen(stage: int, folder: str, native: str, excluded: str) -> int:
     import torch.distributed as dist
     from safetensors.torch import save_file
     ds = _deepspeed()
-    from fastckpt.integrations.deepspeed import install
+    from fastckpt.integrations.deepspeed.engine import install
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_config(), dtype=torch.float32)
     for n, p in model.named_parameters():
@@ -400,6 +400,6 @@ def test_fsdp2_style_save_exports(tmp_path, hf_config_dir):
 
 
 def test_marker_name_is_shared():
-    from fastckpt.integrations import deepspeed_tag
+    from fastckpt.integrations.deepspeed import tag as deepspeed_tag
     from fastckpt.loading import zero
     assert deepspeed_tag.MARKER == zero.MARKER

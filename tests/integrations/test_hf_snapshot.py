@@ -12,12 +12,12 @@ pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 REPO = Path(__file__).resolve().parents[2]
 try:
-    from fastckpt.integrations.hf_snapshot import ModelSnapshotter, model_snapshot
-    from fastckpt.integrations.models import tiny_llama
+    from fastckpt.integrations.hf.snapshot import ModelSnapshotter, model_snapshot
+    from fastckpt.integrations.hf.models import tiny_llama
 except ImportError:  # pyproject mapping not installed: import from the source tree
     sys.path.insert(0, str(REPO))
-    from integrations.hf_snapshot import ModelSnapshotter, model_snapshot
-    from integrations.models import tiny_llama
+    from integrations.hf.snapshot import ModelSnapshotter, model_snapshot
+    from integrations.hf.models import tiny_llama
 
 
 def _peft_model():

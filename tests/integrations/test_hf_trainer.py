@@ -19,12 +19,12 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 try:
-    from fastckpt.integrations import hf_trainer
-    from fastckpt.integrations.models import tiny_llama
+    from fastckpt.integrations.hf import trainer as hf_trainer
+    from fastckpt.integrations.hf.models import tiny_llama
 except ImportError:  # pyproject mapping not installed: import from the source tree
     sys.path.insert(0, str(REPO))
-    from integrations import hf_trainer
-    from integrations.models import tiny_llama
+    from integrations.hf import trainer as hf_trainer
+    from integrations.hf.models import tiny_llama
 
 import fastckpt
 
@@ -269,7 +269,7 @@ def test_frozen_weight_changed_behind_the_version_counter(tmp_path, caplog, writ
     checkpoint-8; at step 8 (the first save, nothing to link) by the hash check of the background
     copy (``defer_frozen``) against the hash taken at train begin. That save is dropped with a
     warning, never committed with stale bytes; the final save holds the live weight."""
-    caplog.set_level("WARNING", logger="fastckpt.integrations.hf_trainer")
+    caplog.set_level("WARNING", logger="fastckpt.integrations.hf.trainer")
     tr = make_trainer(tmp_path, peft=True, callbacks=[WriteThroughData(write_at)], save_steps=8, num_train_epochs=1)
     before = tr.model.get_base_model().model.norm.weight.detach().clone()
     tr.train()
@@ -435,7 +435,7 @@ def test_defer_params_optimizer_waits_for_the_background_copy(tmp_path, monkeypa
 
 
 def test_defer_params_write_before_the_copy_drops_that_save(tmp_path, monkeypatch, caplog):
-    caplog.set_level("WARNING", logger="fastckpt.integrations.hf_trainer")
+    caplog.set_level("WARNING", logger="fastckpt.integrations.hf.trainer")
     _slow_background_copy(monkeypatch)
 
     def write(model, optimizer):

@@ -315,7 +315,7 @@ def test_save_on_an_eval_step_is_written(tmp_path, caplog, on_evaluate):
 
     build(tmp_path / "plain", []).train()
     tr = build(tmp_path / "e", [hf_trainer.FastCkptCallback()])
-    with caplog.at_level(logging.WARNING, logger="fastckpt.integrations.hf_trainer"):
+    with caplog.at_level(logging.WARNING, logger="fastckpt.integrations.hf.trainer"):
         tr.train()
     names = ["checkpoint-4", "checkpoint-8", "checkpoint-12", "checkpoint-16"]
     assert ckpt_names(tmp_path / "e") == ckpt_names(tmp_path / "plain") == names
@@ -408,7 +408,7 @@ def test_rotation_follows_the_trainers_commit_time_rule(tmp_path, caplog):
             os.utime(out / "checkpoint-500", (t, t))
         else:
             foreign(out, 500, -3600)
-        with caplog.at_level(logging.WARNING, logger="fastckpt.integrations.hf_trainer"):
+        with caplog.at_level(logging.WARNING, logger="fastckpt.integrations.hf.trainer"):
             make(out, save_steps=4, max_steps=8, save_total_limit=1).train()
     assert ckpt_names(tmp_path / "fast") == ckpt_names(tmp_path / "plain") == ["checkpoint-8"]
     assert "checkpoint-500" in caplog.text and "earlier run" in caplog.text
@@ -448,12 +448,12 @@ def test_resume_true_names_an_earlier_runs_higher_checkpoint(tmp_path, caplog):
     out.mkdir()
     foreign(out, 500, -3600)
     fast(out, save_steps=4, max_steps=4).train()
-    with caplog.at_level(logging.WARNING, logger="fastckpt.integrations.hf_trainer"):
+    with caplog.at_level(logging.WARNING, logger="fastckpt.integrations.hf.trainer"):
         got = hf_trainer.resume_checkpoint(str(out), True)  # the mixin's resolution of True
     assert got == str(out / "checkpoint-500")  # the Trainer's rule: highest step ...
     assert "checkpoint-500" in caplog.text and "checkpoint-4" in caplog.text and "earlier run" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="fastckpt.integrations.hf_trainer"):
+    with caplog.at_level(logging.WARNING, logger="fastckpt.integrations.hf.trainer"):
         assert hf_trainer.newer_runs_warning(out, out / "checkpoint-4") == []  # ... no warning for this run's
     assert "earlier run" not in caplog.text
 

@@ -75,7 +75,7 @@ def ddp_train(out: str, resume=None, fail_rank: int | None = None, fail: str = "
     rank = _torchrun_env()
     from test_hf_trainer import hf_trainer, make_trainer
 
-    log = logging.getLogger("fastckpt.integrations.hf_trainer")
+    log = logging.getLogger("fastckpt.integrations.hf.trainer")
     h = _Warnings()
     log.addHandler(h)
     undo = []
@@ -179,7 +179,7 @@ def test_ddp_every_rank_saves_model_once_rng_per_rank(reference):
     for k, v in hf.state_dict().items():
         assert torch.equal(v.view(torch.uint8), res[0]["weights"][k].view(torch.uint8)), k
     # per-rank RNG states: one per rank, and different (each rank its own stream)
-    from fastckpt.integrations.hf_snapshot import capture_rng_state
+    from fastckpt.integrations.hf.snapshot import capture_rng_state
     tmpl = lambda: {"rng": capture_rng_state()}  # noqa: E731
     got = [fastckpt.load_into(tmpl(), ck, strict=False, local_rank=r)["rng"]["cpu"] for r in range(WORLD)]
     assert not torch.equal(got[0], got[1])
@@ -221,7 +221,7 @@ def _single_process_train(out, resume=None, **over):
 def test_ddp_resume_on_one_rank_restores_rank0_and_warns(reference, tmp_path, caplog):
     out, _ = reference
     ck = out / "checkpoint-10"
-    caplog.set_level(logging.WARNING, logger="fastckpt.integrations.hf_trainer")
+    caplog.set_level(logging.WARNING, logger="fastckpt.integrations.hf.trainer")
     tr = _single_process_train(tmp_path, resume=str(ck), save_steps=5, num_train_epochs=2,
                                per_device_train_batch_size=8)  # same global batch
     msgs = [r.getMessage() for r in caplog.records if "RNG" in r.getMessage()]
@@ -232,8 +232,8 @@ def test_ddp_resume_on_one_rank_restores_rank0_and_warns(reference, tmp_path, ca
     assert tr.state.global_step == STEPS
     assert snap["scheduler"]["last_epoch"] == 10
     # rank 0's RNG restored: check it on a fresh callback resume without training further
-    from fastckpt.integrations.hf_resume import TrainerResume
-    from fastckpt.integrations.hf_snapshot import capture_rng_state
+    from fastckpt.integrations.hf.resume import TrainerResume
+    from fastckpt.integrations.hf.snapshot import capture_rng_state
 
     opt = torch.optim.AdamW(tr.model.parameters())
     tr_res = TrainerResume()
@@ -286,8 +286,8 @@ def fsdp2_train(out: str, steps: int, save_steps: int, resume: str | None = None
     from torch.distributed.tensor import DTensor
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
-    from fastckpt.integrations import hf_trainer
-    from fastckpt.integrations.models import tiny_llama
+    from fastckpt.integrations.hf import trainer as hf_trainer
+    from fastckpt.integrations.hf.models import tiny_llama
 
     model = tiny_llama(seed=0, vocab_size=vocab)
     mesh = (init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("replicate", "shard")) if hsdp  # HSDP: 2-D
@@ -376,8 +376,8 @@ def test_pack_rng_round_trip_restores_every_generator():
 
     import numpy as np
 
-    from fastckpt.integrations.hf_ranks import pack_rng, unpack_rng
-    from fastckpt.integrations.hf_snapshot import capture_rng_state, restore_rng_state
+    from fastckpt.integrations.hf.rank_state import pack_rng, unpack_rng
+    from fastckpt.integrations.hf.snapshot import capture_rng_state, restore_rng_state
 
     random.seed(3), np.random.seed(4), torch.manual_seed(5)
     np.random.standard_normal()  # a cached gaussian in NumPy's state

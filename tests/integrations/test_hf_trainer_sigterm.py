@@ -18,10 +18,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 try:
-    from fastckpt.integrations import hf_trainer
+    from fastckpt.integrations.hf import trainer as hf_trainer
 except ImportError:  # pyproject mapping not installed: import from the source tree
     sys.path.insert(0, str(REPO))
-    from integrations import hf_trainer
+    from integrations.hf import trainer as hf_trainer
 
 import fastckpt
 from fastckpt.storage import PosixBackend

@@ -31,7 +31,7 @@ def _ref(seed: int):
 
 
 def _extra(path: str, **opts) -> dict:
-    d = {"storage_plugin.fastckpt.module_path": "fastckpt.integrations.lmcache",
+    d = {"storage_plugin.fastckpt.module_path": "fastckpt.integrations.lmcache.backend",
          "storage_plugin.fastckpt.class_name": "FastCkptKVBackend",
          "storage_plugin.fastckpt.path": path, "storage_plugin.fastckpt.read_threads": 4,
          "storage_plugin.fastckpt.piece_bytes": 512 << 10}
@@ -193,7 +193,7 @@ def test_restart_reuses_the_folder_and_evicts_within_a_shared_capacity(tmp_path)
 def test_reads_run_in_parallel_and_refcounts_balance(tmp_path):
     import threading
 
-    from fastckpt.integrations.lmcache_store import KVFileStore
+    from fastckpt.kv.file_store import KVFileStore
 
     kvdir = str(tmp_path / "kv")
     tokens, ref = _ref(4)

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from fastckpt.integrations.lmcache_config import check_config, main, parse_options
+from fastckpt.integrations.lmcache.config import check_config, check_cli, parse_options
 
 GOOD = {
     "storage_plugins": ["fastckpt"],
     "extra_config": {
-        "storage_plugin.fastckpt.module_path": "fastckpt.integrations.lmcache",
+        "storage_plugin.fastckpt.module_path": "fastckpt.integrations.lmcache.backend",
         "storage_plugin.fastckpt.class_name": "FastCkptKVBackend",
         "storage_plugin.fastckpt.path": "/mnt/array/kv",
         "storage_plugin.fastckpt.max_bytes": 1 << 30,
@@ -25,7 +25,7 @@ GOOD = {
 OLD_03X = {
     "external_backends": ["fastckpt"],
     "extra_config": {
-        "external_backend.fastckpt.module_path": "fastckpt.integrations.lmcache",
+        "external_backend.fastckpt.module_path": "fastckpt.integrations.lmcache.backend",
         "external_backend.fastckpt.class_name": "FastCkptKVBackend",
         "external_backend.fastckpt.path": "/mnt/array/kv",
     },
@@ -64,11 +64,11 @@ def test_bad_values_are_refused_with_the_key_named(bad):
 def test_cli_checks_the_environment_form(capsys, monkeypatch):
     monkeypatch.setenv("LMCACHE_STORAGE_PLUGINS", "fastckpt")
     monkeypatch.setenv("LMCACHE_EXTRA_CONFIG", json.dumps(GOOD["extra_config"]))
-    assert main([]) == 0 and "fastckpt -> /mnt/array/kv" in capsys.readouterr().out
+    assert check_cli([]) == 0 and "fastckpt -> /mnt/array/kv" in capsys.readouterr().out
     monkeypatch.delenv("LMCACHE_STORAGE_PLUGINS")
     monkeypatch.setenv("LMCACHE_EXTERNAL_BACKENDS", "fastckpt")
     monkeypatch.setenv("LMCACHE_EXTRA_CONFIG", json.dumps(OLD_03X["extra_config"]))
-    assert main([]) == 1 and "0.3.x" in capsys.readouterr().out
+    assert check_cli([]) == 1 and "0.3.x" in capsys.readouterr().out
 
 
 def _yaml(tmp_path, extra: dict, top: dict | None = None) -> str:
@@ -81,9 +81,9 @@ def _yaml(tmp_path, extra: dict, top: dict | None = None) -> str:
 
 @pytest.fixture
 def _cli(capsys):
-    """``main([config.yaml])`` on a YAML file written from ``extra``/``top``: (rc, stdout, stderr)."""
+    """``check_cli([config.yaml])`` on a YAML file written from ``extra``/``top``: (rc, stdout, stderr)."""
     def run(tmp_path, extra: dict, top: dict | None = None):
-        rc = main([_yaml(tmp_path, extra, top)])
+        rc = check_cli([_yaml(tmp_path, extra, top)])
         r = capsys.readouterr()
         return rc, r.out, r.err
     return run
@@ -93,7 +93,7 @@ def test_cli_module_prints_one_line_not_a_traceback(tmp_path):
     """The real command line (python -m ...) on the issue's inputs."""
     for extra in ({"storage_plugin.fastckpt.max_bytes": "5GB"}, {"storage_plugin.fastckpt.piece_bytes": 1000},
                   {"storage_plugin.fastckpt.read_thread": 8}):
-        r = subprocess.run([sys.executable, "-m", "fastckpt.integrations.lmcache_config", _yaml(tmp_path, extra)],
+        r = subprocess.run([sys.executable, "-m", "fastckpt.integrations.lmcache.config", _yaml(tmp_path, extra)],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
         (line,) = r.stdout.strip().splitlines()

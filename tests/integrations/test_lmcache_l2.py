@@ -47,9 +47,11 @@ from lmcache.v1.distributed.l2_adapters import create_l2_adapter  # noqa: E402
 from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config  # noqa: E402
 from lmcache.v1.platform import consume_fd  # noqa: E402
 
-from fastckpt.integrations.lmcache_index import _HOST, TMP_RE, audit  # noqa: E402
-from fastckpt.integrations.lmcache_l2 import FastCkptL2Adapter  # noqa: E402
-from fastckpt.integrations.lmcache_store import KVFileStore, StoreOptions, chunk_name  # noqa: E402
+from fastckpt.kv import audit  # noqa: E402
+from fastckpt.kv.folder_index import TMP_RE  # noqa: E402
+from fastckpt.storage.commit import host_tag  # noqa: E402
+from fastckpt.integrations.lmcache.l2 import FastCkptL2Adapter  # noqa: E402
+from fastckpt.kv import KVFileStore, KVStoreOptions, chunk_name  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SDIST = "lmcache-0.5.6.tar.gz"
@@ -228,7 +230,7 @@ def _storage_manager(path):
     from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
     from lmcache.v1.distributed.storage_manager import StorageManager
 
-    plugin = PluginL2AdapterConfig.from_dict({"module_path": "fastckpt.integrations.lmcache_l2",
+    plugin = PluginL2AdapterConfig.from_dict({"module_path": "fastckpt.integrations.lmcache.l2",
                                               "class_name": "FastCkptL2Adapter",
                                               "adapter_params": {"path": str(path), "max_bytes": 64 << 20}})
     mem = L1MemoryManagerConfig(size_in_bytes=64 << 20, use_lazy=False, init_size_in_bytes=64 << 20, align_bytes=4096)
@@ -358,12 +360,12 @@ def test_restart_reuse_dead_writer_and_capacity_shared_with_the_in_process_store
     # a writer killed mid-chunk: its temp file (a pid that is gone) is never a hit
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    stale = Path(tmp_path) / "ab" / f".tmp.{'ab' * 16}.{_HOST}.{child.pid}.00"
+    stale = Path(tmp_path) / "ab" / f".tmp.{'ab' * 16}.{host_tag()}.{child.pid}.00"
     assert TMP_RE.match(stale.name)
     stale.parent.mkdir(exist_ok=True)
     stale.write_bytes(b"x" * 1000)
     # the in-process plugin's store puts a chunk of its own into the same folder
-    other = KVFileStore(StoreOptions(path=str(tmp_path), max_bytes=3 * per_file))
+    other = KVFileStore(KVStoreOptions(path=str(tmp_path), max_bytes=3 * per_file))
     key = "vllm@1@0@abc@bfloat16"
     other.write(chunk_name(key), key, "KV_2LTD", [("U8", (n,), n)], memoryview(_payload(7)))
     other.close()

@@ -25,7 +25,7 @@ def test_lmcache_suite_in_its_venv():
         pytest.skip("already running inside the LMCache venv")
     env = dict(os.environ, FASTCKPT_REQUIRE_LMCACHE="1")
     r = subprocess.run([str(VENV_PY), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "tests/integrations/test_lmcache.py", "tests/integrations/test_lmcache_store.py", "tests/integrations/test_lmcache_config.py",
+                        "tests/integrations/test_lmcache.py", "tests/kv/test_file_store.py", "tests/integrations/test_lmcache_config.py",
                         "tests/integrations/test_lmcache_l2.py"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     tail = (r.stdout + r.stderr)[-4000:]

@@ -32,9 +32,9 @@ peft = pytest.importorskip("peft")
 
 import fastckpt  # noqa: E402
 from fastckpt.cli.main import main  # noqa: E402
-from fastckpt.integrations.hf_snapshot import model_snapshot, peft_base_weights  # noqa: E402
-from fastckpt.integrations.hf_trainer import FastCkptCallback  # noqa: E402
-from fastckpt.integrations.models import tiny_llama  # noqa: E402
+from fastckpt.integrations.hf.snapshot import model_snapshot, peft_base_weights  # noqa: E402
+from fastckpt.integrations.hf.trainer import FastCkptCallback  # noqa: E402
+from fastckpt.integrations.hf.models import tiny_llama  # noqa: E402
 from fastckpt_testkit import assert_same  # noqa: E402
 
 from safetensors import safe_open  # noqa: E402

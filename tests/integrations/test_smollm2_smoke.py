@@ -15,10 +15,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 try:
-    from fastckpt.integrations import hf_trainer, models
+    from fastckpt.integrations.hf import models, trainer as hf_trainer
 except ImportError:
     sys.path.insert(0, str(REPO))
-    from integrations import hf_trainer, models
+    from integrations.hf import models, trainer as hf_trainer
 
 import fastckpt
 

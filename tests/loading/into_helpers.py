@@ -147,17 +147,3 @@ def rewrite_as_v2(ck: str, parts: int = 2) -> None:
     m["format_version"] = 2
     with open(mpath, "w") as f:
         json.dump(m, f)
-
-
-def to_pieces(v):
-    """A sharded state with every DTensor replaced by this rank's ``fastckpt.Shard`` piece."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    if isinstance(v, dict):
-        return {k: to_pieces(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [to_pieces(x) for x in v]
-    if isinstance(v, DTensor):
-        _, off = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
-        return fastckpt.Shard(v.to_local().detach().clone(), tuple(v.shape), tuple(off))
-    return v

@@ -25,8 +25,7 @@ import fastckpt  # noqa: E402
 import fastckpt.dcp  # noqa: E402
 from fastckpt.dcp import FastCkptLoadPlanner, FastCkptReader  # noqa: E402
 from fastckpt.errors import DCPLoadError  # noqa: E402
-from into_helpers import (LR, batches, fsdp, llama, mismatches, next_loss, rewrite_as_v2, step,  # noqa: E402
-                          to_pieces)
+from into_helpers import LR, batches, fsdp, llama, mismatches, next_loss, rewrite_as_v2, step  # noqa: E402
 
 TIMEOUT_S = 180
 
@@ -67,9 +66,8 @@ def train_save_full(folder: str) -> dict:
     if dist.get_rank() == 0:
         fastckpt.save({"model": msd, "optim": osd}, os.path.join(folder, "full"))
         rewrite_as_v2(str(fastckpt.save({"model": msd, "optim": osd}, os.path.join(folder, "v2"))))
-    sm, so = get_state_dict(model, opt)  # v1 multi-rank: each rank's Shard pieces
-    fastckpt.save(to_pieces({"model": sm, "optim": so}), os.path.join(folder, "pieces"),
-                  process_group=dist.group.WORLD, timeout_s=60)
+    sm, so = get_state_dict(model, opt)  # the DTensor route: every rank writes its own chunks
+    fastckpt.save({"model": sm, "optim": so}, os.path.join(folder, "dtensor"))
     dist.barrier()
     return {"loss": next_loss(model, opt)}
 
@@ -98,13 +96,13 @@ def ckpts(pool, tmp_path_factory):
     return {"folder": folder, "loss": out[0]["loss"]}
 
 
-@pytest.mark.parametrize("name,verify", [("full", False), ("v2", True), ("pieces", True)])
+@pytest.mark.parametrize("name,verify", [("full", False), ("v2", True), ("dtensor", True)])
 def test_dcp_load_into_fsdp2_bit_exact(pool, ckpts, name, verify):
     ck = os.path.join(ckpts["folder"], name)
     assert not os.path.exists(os.path.join(ck, ".metadata"))
     m = fastckpt.read_manifest(ck)
-    assert m.version == (2 if name == "v2" else 1) and (m.distributed is not None) == (name == "pieces")
-    assert any(e.chunks for e in m.tensors.values()) == (name == "v2")
+    assert m.version == (1 if name == "full" else 2)
+    assert any(e.chunks for e in m.tensors.values()) == (name != "full")
     out = pool.run(dcp_resume, ck=ck, verify=verify, timeout_s=TIMEOUT_S)
     for r, o in out.items():
         assert o["bad"] == [], (r, o["bad"][:5])
@@ -113,10 +111,10 @@ def test_dcp_load_into_fsdp2_bit_exact(pool, ckpts, name, verify):
     assert not os.path.exists(os.path.join(ck, ".metadata"))
 
 
-def test_pieces_into_one_process_plain_state(ckpts):
-    """2 -> 1 through DCP: the Shard pieces are DCP chunks; DCP's planner assembles the full tensors."""
+def test_dtensor_save_into_one_process_plain_state(ckpts):
+    """2 -> 1 through DCP: a 2-rank DTensor save read into one process's plain state."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    ck = os.path.join(ckpts["folder"], "pieces")
+    ck = os.path.join(ckpts["folder"], "dtensor")
     model = llama(2)
     opt = torch.optim.AdamW(model.parameters(), lr=LR / 3)
     msd, osd = get_state_dict(model, opt)

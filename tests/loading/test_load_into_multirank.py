@@ -1,6 +1,6 @@
 """load_into across world sizes with a real FSDP2 (``fully_shard``) tiny Llama + AdamW, 2 spawned
-gloo ranks on CPU: 2 -> 2 (fresh model, new mesh), 1 -> 2, 2 -> 1 (a v1 multi-rank checkpoint of
-``fastckpt.Shard`` pieces) and plain HF folders; every tensor bit-exact, each rank reading only its
+gloo ranks on CPU: 2 -> 2 (fresh model, new mesh), 1 -> 2, 2 -> 1 (the DTensor routes' format-2
+folders) and plain HF folders; every tensor bit-exact, each rank reading only its
 shard's bytes, and the resumed run's next loss equal to the uninterrupted run's."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ranks import RankPool  # noqa: E402
 
 import fastckpt  # noqa: E402
 from into_helpers import (LR, CountingBackend, batches, fsdp, llama, local_bytes, mismatches,  # noqa: E402
-                          next_loss, step, tensor_leaves, to_pieces)
+                          next_loss, step, tensor_leaves)
 
 TIMEOUT_S = 180
 
@@ -33,7 +33,7 @@ def pool(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ckpts(pool, tmp_path_factory):
     """Checkpoints of one training step: 'full2' (plain save of full tensors from rank 0 of an FSDP2
-    run), 'pieces2' (v1 multi-rank, Shard pieces from both ranks), 'solo' (one process), HF folders."""
+    run), 'solo' (one process), HF folders."""
     folder = str(tmp_path_factory.mktemp("ck"))
     out = pool.run(train_and_save, folder=folder, timeout_s=TIMEOUT_S)
     solo = pool.run(train_and_save_solo, ranks=[0], folder=folder, timeout_s=TIMEOUT_S)
@@ -55,8 +55,6 @@ def train_and_save(folder: str) -> dict:
         plain.save_pretrained(os.path.join(folder, "hf"), safe_serialization=True)
         plain.save_pretrained(os.path.join(folder, "hf_sharded"), safe_serialization=True, max_shard_size="40KB")
     sm, so = get_state_dict(model, opt)
-    fastckpt.save(to_pieces({"model": sm, "optim": so}), os.path.join(folder, "pieces2"),
-                  process_group=dist.group.WORLD, timeout_s=60)
     # the DTensor routes (format 2): fastckpt.save of the sharded state, and dcp.save with our writer
     fastckpt.save({"model": sm, "optim": so}, os.path.join(folder, "dtensor2"))
     import torch.distributed.checkpoint as dcp
@@ -110,7 +108,7 @@ def resume_plain(ck: str) -> dict:
     msd, osd = get_state_dict(model, opt)
     state = fastckpt.load_into({"model": msd, "optim": osd}, ck, verify=True)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    whole = fastckpt.load(ck)  # plain load assembles Shard pieces: no placeholder dicts
+    whole = fastckpt.load(ck)
     m2, o2 = get_state_dict(model, opt)
     bad = mismatches(m2, whole["model"]) + mismatches(o2, whole["optim"], "optim")
     return {"bad": bad, "loss": next_loss(model, opt)}
@@ -195,17 +193,6 @@ def test_fsdp2_1_to_2(pool, ckpts):
     _check(out, ckpts["loss1"], exact=False)
 
 
-def test_v1_multirank_pieces_2_to_2_and_2_to_1(pool, ckpts):
-    ck = os.path.join(ckpts["folder"], "pieces2")
-    m = fastckpt.read_manifest(ck)
-    assert m.world_size == 2 and m.distributed.shards, "not a multi-rank Shard checkpoint"
-    out = pool.run(resume_fsdp, ck=ck, timeout_s=TIMEOUT_S)
-    _check(out, ckpts["loss2"], exact=True)
-    one = pool.run(resume_plain, ranks=[0], ck=ck, timeout_s=TIMEOUT_S)[0]
-    assert one["bad"] == [], one["bad"][:5]
-    assert one["loss"] == pytest.approx(ckpts["loss2"], rel=1e-5, abs=1e-6)
-
-
 @pytest.mark.parametrize("name", ["dtensor2", "dcp2"])
 def test_fsdp2_dtensor_save_round_trips_2_to_2_and_2_to_1(pool, ckpts, name):
     """The save side's format-2 folders (fastckpt.save of DTensors; dcp.save with FastCkptWriter):
@@ -224,13 +211,6 @@ def test_fsdp2_dtensor_save_round_trips_2_to_2_and_2_to_1(pool, ckpts, name):
     one = pool.run(resume_plain, ranks=[0], ck=ck, timeout_s=TIMEOUT_S)[0]
     assert one["bad"] == [], one["bad"][:5]
     assert one["loss"] == pytest.approx(ckpts["loss2"], rel=1e-5, abs=1e-6)
-
-
-def test_plain_load_of_shard_pieces_returns_full_tensors(ckpts):
-    whole = fastckpt.load(os.path.join(ckpts["folder"], "pieces2"))
-    full = fastckpt.load(os.path.join(ckpts["folder"], "full2"))
-    assert mismatches(whole["model"], full["model"]) == []
-    assert mismatches(whole["optim"]["state"], full["optim"]["state"]) == []
 
 
 @pytest.mark.parametrize("name", ["hf", "hf_sharded"])
@@ -275,8 +255,3 @@ def test_rank_local_subtrees(pool, tmp_path):
         fastckpt.load(ck)  # never a {'__rank_local__': ...} placeholder
     assert torch.equal(fastckpt.load(ck, keys="w")["w"], torch.arange(4.0))
 
-
-def test_sharded_load_is_deprecated(ckpts):
-    from fastckpt.loading import sharded
-    with pytest.warns(DeprecationWarning, match="load_into"):
-        sharded.load(os.path.join(ckpts["folder"], "pieces2"), rank=0, world_size=1)

@@ -30,10 +30,10 @@ peft = pytest.importorskip("peft")
 
 import fastckpt  # noqa: E402
 from fastckpt.cli.main import main  # noqa: E402
-from fastckpt.integrations.hf_snapshot import ModelSnapshotter, model_snapshot  # noqa: E402
+from fastckpt.integrations.hf.snapshot import ModelSnapshotter, model_snapshot  # noqa: E402
 
 from fastckpt.format.layout import PEFT_BASE_ADDITIONS, REFERENCE_ADDITIONS, REFERENCE_REPLACED  # noqa: E402
-from fastckpt.integrations.hf_trainer import FastCkptCallback  # noqa: E402
+from fastckpt.integrations.hf.trainer import FastCkptCallback  # noqa: E402
 from refdiff import diff_folders  # noqa: E402
 
 T = transformers

@@ -12,8 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fastckpt
-from fastckpt.loading import sharded as dist_load
-from fastckpt.saving.ranks import Shard, partition_units, shard_dim0
+from fastckpt.saving.ranks import partition_units
 from fastckpt.coordination import LOCAL
 from fastckpt.errors import DistributedSaveError
 from fastckpt.storage.io import PosixBackend
@@ -29,16 +28,12 @@ def _state(rank: int) -> dict:
     return {"model": model, "step": 7, "lr": [0.1, 0.2]}
 
 
-def _full_shard() -> torch.Tensor:
-    return torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6)
-
-
 class _FailPwrite(PosixBackend):
     def pwrite(self, fd, data, offset):
         raise OSError(errno.EIO, "injected EIO on rank 1")
 
 
-SCENARIOS = ("replicated", "local", "fail", "reshard")
+SCENARIOS = ("replicated", "local", "fail")
 
 
 def _run(rank: int, tmp: str) -> None:
@@ -69,14 +64,13 @@ def _scn_replicated(rank: int, tmp: str) -> dict:
 
 
 def _scn_local(rank: int, tmp: str) -> dict:
-    full = _full_shard()
-    state = {"model": {"w": torch.ones(4)}, "fsdp": {"p": shard_dim0(full, rank, 2)},
+    state = {"model": {"w": torch.ones(4)},
              "optimizer": {"exp_avg": torch.full((3,), float(rank)), "rank": rank}}
     mgr = fastckpt.CheckpointManager(os.path.join(tmp, "run"), keep_last=1, process_group=dist.group.WORLD)
     mgr.save(1, state, local_keys=("optimizer",), chunk_bytes=CHUNK)
     mgr.save(2, state, local_keys=("optimizer",), chunk_bytes=CHUNK)
-    got = dist_load.load(mgr.path(2))
-    return {"steps": mgr.steps(), "p": got["fsdp"]["p"].tolist(), "opt_rank": got["optimizer"]["rank"],
+    got = fastckpt.load_into({"optimizer": {"exp_avg": torch.zeros(3), "rank": -1}}, mgr.path(2), local_rank=rank)
+    return {"steps": mgr.steps(), "opt_rank": got["optimizer"]["rank"],
             "exp_avg": got["optimizer"]["exp_avg"].tolist()}
 
 
@@ -88,16 +82,6 @@ def _scn_fail(rank: int, tmp: str) -> dict:
     except DistributedSaveError as e:
         return {"failures": {str(k): v for k, v in e.failures.items()}, "cause": type(e.__cause__).__name__}
     return {"failures": None}
-
-
-def _scn_reshard(rank: int, tmp: str) -> dict:
-    """1 -> 2: a single-process checkpoint of the full tensor, read by 2 ranks as shards."""
-    if rank == 0:
-        fastckpt.save({"fsdp": {"p": Shard(_full_shard(), (10, 6), (0, 0))}, "x": torch.ones(2)},
-                      os.path.join(tmp, "one"))  # one process, no process_group: saves alone
-    dist.barrier()
-    got = dist_load.load(os.path.join(tmp, "one"))
-    return {"p": got["fsdp"]["p"].tolist()}
 
 
 @pytest.fixture(scope="module")
@@ -133,21 +117,17 @@ def test_replicated_split_each_rank_writes_about_half(spawned):
     assert fastckpt.verify(tmp_path / "ck").ok
 
 
-def test_rank_local_shards_and_reshard_2_to_1(spawned):
+def test_rank_local_subtrees(spawned):
     out, tmp_path = _out(spawned, "local")
-    full = _full_shard()
     assert out[0]["steps"] == [2] and out[1]["steps"] == [2]  # keep_last=1 pruned by rank 0 only
-    assert out[0]["p"] == full[:5].tolist() and out[1]["p"] == full[5:].tolist()
     assert [o["opt_rank"] for o in out] == [0, 1] and out[1]["exp_avg"] == [1.0, 1.0, 1.0]
     ck = tmp_path / "run" / "step-2"
     m = fastckpt.read_manifest(str(ck))
-    pieces = m.distributed.shards["fsdp/p"].pieces
-    assert sorted(p.rank for p in pieces) == [0, 1] and m.distributed.shards["fsdp/p"].global_shape == (10, 6)
+    assert sorted(m.distributed.rank_local_skeletons) == [0, 1]
     assert (tmp_path / "run" / "latest").read_text().strip() == "2"
-    one = dist_load.load(ck)  # 2 -> 1: reassembled
-    assert torch.equal(one["fsdp"]["p"], full)
-    assert one["optimizer"]["rank"] == 0
-    assert dist_load.load(ck, local_rank_from=1)["optimizer"]["rank"] == 1
+    assert torch.equal(fastckpt.load(ck, keys=["model"])["model"]["w"], torch.ones(4))
+    one = fastckpt.load_into({"optimizer": {"exp_avg": torch.zeros(3), "rank": -1}}, ck, local_rank=1)
+    assert one["optimizer"]["rank"] == 1
     assert fastckpt.verify(ck).ok
 
 
@@ -159,12 +139,6 @@ def test_one_rank_fails_nothing_committed(spawned):
     assert out[1]["cause"] == "OSError"
     assert not (tmp_path / "ck").exists()
     assert not [n for n in os.listdir(tmp_path) if "fastckpt-tmp" in n]
-
-
-def test_reshard_1_to_2(spawned):
-    out, tmp_path = _out(spawned, "reshard")
-    full = _full_shard()
-    assert out[0]["p"] == full[:5].tolist() and out[1]["p"] == full[5:].tolist()
 
 
 def test_partition_units_balanced():
@@ -179,4 +153,4 @@ def test_partition_units_balanced():
 def test_single_process_is_plain_path(tmp_path):
     p = fastckpt.save({"model": {"w": torch.ones(3)}}, tmp_path / "a")
     assert fastckpt.read_manifest(str(p)).distributed is None
-    assert torch.equal(dist_load.load(p)["model"]["w"], torch.ones(3))
+    assert torch.equal(fastckpt.load(p)["model"]["w"], torch.ones(3))

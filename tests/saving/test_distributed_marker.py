@@ -14,22 +14,17 @@ import torch.multiprocessing as mp
 
 import fastckpt
 from fastckpt.saving import committer as dist_commit
-from fastckpt.loading import sharded as dist_load
-from fastckpt.saving.ranks import shard_dim0
+from fastckpt.manager import committed_steps, newest_common_step
 from fastckpt.errors import CheckpointNotFoundError, DistributedSaveError
 from fastckpt.storage.io import PosixBackend
 
 CHUNK = 64 << 10
 
 
-def _full() -> torch.Tensor:
-    return torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6)
-
-
 def _state(rank: int, step: int) -> dict:
     g = torch.Generator().manual_seed(step)
     model = {f"w{i}": torch.randn(64 + i, 256, generator=g) for i in range(4)}
-    return {"model": model, "step": step, "fsdp": {"p": shard_dim0(_full() + step, rank, 2)},
+    return {"model": model, "step": step,
             "optimizer": {"exp_avg": torch.full((3,), float(rank)), "rank": rank}}
 
 
@@ -45,11 +40,13 @@ def _save(rank: int, tmp: str, step: int, **kw):
 
 
 def _check_load(rank: int, tmp: str, step: int) -> bool:
-    got = dist_load.load(os.path.join(_root(tmp, rank), f"step-{step}"))
+    path = os.path.join(_root(tmp, rank), f"step-{step}")
+    got = fastckpt.load(path, keys=["model", "step"])
+    mine = fastckpt.load_into({"optimizer": {"exp_avg": torch.zeros(3), "rank": -1}}, path, local_rank=rank)
     want = _state(rank, step)
     return (all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
-            and torch.equal(got["fsdp"]["p"], want["fsdp"]["p"].tensor)
-            and got["optimizer"]["rank"] == rank and got["step"] == step)
+            and torch.equal(mine["optimizer"]["exp_avg"], want["optimizer"]["exp_avg"])
+            and mine["optimizer"]["rank"] == rank and got["step"] == step)
 
 
 class _FailPwrite(PosixBackend):
@@ -62,7 +59,7 @@ def _phase1(rank: int, tmp: str) -> dict:
     # step 1: success on both nodes
     _save(rank, tmp, 1)
     out["ok_load"] = _check_load(rank, tmp, 1)
-    out["common_1"] = dist_load.newest_common_step(_root(tmp, rank))
+    out["common_1"] = newest_common_step(_root(tmp, rank))
     # step 2: rank 1 fails while writing -> nothing committed anywhere
     try:
         _save(rank, tmp, 2, io_backend=_FailPwrite() if rank == 1 else None)
@@ -84,7 +81,7 @@ def _phase1(rank: int, tmp: str) -> dict:
     finally:
         dist_commit.write_metadata = real
     out["exists_3"] = os.path.exists(os.path.join(_root(tmp, rank), "step-3"))
-    out["common_3"] = dist_load.newest_common_step(_root(tmp, rank))
+    out["common_3"] = newest_common_step(_root(tmp, rank))
     with open(os.path.join(tmp, f"out{rank}.json"), "w") as f:
         json.dump(out, f)
     # step 4: rank 0 dies between node 1's marker and its own (a crash of the committer)
@@ -104,10 +101,10 @@ def _phase1(rank: int, tmp: str) -> dict:
 
 def _phase2(rank: int, tmp: str) -> dict:
     """Restart after the crash: pick the newest step every node committed, load it, save again."""
-    out = {"common": dist_load.newest_common_step(_root(tmp, rank))}
+    out = {"common": newest_common_step(_root(tmp, rank))}
     out["load"] = _check_load(rank, tmp, out["common"])
     _save(rank, tmp, 4, overwrite=True)  # replaces the half-committed step 4 on both nodes
-    out["common_after"] = dist_load.newest_common_step(_root(tmp, rank))
+    out["common_after"] = newest_common_step(_root(tmp, rank))
     out["load_after"] = _check_load(rank, tmp, 4)
     with open(os.path.join(tmp, f"restart{rank}.json"), "w") as f:
         json.dump(out, f)
@@ -129,11 +126,11 @@ def spawned(tmp_path_factory):
     snaps = {}
     from fastckpt_testkit import spawn_bounded  # not at module level: the ranks import this module
     spawn_bounded(_run, (str(tmp), "phase1"), 2)
-    snaps["after_crash"] = {r: dist_load.committed_steps(_root(str(tmp), r)) for r in range(2)}
+    snaps["after_crash"] = {r: committed_steps(_root(str(tmp), r)) for r in range(2)}
     left = os.path.join(_root(str(tmp), 0), "step-4")
     snaps["rank0_step4"] = sorted(os.listdir(left))
     snaps["rank0_step4_load"] = []
-    for fn in (dist_load.load, fastckpt.load):  # a node folder without its marker is no checkpoint
+    for fn in (fastckpt.load, lambda p: fastckpt.load_into({}, p)):  # a node folder without its marker is no checkpoint
         try:
             fn(left)
             snaps["rank0_step4_load"].append("loaded")
@@ -161,15 +158,14 @@ def test_success_each_node_folder_and_marker_last(spawned):
         assert m[r].world_size == 2 and m[r].step == 1
         # each node's folder holds the replicated files and its own rank's files only
         assert list(d.rank_local_skeletons) == [r]
-        assert [p.rank for p in d.shards["fsdp/p"].pieces] == [r]
         assert fastckpt.verify(tmp / f"node{r}" / "step-1").ok
     # rank 0's marker is written last, after node 1 acknowledged its own
     assert m[0].created_unix_s >= m[1].created_unix_s
     assert (tmp / "node0" / "step-1" / "manifest.json").stat().st_mtime_ns >= \
         (tmp / "node1" / "step-1" / "manifest.json").stat().st_mtime_ns
-    # rank 1's replicated bytes and the whole shard reassemble from node 1's folder alone
-    one = dist_load.load(tmp / "node1" / "step-1", rank=1, world_size=2)
-    assert torch.equal(one["fsdp"]["p"], (_full() + 1)[5:])
+    # rank 1's replicated bytes read back from node 1's folder alone
+    one = fastckpt.load(tmp / "node1" / "step-1", keys=["model"])
+    assert all(torch.equal(one["model"][k], v) for k, v in _state(1, 1)["model"].items())
 
 
 def test_one_rank_fails_no_marker_anywhere(spawned):
@@ -208,8 +204,8 @@ def test_crash_between_markers_leaves_step_uncommitted(spawned):
 
 def test_newest_common_step_one_process(tmp_path):
     (tmp_path / "step-5").mkdir()  # no marker: not committed
-    assert dist_load.committed_steps(tmp_path) == []
-    assert dist_load.newest_common_step(tmp_path) is None
+    assert committed_steps(tmp_path) == []
+    assert newest_common_step(tmp_path) is None
     fastckpt.save({"model": {"w": torch.ones(2)}}, tmp_path / "step-3")
-    assert dist_load.committed_steps(tmp_path) == [3]
-    assert dist_load.newest_common_step(tmp_path) == 3  # one process: its own root
+    assert committed_steps(tmp_path) == [3]
+    assert newest_common_step(tmp_path) == 3  # one process: its own root

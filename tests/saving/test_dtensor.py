@@ -288,11 +288,6 @@ def test_unsupported_values_refused_before_any_file(pool, tmp_path):
         assert not exists and leftovers == []
 
 
-def test_shard_is_deprecated_naming_dtensor():
-    with pytest.warns(DeprecationWarning, match="DTensor"):
-        fastckpt.Shard(torch.ones(2), (4,), (0,))
-
-
 @pytest.mark.parametrize("group", [True, False])
 def test_checkpoint_manager_saves_dtensor_state(pool, tmp_path, group):
     res = pool.run(rank_manager, folder=str(tmp_path), group=group, timeout_s=TIMEOUT_S)

@@ -597,3 +597,35 @@ def test_defer_large_tensors_are_copied_and_hashed_in_pieces(tmp_path):
     import xxhash
     doc = json.loads((tmp_path / "c" / "manifest.json").read_text())
     assert doc["tensors"]["model/a"]["xxh3"] == xxhash.xxh3_64(raw(big["a"])).hexdigest()
+
+
+@pytest.mark.parametrize("fn", ["save", "async_save"])
+def test_save_signature_is_typed_and_matches_save_options(fn):
+    """issue 21: every option is an explicit keyword-only parameter with a type and the default of
+    SaveOptions / IOTuning / Consistency (no **options), so IDEs and type checkers see them."""
+    import dataclasses
+    import inspect
+
+    from fastckpt.saving.options import _TOP  # noqa: PLC2701 (the option names, test only)
+    sig = inspect.signature(getattr(fastckpt, fn))
+    params = dict(sig.parameters)
+    assert not [p for p in params.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    names = set(_TOP) | {f.name for f in dataclasses.fields(fastckpt.IOTuning)} \
+        | {f.name for f in dataclasses.fields(fastckpt.Consistency)}
+    assert set(params) == {"state", "path", "process_group"} | names
+    for n in names | {"process_group"}:
+        assert params[n].kind is inspect.Parameter.KEYWORD_ONLY and params[n].annotation is not inspect.Parameter.empty, n
+    defaults = {f.name: f.default for f in dataclasses.fields(fastckpt.IOTuning)}
+    defaults |= {f.name: f.default for f in dataclasses.fields(fastckpt.Consistency)}
+    defaults |= {k: v.default for k, v in inspect.signature(fastckpt.SaveOptions).parameters.items() if k in _TOP}
+    defaults["early_writes"] = fn == "save"  # save overlaps copy and writes: the caller waits for both
+    for n, d in defaults.items():
+        assert params[n].default == d, (n, params[n].default, d)
+
+
+def test_group_object_keeps_its_values_beside_flat_defaults(tmp_path):
+    p = fastckpt.save({"model": {f"w{i}": torch.arange(1000.0) for i in range(3)}}, tmp_path / "a",
+                      io=fastckpt.IOTuning(max_shard_bytes=4000), step=2)
+    files = sorted(n for n in os.listdir(p) if n.startswith("model-") and n.endswith(".safetensors"))
+    assert len(files) == 3, files  # io's 4000-byte shards, not the flat default of 5e9
+    assert fastckpt.read_manifest(str(p))["step"] == 2

@@ -123,7 +123,7 @@ def test_prune_checkpoints_leaves_uncommitted_and_newest(tmp_path):
 def test_rotate_checkpoints_counts_the_best_within_the_limit(tmp_path, limit, best, kept):
     """The Trainer's rule: ``save_total_limit`` folders remain, the best among them (two with a
     limit of 1 and an older best)."""
-    from fastckpt.integrations.hf_checkpoints import rotate_checkpoints
+    from fastckpt.integrations.hf.checkpoints import rotate_checkpoints
 
     mgr = make_root(tmp_path, "checkpoint-", (4, 8, 12, 16))
     gone = rotate_checkpoints(tmp_path, limit, str(mgr.path(best)) if best else None)
@@ -165,7 +165,7 @@ def test_select_victims_in_order_is_the_trainers_rule():
 def test_rotate_checkpoints_never_deletes_the_checkpoint_just_saved(tmp_path, caplog, offset, kept):
     """checkpoint-500 of an earlier run: committed an hour before (rotated by commit time, named in
     a WARNING) or sorting as the most recent (kept, and so is the checkpoint just saved)."""
-    from fastckpt.integrations.hf_checkpoints import rotate_checkpoints
+    from fastckpt.integrations.hf.checkpoints import rotate_checkpoints
 
     mgr = make_root(tmp_path, "checkpoint-", (500, 4))
     _set_mtimes(mgr, {500: offset})
@@ -199,11 +199,11 @@ _KILLER = textwrap.dedent("""
         import fastckpt
         fastckpt.CheckpointManager(root, prefix="step-").prune(1)
     elif who == "trainer":
-        from fastckpt.integrations.hf_checkpoints import rotate_checkpoints
+        from fastckpt.integrations.hf.checkpoints import rotate_checkpoints
         rotate_checkpoints(root, 1)
     else:
         from types import SimpleNamespace
-        from fastckpt.integrations.accelerate import FastCkptState
+        from fastckpt.integrations.accelerate.plugin import FastCkptState
         cfg = SimpleNamespace(automatic_checkpoint_naming=True, total_limit=1)
         FastCkptState(SimpleNamespace(project_configuration=cfg, project_dir=os.path.dirname(root)))._rotate()
     print("not killed")
@@ -249,7 +249,7 @@ def test_sigkill_during_deletion_leaves_no_checkpoint_and_is_cleaned(tmp_path, w
 
 
 def test_accelerate_rotation_uses_the_shared_routine(tmp_path):
-    from fastckpt.integrations.accelerate import FastCkptState
+    from fastckpt.integrations.accelerate.plugin import FastCkptState
 
     root = tmp_path / "checkpoints"
     mgr = make_root(root, "checkpoint_", (0, 1, 2))

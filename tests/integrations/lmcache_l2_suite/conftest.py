@@ -12,7 +12,7 @@ and runs them inside the LMCache venv:
   server's StorageManager storing to and prefetching from its L2 adapter (end to end).
 
 Before those modules are imported, the names they import are replaced: each config becomes
-LMCache's ``PluginL2AdapterConfig`` naming ``fastckpt.integrations.lmcache_l2.FastCkptL2Adapter``
+LMCache's ``PluginL2AdapterConfig`` naming ``fastckpt.integrations.lmcache.l2.FastCkptL2Adapter``
 (a fresh folder per adapter, ``max_bytes`` = the mock's ``max_size_gb``), and each adapter class
 becomes LMCache's own ``create_l2_adapter`` (its plugin factory imports and builds ours). So every
 test runs through the plugin loading path a server uses. The tests' bodies are unchanged.
@@ -32,7 +32,7 @@ import lmcache.v1.distributed.l2_adapters.mock_l2_adapter as mock_mod
 from lmcache.v1.distributed.l2_adapters import create_l2_adapter
 from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
 
-import fastckpt.integrations.lmcache_l2 as ours
+import fastckpt.integrations.lmcache.l2 as ours
 
 _ROOT = tempfile.mkdtemp(prefix="fckv-l2-suite-", dir=os.environ.get("FASTCKPT_L2_SUITE_TMP"))
 _seq = itertools.count()

@@ -30,9 +30,9 @@ from typing import Any
 
 import fastckpt
 
-from .hf_snapshot import capture_rng_state
+from .snapshot import capture_rng_state
 
-logger = logging.getLogger("fastckpt.integrations.hf_trainer")
+logger = logging.getLogger("fastckpt.integrations.hf.trainer")
 
 #: The callback's rank-local top-level keys (one RNG state per rank).
 RNG_KEYS = ("rng", "epoch_rng")
@@ -128,7 +128,7 @@ _U32, _I64, _F64 = "<u4", "<i8", "<f8"
 
 
 def pack_rng(rng: dict) -> Any:
-    """One rank's RNG state (:func:`~fastckpt.integrations.hf_snapshot.capture_rng_state`) as a
+    """One rank's RNG state (:func:`~fastckpt.integrations.hf.snapshot.capture_rng_state`) as a
     ``uint8`` CPU tensor of fixed layout (little-endian): Python ``random`` (version, 625 words,
     gauss flag and value), NumPy MT19937 (624 keys, pos, has_gauss, cached gaussian), the torch CPU
     state, then the CUDA states (count, then each one's length and bytes). Equal hardware gives

@@ -4,7 +4,7 @@ Configure it as an LMCache storage plugin (see ``docs/KV.md``)::
 
     storage_plugins: ["fastckpt"]
     extra_config:
-      storage_plugin.fastckpt.module_path: fastckpt.integrations.lmcache
+      storage_plugin.fastckpt.module_path: fastckpt.integrations.lmcache.backend
       storage_plugin.fastckpt.class_name: FastCkptKVBackend
       storage_plugin.fastckpt.path: /mnt/array/kv
       storage_plugin.fastckpt.max_bytes: 107374182400   # whole folder, all servers
@@ -46,8 +46,8 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from fastckpt.format import dtype_to_str, str_to_dtype
 
-from .lmcache_config import CLASS_NAME, MODULE_PATH, BackendOptions, check_config, parse_options
-from .lmcache_store import ChunkHandle, KVFileStore, chunk_name
+from .config import CLASS_NAME, MODULE_PATH, BackendOptions, check_config, parse_options
+from fastckpt.kv import ChunkHandle, KVFileStore, chunk_name
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class FastCkptKVBackend(StoragePluginInterface):
     Args:
         dst_device: device LMCache asks for (unused: objects come from the CPU allocator).
         config: the ``LMCacheEngineConfig``; our options are read from ``extra_config``
-            keys ``storage_plugin.<name>.*`` (see :mod:`.lmcache_config`).
+            keys ``storage_plugin.<name>.*`` (see :mod:`.config`).
         metadata: the ``LMCacheMetadata`` (unused).
         local_cpu_backend: LMCache's CPU backend; its allocator provides every buffer
             returned by a get. Required.

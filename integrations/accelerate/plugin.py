@@ -2,7 +2,7 @@
 
 Usage::
 
-    from fastckpt.integrations import accelerate as fca
+    from fastckpt.integrations.accelerate import plugin as fca
 
     accelerator = Accelerator(project_config=ProjectConfiguration(
         project_dir="run", automatic_checkpoint_naming=True, total_limit=3))
@@ -16,7 +16,7 @@ contracts (accelerate 1.15.0, ``Accelerator.save_state``/``load_state``):
 
 - pre-hooks (``register_save_state_pre_hook`` / ``register_load_state_pre_hook``) run with the
   same arguments and at the same point; what a save hook writes into ``output_dir`` is committed
-  with the checkpoint (see :func:`~fastckpt.integrations.accelerate_state.run_save_hooks`);
+  with the checkpoint (see :func:`~fastckpt.integrations.accelerate.state.run_save_hooks`);
 - a stateful dataloader (``DataLoaderConfiguration(use_stateful_dataloader=True)``) resumes at
   its position inside the epoch;
 - models load with ``strict=True`` unless ``load_state(..., strict=False)``; ``map_location``
@@ -43,7 +43,7 @@ model/optimizer state (DDP replicas are identical) plus every rank's RNG state, 
 (``rng_per_process``); on load each rank reads the folder and restores its own RNG state.
 FSDP2 (models with DTensor parameters): every rank writes its shards of one HF-layout
 checkpoint and reads back only its own regions, at any world size
-(:mod:`~fastckpt.integrations.accelerate_dtensor`); FSDP1 raises ``AccelerateFSDP1Error``.
+(:mod:`~fastckpt.integrations.accelerate.fsdp2`); FSDP1 raises ``AccelerateFSDP1Error``.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ import fastckpt
 from fastckpt.errors import AccelerateCheckpointNotFoundError, AccelerateStateError
 from fastckpt.storage import prune_checkpoints, step_folders
 
-from . import accelerate_dtensor as dt
-from . import accelerate_state as st
-from .hf_snapshot import ModelFilesCache, capture_rng_state, dedup_tied, restore_rng_state
+from . import fsdp2 as dt
+from . import state as st
+from ..hf.snapshot import ModelFilesCache, capture_rng_state, dedup_tied, restore_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class FastCkptState:
             acc.wait_for_everyone()
         out = self._target(output_dir)
         cfg = acc.project_configuration
-        if dt.sharded(acc):  # FSDP2: every rank saves its shards (integrations/accelerate_dtensor.py)
+        if dt.sharded(acc):  # FSDP2: every rank saves its shards (integrations/accelerate/fsdp2.py)
             self._save_sharded(out, multi)
             acc.wait_for_everyone()
             cfg.iteration += 1
@@ -396,7 +396,7 @@ class FastCkptState:
     def _load_sharded(self, folder: Path, device: str, strict: bool, read_opts: dict) -> None:
         """Every rank, accelerate's FSDP load contract (pre-hooks get no models; GradScaler before
         the optimizers): :func:`fastckpt.load_into` reads this rank's regions only (any saved world
-        size), then ``set_state_dict``; per-rank state: :func:`accelerate_dtensor.per_rank`."""
+        size), then ``set_state_dict``; per-rank state: :func:`.fsdp2.per_rank`."""
         acc = self.acc
         for hook in list(getattr(acc, "_load_model_state_pre_hook", {}).values()):
             hook([], str(folder))

@@ -1,4 +1,4 @@
-"""One DeepSpeed tag committed by every rank together (used by :mod:`fastckpt.integrations.deepspeed`).
+"""One DeepSpeed tag committed by every rank together (used by :mod:`fastckpt.integrations.deepspeed.engine`).
 
 DeepSpeed's ``save_checkpoint`` has each rank write its own files of ``save_dir/tag`` and then
 rank 0 writes ``save_dir/latest`` right after its *own* ``checkpoint_engine.commit`` returns

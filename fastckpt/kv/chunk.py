@@ -1,6 +1,6 @@
 """Pieces of the fastckpt KV chunk store: options, counters, open-chunk handle, names, checksums.
 
-See :mod:`.lmcache_store` for the folder layout and the rules; bytes move through the storage
+See :mod:`.file_store` for the folder layout and the rules; bytes move through the storage
 layer (:mod:`fastckpt.storage`). No LMCache import.
 """
 
@@ -17,7 +17,7 @@ LOCK_NAME = ".fckv.lock"
 HEADER_ALIGN = 4096
 
 @dataclass(frozen=True)
-class StoreOptions:
+class KVStoreOptions:
     """Options of a :class:`KVFileStore`.
 
     Attributes:

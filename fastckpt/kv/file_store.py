@@ -1,7 +1,7 @@
 """A folder of KV-cache chunk files shared by several processes (no LMCache import).
 
-This is the storage half of the fastckpt LMCache backend (:mod:`.lmcache` is the
-LMCache half). It is usable on its own, e.g. by ``benchmarks/bench_kv.py``.
+This is the storage half of the fastckpt LMCache backend (:mod:`fastckpt.integrations.lmcache.backend`
+is the LMCache half). It is usable on its own, e.g. by ``benchmarks/bench_kv.py``.
 
 Layout under ``root``::
 
@@ -27,16 +27,16 @@ Rules (case C8 of ``shared/cases``):
       counter equals the folder's bytes at every lock release; it is re-derived by a
       scan on start, before eviction (at most once per ``min_rescan_interval_s``),
       after any anomaly (size changed behind our back) and after a process died inside
-      the lock (see the protocol in :mod:`.lmcache_index`).
+      the lock (see the protocol in :mod:`.folder_index`).
 
 What lives where: this module writes and reads chunk files (:class:`KVFileStore`:
 ``write``, ``open_chunk``, ``read_piece``, ``close_chunk``), through the storage layer's
 primitives (:class:`fastckpt.storage.FileWriter`: preallocation, O_DIRECT for aligned
 buffers, fsync; :func:`fastckpt.storage.read_exact`; :func:`fastckpt.storage.fsync_dir`).
-Its base class :class:`~.lmcache_index.KVFolderIndex` (:mod:`.lmcache_index`) holds the lock
+Its base class :class:`~.folder_index.KVFolderIndex` (:mod:`.folder_index`) holds the lock
 file and shared counters, the folder scan, the LRU index, pins, removal, eviction and the
 temp-file names. Options, stats, the chunk handle and ``chunk_name`` are in
-:mod:`.lmcache_format`. All of them stay importable from here.
+:mod:`.chunk`; :mod:`fastckpt.kv` names the public ones.
 """
 
 from __future__ import annotations
@@ -53,10 +53,8 @@ from fastckpt.errors import CorruptCheckpointError
 from fastckpt.format import encode_header, read_header_fd
 from fastckpt.storage import ALIGN, FileWriter, buffer_address, fsync_dir, get_backend, read_exact
 
-from .lmcache_format import (  # noqa: F401  (re-exported: the store's public types)
-    FORMAT_TAG, HEADER_ALIGN, LOCK_NAME, SUFFIX, ChunkHandle, KVStats, StoreOptions, chunk_name, piece_hashes,
-)
-from .lmcache_index import FINAL_RE, TMP_RE, KVFolderIndex, logger  # noqa: F401  (re-exported)
+from .chunk import FORMAT_TAG, HEADER_ALIGN, ChunkHandle, KVStoreOptions, chunk_name, piece_hashes
+from .folder_index import KVFolderIndex
 
 
 class KVFileStore(KVFolderIndex):
@@ -66,13 +64,13 @@ class KVFileStore(KVFolderIndex):
     folder. Pins and recency are per process; capacity and files are shared.
 
     Args:
-        options: see :class:`StoreOptions`.
+        options: see :class:`KVStoreOptions`.
 
     Raises:
         OSError: the folder cannot be created or the lock file opened.
     """
 
-    def __init__(self, options: StoreOptions):
+    def __init__(self, options: KVStoreOptions):
         self._direct_ok = options.o_direct and hasattr(os, "O_DIRECT")
         self._be = get_backend(None)
         super().__init__(options)

@@ -7,13 +7,13 @@ fastckpt checkpoint instead, through :class:`TrainerResume`:
 
 * at train begin: the optimizer and scheduler states (and a check that the checkpoint holds the
   step the Trainer resumed at);
-* the RNG states (each rank its own, :mod:`~fastckpt.integrations.hf_ranks`) exactly where the
+* the RNG states (each rank its own, :mod:`~fastckpt.integrations.hf.rank_state`) exactly where the
   Trainer would restore ``rng_state.pth``: at the first epoch begin when the checkpoint lies on an epoch boundary; otherwise the RNG state of the start of
   that epoch first (so the sampler draws the same shuffle and the Trainer skips the same
   batches), then the saved RNG state at the first step of the resumed run.
 
 :func:`resume_checkpoint` resolves ``resume_from_checkpoint=True`` to the newest *committed*
-checkpoint (what :class:`~fastckpt.integrations.hf_trainer.FastCkptTrainerMixin` uses).
+checkpoint (what :class:`~fastckpt.integrations.hf.trainer.FastCkptTrainerMixin` uses).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Any
 import fastckpt
 from fastckpt.errors import ResumeMismatchError, TrainerCheckpointNotFoundError
 
-from .hf_checkpoints import get_last_checkpoint, newer_runs_warning
-from .hf_ranks import group_rank, is_sharded, load_rank_rng, load_replicated, restore_sharded, trainer_group
-from .hf_snapshot import restore_rng_state
+from .checkpoints import get_last_checkpoint, newer_runs_warning
+from .rank_state import group_rank, is_sharded, load_rank_rng, load_replicated, restore_sharded, trainer_group
+from .snapshot import restore_rng_state
 
-logger = logging.getLogger("fastckpt.integrations.hf_trainer")
+logger = logging.getLogger("fastckpt.integrations.hf.trainer")
 
 
 def resume_checkpoint(output_dir: str, resume_from_checkpoint: Any) -> Any:
@@ -115,9 +115,9 @@ class TrainerResume:
             state: the ``TrainerState`` (``global_step`` the Trainer resumed at).
             optimizer, lr_scheduler: the Trainer's (``None`` when absent).
             model, model_state: the live model and the callback's snapshot of it (``state["model"]``
-                of :func:`~fastckpt.integrations.hf_snapshot.model_snapshot`); used only when its
+                of :func:`~fastckpt.integrations.hf.snapshot.model_snapshot`); used only when its
                 parameters are DTensors (FSDP2): then the model and the optimizer are filled in place
-                with :func:`~fastckpt.integrations.hf_ranks.restore_sharded` (every rank together).
+                with :func:`~fastckpt.integrations.hf.rank_state.restore_sharded` (every rank together).
 
         Returns:
             False, with a WARNING, when ``ckpt`` is not a committed fastckpt checkpoint or holds

@@ -18,9 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from fastckpt.errors import CorruptCheckpointError, InsufficientSpaceError
-from fastckpt.integrations.lmcache_store import (
-    TMP_RE, KVFileStore, StoreOptions, chunk_name,
-)
+from fastckpt.kv import KVFileStore, KVStoreOptions, chunk_name
+from fastckpt.kv.folder_index import TMP_RE
 
 SHAPE = (2, 2, 256, 128)  # 2 * 2 * 256 * 128 * 2 bytes = 256 KiB per chunk
 PIECE = 64 << 10
@@ -59,7 +58,7 @@ def _get(store: KVFileStore, name: str) -> torch.Tensor | None:
 
 def _store(path, **kw) -> KVFileStore:
     kw.setdefault("piece_bytes", PIECE)
-    return KVFileStore(StoreOptions(path=str(path), **kw))
+    return KVFileStore(KVStoreOptions(path=str(path), **kw))
 
 
 def _files(path) -> list[str]:

@@ -1,4 +1,4 @@
-"""The shared half of :class:`~.lmcache_store.KVFileStore`: lock, counters, index, eviction.
+"""The shared half of :class:`~.file_store.KVFileStore`: lock, counters, index, eviction.
 
 :class:`KVFolderIndex` is the base class of ``KVFileStore``. It owns what several processes
 share through the folder, and this process's view of it, but never a chunk's contents:
@@ -9,8 +9,8 @@ share through the folder, and this process's view of it, but never a chunk's con
 * this process's LRU index of chunk names, its pins and its in-flight writes;
 * lookup, removal (also of corrupt chunks) and LRU eviction down to ``max_bytes``.
 
-Writing and reading chunk files is in :mod:`.lmcache_store`, which also describes the folder
-layout and the rules (case C8); options, stats and handles are in :mod:`.lmcache_format`.
+Writing and reading chunk files is in :mod:`.file_store`, which also describes the folder
+layout and the rules (case C8); options, stats and handles are in :mod:`.chunk`.
 No LMCache import.
 
 The accounting protocol (what keeps the shared capacity exact across processes):
@@ -41,7 +41,6 @@ import fcntl
 import logging
 import os
 import re
-import socket
 import struct
 import threading
 import time
@@ -49,11 +48,13 @@ from collections import OrderedDict
 from pathlib import Path
 
 from fastckpt.errors import InsufficientSpaceError
+from fastckpt.storage.commit import host_tag, pid_alive
+from fastckpt.storage.lock import flock_exclusive
 
-from .lmcache_format import LOCK_NAME, SUFFIX, ChunkHandle, KVStats, StoreOptions
+from .chunk import LOCK_NAME, SUFFIX, ChunkHandle, KVStats, KVStoreOptions
 
-# the store's logger name, as before this module was split out of lmcache_store
-logger = logging.getLogger(__name__.rpartition(".")[0] + ".lmcache_store")
+# one logger for the whole KV store (this module and file_store)
+logger = logging.getLogger("fastckpt.kv")
 
 #: ``.fckv.lock`` header: magic, used bytes, generation (bumped on every change), holder pid
 #: (the process inside the lock; 0 when it was left cleanly). An older or unknown header is
@@ -63,12 +64,12 @@ _LOCK_MAGIC = b"FCKVLCK2"
 #: Name of a committed chunk file (group 1: the chunk name).
 FINAL_RE = re.compile(r"^([0-9a-f]{32})\.kv\.safetensors$")
 #: Name of a chunk file being written, ``.tmp.<chunk name>.<host>.<pid>.<hex>`` (never a hit;
-#: groups: chunk name, host, pid). :meth:`KVFolderIndex.temp_path_for` makes them.
+#: groups: chunk name, host tag (:func:`fastckpt.storage.commit.host_tag`), pid).
+#: :meth:`KVFolderIndex.temp_path_for` makes them.
 TMP_RE = re.compile(r"^\.tmp\.([0-9a-f]{32})\.([^.]+)\.(\d+)\.[0-9a-f]+$")
-_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
 
 
-def _read_header(fd: int) -> tuple[int, int, int] | None:
+def _read_lock_header(fd: int) -> tuple[int, int, int] | None:
     """``(used bytes, generation, holder pid)`` from an open ``.fckv.lock``; None if absent or unknown."""
     raw = os.pread(fd, _LOCK_FMT.size, 0)
     if len(raw) != _LOCK_FMT.size:
@@ -114,9 +115,9 @@ def audit(root: str) -> dict:
     """
     fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        flock_exclusive(fd)
         try:
-            hdr = _read_header(fd)
+            hdr = _read_lock_header(fd)
             disk, chunks, temps = _folder_bytes(root)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -129,14 +130,14 @@ def audit(root: str) -> dict:
 class KVFolderIndex:
     """Shared counters, index, pins and eviction of one KV chunk folder (base of ``KVFileStore``).
 
-    Constructed through :class:`~.lmcache_store.KVFileStore` (same argument, same errors):
+    Constructed through :class:`~.file_store.KVFileStore` (same argument, same errors):
     creates the folder, opens ``.fckv.lock`` and rebuilds the index and the shared
     used-bytes counter by a scan. The index, pins and in-flight set belong to this
     process (guarded by a thread lock); files and the counter are shared (guarded by
     the flock).
     """
 
-    def __init__(self, options: StoreOptions):
+    def __init__(self, options: KVStoreOptions):
         self.opts = options
         self.root = os.path.abspath(options.path)
         os.makedirs(self.root, exist_ok=True)
@@ -159,7 +160,7 @@ class KVFolderIndex:
     def temp_path_for(self, name: str) -> str:
         """A fresh temporary path for writing chunk ``name`` in its sub-folder (see :data:`TMP_RE`:
         it names this host and process, so a scan can tell a dead writer's leftover)."""
-        return os.path.join(self.root, name[:2], f".tmp.{name}.{_HOST}.{os.getpid()}.{os.urandom(4).hex()}")
+        return os.path.join(self.root, name[:2], f".tmp.{name}.{host_tag()}.{os.getpid()}.{os.urandom(4).hex()}")
 
     def _locked(self):
         """The folder lock as a context manager (re-entrant in one thread).
@@ -178,7 +179,7 @@ class KVFolderIndex:
                 store._tlock.acquire()
                 try:
                     if store._depth == 0:
-                        fcntl.flock(store._lock_fd, fcntl.LOCK_EX)
+                        flock_exclusive(store._lock_fd)
                         try:
                             store._open_section()
                         except BaseException:
@@ -204,7 +205,7 @@ class KVFolderIndex:
         return _Ctx()
 
     def _open_section(self) -> None:
-        hdr = _read_header(self._lock_fd)
+        hdr = _read_lock_header(self._lock_fd)
         if hdr is None or hdr[2] != 0:
             if hdr is not None and hdr[2] == os.getpid():
                 logger.info("fastckpt kv: %s: a lock section of this process ended by an error; "
@@ -218,7 +219,7 @@ class KVFolderIndex:
             self._write_header(hdr[0], hdr[1])
 
     def _close_section(self) -> None:
-        hdr = _read_header(self._lock_fd)
+        hdr = _read_lock_header(self._lock_fd)
         if hdr is not None:
             os.pwrite(self._lock_fd, _LOCK_FMT.pack(_LOCK_MAGIC, hdr[0], hdr[1], 0), 0)
 
@@ -227,10 +228,10 @@ class KVFolderIndex:
 
     def _used_locked(self) -> int:
         """The shared used-bytes counter (lock held; valid: the section was opened by a check)."""
-        hdr = _read_header(self._lock_fd)
+        hdr = _read_lock_header(self._lock_fd)
         if hdr is None:  # clobbered by someone outside the protocol
             self._rescan_locked()
-            hdr = _read_header(self._lock_fd)
+            hdr = _read_lock_header(self._lock_fd)
         return hdr[0]
 
     def _adjust_used(self, delta: int) -> None:
@@ -238,7 +239,7 @@ class KVFolderIndex:
 
         Called after the change: if the header is unreadable, the recount already sees it.
         """
-        hdr = _read_header(self._lock_fd)
+        hdr = _read_lock_header(self._lock_fd)
         if hdr is None:
             self._rescan_locked()
             return
@@ -270,16 +271,11 @@ class KVFolderIndex:
     def _tmp_is_stale(self, m: re.Match, mtime: float, now: float) -> bool:
         if now - mtime > self.opts.stale_tmp_s:
             return True
-        if m.group(2) == _HOST:
+        if m.group(2) == host_tag():
             pid = int(m.group(3))
             if pid == os.getpid():
                 return m.group(1) not in self._writing
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:
-                return False
+            return not pid_alive(pid, mtime)  # its writer started before it was last written
         return False
 
     def _rescan_locked(self) -> None:
@@ -309,7 +305,7 @@ class KVFolderIndex:
         recency = {n: i for i, n in enumerate(self._index)}
         found.sort(key=lambda t: (recency.get(t[1], -1), t[0]))  # unseen files first, oldest first
         self._index = OrderedDict((n, size) for _, n, size in found)
-        hdr = _read_header(self._lock_fd)
+        hdr = _read_lock_header(self._lock_fd)
         self._write_header(used, (hdr[1] if hdr else 0) + 1)
         self._last_scan = time.monotonic()
         self.stats.add(rescans=1)

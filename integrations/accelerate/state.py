@@ -1,6 +1,6 @@
 """What the accelerate plugin captures from, and puts back into, one ``accelerate.Accelerator``.
 
-Pure helpers of :mod:`fastckpt.integrations.accelerate` (which owns the save/load calls, the
+Pure helpers of :mod:`fastckpt.integrations.accelerate.plugin` (which owns the save/load calls, the
 folders and the saver). They follow accelerate 1.15.0's ``Accelerator.save_state`` /
 ``load_state`` and ``accelerate/checkpointing.py`` (``save_accelerator_state``,
 ``load_accelerator_state``): the same pre-hook calls, the same ``strict`` default (``True``, as

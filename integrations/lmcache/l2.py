@@ -6,7 +6,7 @@ external class; this module is that class. Configure it with one ``--l2-adapter`
 (see ``docs/KV.md``)::
 
     {"type": "plugin",
-     "module_path": "fastckpt.integrations.lmcache_l2",
+     "module_path": "fastckpt.integrations.lmcache.l2",
      "class_name": "FastCkptL2Adapter",
      "adapter_params": {"path": "/mnt/array/kv", "max_bytes": 107374182400}}
 
@@ -15,7 +15,7 @@ builds it from ``adapter_params`` (the options of the in-process plugin, same na
 checks: ``path``, ``max_bytes``, ``o_direct``, ``durable``, ``piece_bytes``, ``verify``,
 ``min_rescan_interval_s``, ``stale_tmp_s``, ``read_threads``, ``write_threads``).
 
-The chunks go to the same :class:`~.lmcache_store.KVFileStore` as the in-process plugin
+The chunks go to the same :class:`~fastckpt.kv.KVFileStore` as the in-process plugin
 (:mod:`.lmcache`): same file format, same folder, one shared ``max_bytes`` for every process
 and both modes, restart reuse (a new server serves what the folder holds), atomic commits
 (a killed write never becomes a hit) and per-piece checksums (a chunk that fails them is a
@@ -63,14 +63,16 @@ from fastckpt.errors import CorruptCheckpointError
 from fastckpt.format import dtype_to_str, parse_header
 from fastckpt.storage import ALIGN, buffer_address
 
-from .lmcache_config import OPTIONS
-from .lmcache_store import FORMAT_TAG, HEADER_ALIGN, ChunkHandle, KVFileStore, StoreOptions, chunk_name
+from fastckpt.kv import ChunkHandle, KVFileStore, KVStoreOptions, chunk_name
+from fastckpt.kv.chunk import FORMAT_TAG, HEADER_ALIGN
+
+from .config import OPTIONS
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["FastCkptL2Adapter", "FastCkptL2AdapterConfig", "MODULE_PATH", "CLASS_NAME"]
 
-MODULE_PATH = "fastckpt.integrations.lmcache_l2"
+MODULE_PATH = "fastckpt.integrations.lmcache.l2"
 CLASS_NAME = "FastCkptL2Adapter"
 #: Pieces read by one call (one ``preadv``; the kernel splits it into device requests, so one
 #: read keeps several in flight, as LMCache's fs_native reads a whole file at once); each piece's
@@ -84,13 +86,13 @@ class FastCkptL2AdapterConfig(L2AdapterConfigBase):
     """Options of :class:`FastCkptL2Adapter`, built by LMCache from the plugin's ``adapter_params``.
 
     Args:
-        store: the chunk store's :class:`~.lmcache_store.StoreOptions` (``path`` required).
+        store: the chunk store's :class:`~fastckpt.kv.KVStoreOptions` (``path`` required).
         read_threads: threads reading chunks (in spans of :data:`SPAN_PIECES` pieces) in parallel: the
             load depth. Default 16.
         write_threads: threads writing chunks of store tasks in parallel. Default 4.
     """
 
-    def __init__(self, store: StoreOptions, read_threads: int = 16, write_threads: int = 4):
+    def __init__(self, store: KVStoreOptions, read_threads: int = 16, write_threads: int = 4):
         self.store = store
         self.read_threads = read_threads
         self.write_threads = write_threads
@@ -126,7 +128,7 @@ class FastCkptL2AdapterConfig(L2AdapterConfigBase):
                 near = next(iter(difflib.get_close_matches(str(k), PARAMS, n=1, cutoff=0.6)), None)
                 logger.warning("fastckpt kv: %s adapter_params.%s: unknown option, ignored%s", CLASS_NAME, k,
                                f"; did you mean {near}?" if near else "")
-        store = StoreOptions(path=vals["path"], max_bytes=vals["max_bytes"], o_direct=vals["o_direct"],
+        store = KVStoreOptions(path=vals["path"], max_bytes=vals["max_bytes"], o_direct=vals["o_direct"],
                              durable=vals["durable"], piece_bytes=vals["piece_bytes"], verify=vals["verify"],
                              min_rescan_interval_s=vals["min_rescan_interval_s"], stale_tmp_s=vals["stale_tmp_s"])
         return cls(store, read_threads=vals["read_threads"], write_threads=vals["write_threads"])
@@ -139,10 +141,10 @@ class FastCkptL2AdapterConfig(L2AdapterConfigBase):
                 "4096), min_rescan_interval_s, stale_tmp_s (seconds), read_threads, write_threads (int >= 1)")
 
 
-class _Store(KVFileStore):
+class _WholeChunkStore(KVFileStore):
     """The chunk store, noting the chunks that eviction removed (to tell LMCache's listeners)."""
 
-    def __init__(self, options: StoreOptions):
+    def __init__(self, options: KVStoreOptions):
         self.removed: list[str] = []
         self._in_room = False
         super().__init__(options)
@@ -269,7 +271,7 @@ class FastCkptL2Adapter(L2AdapterInterface):
         self.config = config
         self._verify = config.store.verify
         # the store reads spans unchecked; _read_span checks every piece of the span itself
-        self.store = _Store(dataclasses.replace(config.store, verify=False))
+        self.store = _WholeChunkStore(dataclasses.replace(config.store, verify=False))
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
@@ -506,7 +508,7 @@ class FastCkptL2Adapter(L2AdapterInterface):
         self._load_efd.notify()
 
     def _finish_whole(self, tid: L2TaskId, key, h, buf: memoryview, t0: float) -> None:
-        """End a one-chunk load task read by :meth:`_Store.read_whole` (``h`` None: a miss)."""
+        """End a one-chunk load task read by :meth:`_WholeChunkStore.read_whole` (``h`` None: a miss)."""
         bm = Bitmap(1)
         try:
             if h is not None:

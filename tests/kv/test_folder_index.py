@@ -1,6 +1,6 @@
 """The shared KV capacity across processes (issue 15): exact accounting, crashes, a stress run.
 
-The protocol (see ``integrations/lmcache_index.py``): every file created, renamed or unlinked in
+The protocol (see ``fastckpt/kv/folder_index.py``): every file created, renamed or unlinked in
 the folder is changed under the folder lock, and that lock section adds exactly the size change
 it made; a process killed inside the lock leaves its pid in the header and the next section
 recounts. So the counter equals the folder's bytes at every lock release and the folder never
@@ -21,8 +21,8 @@ import time
 import pytest
 
 from fastckpt.errors import CorruptCheckpointError, InsufficientSpaceError
-from fastckpt.integrations.lmcache_index import KVFolderIndex, audit
-from fastckpt.integrations.lmcache_store import TMP_RE, KVFileStore, StoreOptions, chunk_name
+from fastckpt.kv import KVFileStore, KVStoreOptions, audit, chunk_name
+from fastckpt.kv.folder_index import TMP_RE, KVFolderIndex
 
 PIECE = 8 << 10
 HEADER = 4096
@@ -48,7 +48,7 @@ def _payload(i: int) -> bytes:
 def _store(path, **kw) -> KVFileStore:
     kw.setdefault("piece_bytes", PIECE)
     kw.setdefault("durable", False)
-    return KVFileStore(StoreOptions(path=str(path), **kw))
+    return KVFileStore(KVStoreOptions(path=str(path), **kw))
 
 
 def _put(st: KVFileStore, i: int) -> bool:
@@ -280,3 +280,37 @@ def test_an_old_or_clobbered_lock_header_is_recounted(tmp_path):
         f.write(b"FCKVLCK1" + bytes(16))  # the previous layout
     assert audit(str(tmp_path))["counter"] is None
     assert st.used_bytes() == st.disk_bytes() == _data_bytes(0) + HEADER
+
+
+def test_temp_file_of_a_reused_pid_is_stale_and_a_live_writers_is_kept(tmp_path):
+    """The scan removes a temp file whose pid now belongs to a process started after the file
+    was written (the storage layer's stale-owner check: pid reuse), and keeps one whose writer
+    is alive and older than the file; both are younger than ``stale_tmp_s``."""
+    import subprocess
+    import sys
+
+    st = _store(tmp_path, stale_tmp_s=1e9)
+    name = chunk_name(_key(0))
+    newcomer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.5)
+        own = st.temp_path_for(name)  # this host, this process: rewrite the pid part
+        head, pid, tail = os.path.basename(own).rsplit(".", 2)
+        assert int(pid) == os.getpid()
+        os.makedirs(os.path.dirname(own), exist_ok=True)
+        reused = os.path.join(os.path.dirname(own), f"{head}.{newcomer.pid}.{tail}")
+        live = os.path.join(os.path.dirname(own), f"{head}.{os.getppid()}.{tail}1")
+        for p in (reused, live):
+            with open(p, "wb") as f:
+                f.write(b"x" * 100)
+        hour_ago = time.time() - 3600  # written before the newcomer started
+        os.utime(reused, (hour_ago, hour_ago))
+        assert TMP_RE.match(os.path.basename(reused)) and TMP_RE.match(os.path.basename(live))
+        st.rescan()
+        assert not os.path.exists(reused)
+        assert os.path.exists(live)
+        assert audit(str(tmp_path))["disk"] == audit(str(tmp_path))["counter"] == 100
+    finally:
+        newcomer.kill()
+        newcomer.wait()
+        st.close()

@@ -19,7 +19,7 @@ import logging
 import weakref
 from typing import Any
 
-logger = logging.getLogger("fastckpt.integrations.hf_trainer")
+logger = logging.getLogger("fastckpt.integrations.hf.trainer")
 
 
 def state_as_of_now(state) -> Any:

@@ -2,7 +2,7 @@
 
 Usage (the callback alone is enough; docs/TRAINER.md lists every Trainer feature)::
 
-    from fastckpt.integrations.hf_trainer import FastCkptCallback
+    from fastckpt.integrations.hf.trainer import FastCkptCallback
 
     trainer = Trainer(model=..., args=args, train_dataset=..., callbacks=[FastCkptCallback()])
     trainer.train()                                   # writes output_dir/checkpoint-N via fastckpt
@@ -14,19 +14,19 @@ has seen the event: at train begin it moves itself first in the Trainer's callba
 sets ``control.should_save = False`` so the Trainer's own pickle save never runs, and starts
 :func:`fastckpt.async_save` of a whole snapshot into ``checkpoint-N`` (HF-layout weights, adapter files, optimizer, scheduler, RNG
 states, ``trainer_state.json``, generation config and tokenizer files). Once it is committed the
-other callbacks' ``on_save`` fires (:mod:`~fastckpt.integrations.hf_on_save`). A background
+other callbacks' ``on_save`` fires (:mod:`~fastckpt.integrations.hf.on_save`). A background
 failure is re-raised in the training process with its original type.
 
 Resume: the Trainer loads the model through its own (safetensors) loader; the callback restores
 optimizer, scheduler and RNG states from the folder the Trainer resumes from (read off its training
-loop, :func:`~fastckpt.integrations.hf_resume.find_trainer`). :class:`FastCkptTrainerMixin` is
+loop, :func:`~fastckpt.integrations.hf.resume.find_trainer`). :class:`FastCkptTrainerMixin` is
 optional: it makes ``resume_from_checkpoint=True`` skip uncommitted ``checkpoint-N`` folders.
 
-Helpers live in :mod:`~fastckpt.integrations.hf_checkpoints` (folders, rotation),
-:mod:`~fastckpt.integrations.hf_snapshot`, :mod:`~fastckpt.integrations.hf_resume` and
-:mod:`~fastckpt.integrations.hf_step_gate`. Multi-process training (DDP, FSDP2): every rank takes
+Helpers live in :mod:`~fastckpt.integrations.hf.checkpoints` (folders, rotation),
+:mod:`~fastckpt.integrations.hf.snapshot`, :mod:`~fastckpt.integrations.hf.resume` and
+:mod:`~fastckpt.integrations.hf.step_gate`. Multi-process training (DDP, FSDP2): every rank takes
 part in each save, the model is written once, each rank's RNG state is its own
-(:mod:`~fastckpt.integrations.hf_ranks`; docs/TRAINER.md "Multi-process").
+(:mod:`~fastckpt.integrations.hf.rank_state`; docs/TRAINER.md "Multi-process").
 """
 
 from __future__ import annotations
@@ -47,16 +47,16 @@ from fastckpt import no_gc
 from fastckpt.errors import LinkedTensorChangedError, SourceChangedError, UnsupportedTrainerOptionError
 from fastckpt.storage import clean_stale_temps
 
-from .hf_checkpoints import (  # noqa: F401  (re-exported: public helpers, tests)
+from .checkpoints import (  # noqa: F401  (re-exported: public helpers, tests)
     PREFIX_CHECKPOINT_DIR, get_last_checkpoint, is_trainers_last, logged_this_step, newer_runs_warning,
     rotate_checkpoints, update_best_metric, update_stateful_callbacks)
-from .hf_on_save import OnSaveRelay, state_as_of_now
-from .hf_ranks import is_sharded, optimizer_state, rank_save_options, trainer_group
-from .hf_resume import TrainerResume, find_trainer, resume_checkpoint
-from .hf_snapshot import (  # noqa: F401  (re-exported: accelerate plugin, scripts)
+from .on_save import OnSaveRelay, state_as_of_now
+from .rank_state import is_sharded, optimizer_state, rank_save_options, trainer_group
+from .resume import TrainerResume, find_trainer, resume_checkpoint
+from .snapshot import (  # noqa: F401  (re-exported: accelerate plugin, scripts)
     ModelSnapshotter, capture_rng_state, dedup_tied, is_peft_model, model_snapshot, peft_base_weights,
     restore_rng_state, snapshot_bytes_estimate, tokenizer_files)
-from .hf_step_gate import OptimizerStepGate, param_or_optimizer_state
+from .step_gate import OptimizerStepGate, param_or_optimizer_state
 
 logger = logging.getLogger(__name__)
 

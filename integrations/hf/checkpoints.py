@@ -1,7 +1,7 @@
 """``checkpoint-N`` folders of a Trainer run: find the newest committed one, rotate old ones,
 and the Trainer's bookkeeping the callback mirrors (best metric, logged steps).
 
-Used by :mod:`fastckpt.integrations.hf_trainer` (which re-exports the public names).
+Used by :mod:`fastckpt.integrations.hf.trainer` (which re-exports the public names).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import fastckpt
 from fastckpt.storage import scan_checkpoints, step_folders
 from fastckpt.storage.retention import prune_checkpoints
 
-logger = logging.getLogger("fastckpt.integrations.hf_trainer")
+logger = logging.getLogger("fastckpt.integrations.hf.trainer")
 
 PREFIX_CHECKPOINT_DIR = "checkpoint"
 _PREFIX = f"{PREFIX_CHECKPOINT_DIR}-"

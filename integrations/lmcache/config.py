@@ -7,7 +7,7 @@ LMCache 0.5.x loads a storage plugin from::
 
     storage_plugins: ["fastckpt"]
     extra_config:
-      storage_plugin.fastckpt.module_path: fastckpt.integrations.lmcache
+      storage_plugin.fastckpt.module_path: fastckpt.integrations.lmcache.backend
       storage_plugin.fastckpt.class_name: FastCkptKVBackend
       storage_plugin.fastckpt.path: /mnt/array/kv
       storage_plugin.fastckpt.max_bytes: 107374182400
@@ -16,7 +16,7 @@ LMCache 0.3.x used ``external_backends`` and ``external_backend.<name>.*`` keys.
 maps ``external_backends`` to ``storage_plugins`` but never reads the
 ``external_backend.<name>.*`` keys, so such a config silently runs without the
 backend. :func:`check_config` finds that (and other mistakes) and says how to fix it;
-``python -m fastckpt.integrations.lmcache_config [config.yaml]`` runs it on a file or
+``python -m fastckpt.integrations.lmcache.config [config.yaml]`` runs it on a file or
 on the ``LMCACHE_*`` environment.
 """
 
@@ -30,12 +30,12 @@ import re
 import sys
 from dataclasses import dataclass
 
-from .lmcache_store import StoreOptions
+from fastckpt.kv import KVStoreOptions
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_NAME = "fastckpt"
-MODULE_PATH = "fastckpt.integrations.lmcache"
+MODULE_PATH = "fastckpt.integrations.lmcache.backend"
 CLASS_NAME = "FastCkptKVBackend"
 _OLD_PREFIX = "external_backend."
 
@@ -45,7 +45,7 @@ class BackendOptions:
     """Everything the backend reads from ``extra_config`` (``storage_plugin.<name>.<option>``).
 
     Attributes:
-        store: the :class:`StoreOptions` (``path``, ``max_bytes``, ``o_direct``, ``durable``,
+        store: the :class:`KVStoreOptions` (``path``, ``max_bytes``, ``o_direct``, ``durable``,
             ``piece_bytes``, ``verify``, ``min_rescan_interval_s``, ``stale_tmp_s``).
         read_threads: threads reading pieces in parallel. Default 16.
         write_threads: threads writing chunks in the background. Default 4.
@@ -53,7 +53,7 @@ class BackendOptions:
             0 disables them. Default 60.
     """
 
-    store: StoreOptions
+    store: KVStoreOptions
     read_threads: int = 16
     write_threads: int = 4
     stats_log_interval_s: float = 60.0
@@ -212,7 +212,7 @@ def plugin_names(cfg) -> list[str]:
     for name in _get(cfg, "storage_plugins") or []:
         mod = str(extra.get(f"storage_plugin.{name}.module_path", ""))
         cls = extra.get(f"storage_plugin.{name}.class_name")
-        if cls == CLASS_NAME and mod.endswith("integrations.lmcache"):
+        if cls == CLASS_NAME and mod.endswith("integrations.lmcache.backend"):
             out.append(name)
     return out
 
@@ -275,14 +275,14 @@ def parse_options(cfg, name: str | None = None) -> tuple[str, BackendOptions]:
     vals, errs = _read_options(extra, name)
     if errs:
         raise ValueError("; ".join(errs))
-    store = StoreOptions(path=vals["path"], max_bytes=vals["max_bytes"], o_direct=vals["o_direct"],
+    store = KVStoreOptions(path=vals["path"], max_bytes=vals["max_bytes"], o_direct=vals["o_direct"],
                          durable=vals["durable"], piece_bytes=vals["piece_bytes"], verify=vals["verify"],
                          min_rescan_interval_s=vals["min_rescan_interval_s"], stale_tmp_s=vals["stale_tmp_s"])
     return name, BackendOptions(store, read_threads=vals["read_threads"], write_threads=vals["write_threads"],
                                 stats_log_interval_s=vals["stats_log_interval_s"])
 
 
-def _load(config: str | None) -> dict:
+def _read_yaml_or_env(config: str | None) -> dict:
     if config:
         import yaml  # PyYAML ships with LMCache's dependencies
 
@@ -298,12 +298,12 @@ def _load(config: str | None) -> dict:
     return cfg
 
 
-def main(argv: list[str] | None = None) -> int:
+def check_cli(argv: list[str] | None = None) -> int:
     """CLI: check a YAML config file (or the environment); exit 1 if there are warnings."""
     import argparse
 
     p = argparse.ArgumentParser(
-        prog="python -m fastckpt.integrations.lmcache_config",
+        prog="python -m fastckpt.integrations.lmcache.config",
         description="Check an LMCache config for the fastckpt KV backend: LMCache 0.3.x keys that 0.5.x "
                     "ignores, unlisted or incomplete plugins, a missing path, malformed option values "
                     "(one line each: the key and the expected form) and unknown option keys (with the "
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                         "LMCACHE_EXTERNAL_BACKENDS and LMCACHE_EXTRA_CONFIG (JSON) from the environment)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = _load(args.config)
+        cfg = _read_yaml_or_env(args.config)
     except Exception as e:  # missing file, bad JSON (ValueError), bad YAML (yaml.YAMLError)
         if not isinstance(e, (OSError, ValueError)) and not type(e).__module__.startswith("yaml"):
             raise
@@ -351,4 +351,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(check_cli())

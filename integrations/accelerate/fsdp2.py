@@ -29,6 +29,8 @@ import torch
 
 from fastckpt.errors import AccelerateFSDP1Error, AccelerateStateError
 
+from ..hf.rank_state import torch_optimizer
+
 logger = logging.getLogger(__name__)
 
 #: Top-level keys of a sharded checkpoint besides ``model``, ``model_<i>`` and ``optimizers``.
@@ -76,11 +78,6 @@ def sharded(acc) -> bool:
                for m in map(acc.unwrap_model, acc._models))
 
 
-def _torch_optimizer(opt):
-    """The ``torch.optim.Optimizer`` inside accelerate's ``AcceleratedOptimizer``."""
-    return getattr(opt, "optimizer", opt)
-
-
 def _pairs(acc) -> list[tuple[Any, Any]]:
     """``(model_i, optimizer_i or None)`` in accelerate's pairing (optimizer ``i`` -> model ``i``).
 
@@ -92,7 +89,7 @@ def _pairs(acc) -> list[tuple[Any, Any]]:
         raise AccelerateStateError(
             f"{len(opts)} optimizers for {len(models)} FSDP2 model(s): accelerate's FSDP path saves optimizer i "
             f"with model i; prepare one optimizer per model")
-    return [(m, _torch_optimizer(opts[i]) if i < len(opts) else None) for i, m in enumerate(models)]
+    return [(m, torch_optimizer(opts[i]) if i < len(opts) else None) for i, m in enumerate(models)]
 
 
 def state_dicts(acc) -> tuple[list[dict], list[dict]]:

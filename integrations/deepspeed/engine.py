@@ -4,7 +4,7 @@ DeepSpeed has no registry for third-party engines; install on an initialized eng
 one line::
 
     engine, *_ = deepspeed.initialize(...)
-    fastckpt.integrations.deepspeed.install(engine)   # then save_checkpoint/load_checkpoint as usual
+    fastckpt.integrations.deepspeed.engine.install(engine)   # then save_checkpoint/load_checkpoint as usual
 
 Call order (DeepSpeed ``save_checkpoint``, every rank): ``create(info)`` -> ``makedirs`` ->
 ``save(state_dict, path)`` for each file this rank owns (``mp_rank_00_model_states.pt`` on the
@@ -12,7 +12,7 @@ model writer for ZeRO-1/2, ``zero_pp_rank_{r}_mp_rank_00_model_states.pt`` on ev
 ZeRO-3, ``zero_pp_rank_{r}_..._optim_states.pt`` on every ZeRO rank) -> ``commit(info)`` ->
 rank 0 writes ``save_dir/latest``. Each ``path`` becomes a fastckpt checkpoint *folder* of that
 name (safetensors + JSON, committed by rename); ``save`` only stages (async). ``commit`` is a
-vote of every rank (:mod:`fastckpt.integrations.deepspeed_tag`): it returns only once every
+vote of every rank (:mod:`fastckpt.integrations.deepspeed.tag`): it returns only once every
 rank's files are durable and rank 0 has written the tag's ``fastckpt_tag.json``; if any rank
 failed, it raises :class:`~fastckpt.errors.DistributedSaveError` on every rank, each rank removes
 its files of the tag, and DeepSpeed never writes ``latest`` (which keeps naming the previous,
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 import fastckpt
-from . import deepspeed_tag as tag
+from . import tag
 from fastckpt.errors import CheckpointNotFoundError, UnsupportedValueError, UntrustedTypeError
 
 #: The only classes :func:`decode` rebuilds (``module:qualname``): those DeepSpeed 0.19 puts in
@@ -146,7 +146,7 @@ def decode(v: Any, source: str = "<state>") -> Any:
 class FastCkptCheckpointEngine(_Base):
     """``deepspeed.runtime.checkpoint_engine.CheckpointEngine`` writing fastckpt folders.
 
-    With several ranks, ``commit`` is a collective vote (:mod:`fastckpt.integrations.deepspeed_tag`):
+    With several ranks, ``commit`` is a collective vote (:mod:`fastckpt.integrations.deepspeed.tag`):
     a tag counts only once every rank's files are durable and rank 0 wrote ``fastckpt_tag.json``;
     a failure on any rank makes ``save_checkpoint`` raise on every rank before DeepSpeed writes
     ``latest``. A failing ``save`` is therefore not raised at once but kept for ``commit`` (which

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-logger = logging.getLogger("fastckpt.integrations.hf_trainer")
+logger = logging.getLogger("fastckpt.integrations.hf.trainer")
 
 
 # ---------------------------------------------------------------------------------------------
