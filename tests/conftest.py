@@ -13,6 +13,10 @@ import torch
 
 from fastckpt.storage.io import PosixBackend
 
+#: LMCache's own L2 adapter tests run from a copy of this folder inside .venv-lmcache
+#: (tests/integrations/test_lmcache_l2.py); its conftest imports lmcache, absent here.
+collect_ignore = ["integrations/lmcache_l2_suite"]
+
 # Test modules import these helpers as ``fastckpt_testkit``: other folders under tests/ have
 # their own conftest.py, so the plain name ``conftest`` may point at another file.
 sys.modules.setdefault("fastckpt_testkit", sys.modules[__name__])
