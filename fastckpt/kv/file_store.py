@@ -50,7 +50,8 @@ from pathlib import Path
 import xxhash
 
 from fastckpt.errors import CorruptCheckpointError
-from fastckpt.format import encode_header, read_header_fd
+from fastckpt.format import encode_header
+from fastckpt.storage.model_files import read_header_fd
 from fastckpt.storage import ALIGN, FileWriter, buffer_address, fsync_dir, get_backend, read_exact
 
 from .chunk import FORMAT_TAG, HEADER_ALIGN, ChunkHandle, KVStoreOptions, chunk_name, piece_hashes
