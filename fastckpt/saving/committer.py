@@ -61,9 +61,9 @@ def folder_error(path: Path, e: OSError) -> FastCkptError | None:
     if isinstance(e, FileNotFoundError):
         return None
     here = Path(path).parent
-    while not here.exists() and here != here.parent:  # the deepest folder that exists
+    while not LOCAL.exists(str(here)) and here != here.parent:  # the deepest folder that exists
         here = here.parent
-    if here.exists() and not here.is_dir():
+    if LOCAL.exists(str(here)) and not LOCAL.isdir(str(here)):
         return NotAFolderError(f"cannot save '{path}': {here} is a file, not a folder; save under "
                                "another path or move the file", path=str(path), file=str(here))
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):

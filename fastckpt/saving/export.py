@@ -217,7 +217,7 @@ def copy_checked(src: str, dst: str, size: int, checks: Sequence[Check], *,
     hasher = _RangeHasher(src, checks)
     fd = be.open_read(src)
     try:
-        actual = os.fstat(fd).st_size
+        actual = be.size(fd)
         if actual != size:
             raise CorruptCheckpointError(f"{src}: {actual} bytes on disk, manifest says {size} (truncated or "
                                          "replaced)", path=src)
@@ -304,8 +304,7 @@ def warm_files(paths: list[str], *, threads: int | None = None, range_bytes: int
         hasher = _RangeHasher(path, [check]) if check else None
         fd = be.open_read(path)
         try:
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, start, n, os.POSIX_FADV_SEQUENTIAL)
+            be.advise_sequential(fd, start, n)
             buf = memoryview(bytearray(max(1, min(chunk_bytes, n))))
             for a in range(0, n, chunk_bytes):
                 m = min(chunk_bytes, n - a)
