@@ -88,6 +88,10 @@ class PosixBackend:
         """The size in bytes of the open file ``fd``."""
         return os.fstat(fd).st_size
 
+    def inode(self, fd: int) -> int:
+        """The inode number of the open file ``fd`` (a file replaced under its name gets another one)."""
+        return os.fstat(fd).st_ino
+
     def advise_sequential(self, fd: int, offset: int, nbytes: int) -> None:
         """Tell the kernel bytes ``[offset, offset + nbytes)`` of ``fd`` will be read in order
         (larger read-ahead); no-op where unsupported."""

@@ -42,6 +42,7 @@ import shutil
 import socket
 import stat
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 from ..errors import CheckpointExistsError
@@ -122,6 +123,41 @@ class Store:
         hidden = pattern.startswith(".")
         return sorted(self.join(folder, n) for n in names
                       if fnmatch.fnmatchcase(n, pattern) and (hidden or not n.startswith(".")))
+
+    def entries(self, folder: str) -> list["Entry"]:
+        """The entries of ``folder`` with their own size and times (a symlink is not followed), in
+        no order; entries removed while the folder is read are left out.
+
+        Raises:
+            FileNotFoundError: no such folder. NotADirectoryError: ``folder`` is a file.
+        """
+        out = []
+        for name in self.listdir(folder):
+            try:
+                out.append(self.entry(self.join(folder, name)))
+            except FileNotFoundError:
+                continue
+        return out
+
+    def entry(self, path: str) -> "Entry":
+        """What is at ``path`` itself (a symlink is not followed): an :class:`Entry`.
+
+        Raises:
+            FileNotFoundError: nothing at ``path``.
+        """
+        folder = self.isdir(path)
+        if not folder and not self.exists(path):
+            raise FileNotFoundError(2, "no such file or folder", path)
+        return Entry(self.basename(path), path, folder, 0 if folder else self.size(path), self.mtime(path), 0)
+
+    def rename(self, src: str, dst: str) -> None:
+        """Rename file ``src`` to ``dst`` in one atomic step, replacing a file at ``dst`` (``rename(2)``).
+
+        Raises:
+            FileNotFoundError: ``src`` is gone.
+            NotImplementedError: the store has no atomic rename (object stores).
+        """
+        raise NotImplementedError(f"{self.name} store has no atomic rename")
 
     def lexists(self, path: str) -> bool:
         """True if an entry is at ``path``, a dangling local symlink included (:meth:`exists` is
@@ -261,6 +297,25 @@ class Store:
         yield path
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a folder (:meth:`Store.entries`, :meth:`Store.entry`).
+
+    Attributes:
+        name: its name in the folder. path: its path in the store.
+        folder: True for a folder (a symlink to one is not). size: bytes (0 for a folder).
+        mtime: modification time, seconds since the epoch. ino: the local inode number (0 where
+            the store has none): a file replaced under the same name gets another one.
+    """
+
+    name: str
+    path: str
+    folder: bool
+    size: int
+    mtime: float
+    ino: int
+
+
 class FileReader:
     """An open file of a store (:meth:`Store.open_reader`).
 
@@ -331,6 +386,25 @@ class LocalStore(Store):
 
     def lexists(self, path: str) -> bool:
         return os.path.lexists(path)
+
+    def entries(self, folder: str) -> list[Entry]:
+        """One ``scandir``; each entry's ``lstat`` (entries gone meanwhile are left out)."""
+        out = []
+        with os.scandir(folder) as it:
+            for e in it:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                out.append(Entry(e.name, e.path, stat.S_ISDIR(st.st_mode), st.st_size, st.st_mtime, st.st_ino))
+        return out
+
+    def entry(self, path: str) -> Entry:
+        st = os.stat(path, follow_symlinks=False)
+        return Entry(os.path.basename(path), path, stat.S_ISDIR(st.st_mode), st.st_size, st.st_mtime, st.st_ino)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst)
 
     def realpath(self, path: str) -> str:
         return os.path.realpath(path)
