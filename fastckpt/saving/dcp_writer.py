@@ -308,7 +308,7 @@ class FastCkptWriter(StorageWriter):
         reports: dict[int, dict] = {}
         values: dict[str, Any] = {}
         for r, rank_results in enumerate(results):
-            rep = reports.setdefault(r, {"hashes": {}, "chunks": {}, "files": {}, "entries": {}, "shards": {},
+            rep = reports.setdefault(r, {"hashes": {}, "chunks": {}, "files": {}, "entries": {},
                                          "bytes": 0, "written": [], "placement": info.get("placement", {})})
             for res in rank_results:
                 d = res.storage_data
