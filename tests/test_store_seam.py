@@ -138,7 +138,7 @@ def find_fs_calls() -> list[str]:
 def test_no_file_system_call_outside_the_store():
     found = find_fs_calls()
     assert not found, ("direct file-system calls outside fastckpt/storage/ (route them through the Store, "
-                       f"fastckpt/storage/store.py):\n" + "\n".join(found))
+                       "fastckpt/storage/store.py):\n" + "\n".join(found))
 
 
 def test_the_scan_sees_each_kind_of_call(tmp_path):

@@ -28,7 +28,6 @@ from ..storage.store import LOCAL, strategy
 
 #: The consolidated folder is built in a hidden folder and renamed into place.
 _COMMIT = strategy("rename")
-from ..storage.io import copy_file
 
 
 def meta_folders(tag_dir: str, config: str | None) -> list[str]:
@@ -111,6 +110,6 @@ def _copy_matching(folders: list[str], dst: str, patterns: tuple[str, ...]) -> l
             for p in LOCAL.glob(d, pat):
                 name = os.path.basename(p)
                 if LOCAL.isfile(p) and name not in copied:
-                    copy_file(p, os.path.join(dst, name))
+                    LOCAL.put_file(p, os.path.join(dst, name))
                     copied.append(name)
     return copied

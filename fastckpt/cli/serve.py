@@ -60,7 +60,6 @@ from ..loading.source import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Source, adapter_b
 from ..saving.committer import folder_error
 from ..saving.export import Entry, copy_checked, plan_shards, read_checked, warm_files, write_shards
 from ..storage import commit as cm
-from ..storage.io import copy_file
 from ..storage.store import LOCAL, strategy
 
 #: Exports are built in a hidden folder and renamed into place (never half-visible at --to).
@@ -111,7 +110,7 @@ def _copy_side_file(folder: str, name: str, dst: str, checked: _Checked) -> None
     src = os.path.join(folder, name)
     fc = file_checks(folder, name)
     if fc is None or not fc[1]:
-        copy_file(src, dst)
+        LOCAL.put_file(src, dst)
         checked.unchecked.append(name)
         return
     copy_checked(src, dst, fc[0], fc[1])

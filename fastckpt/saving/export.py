@@ -121,7 +121,7 @@ def write_shards(plan: ShardPlan, fetch: Callable[[list[str]], dict[str, torch.T
                     entries = list(dict(plan.files)[fname])
                     prefix, infos = encode_header(entries, meta)
                     size = len(prefix) + (infos[-1].end if infos else 0)
-                    w = FileWriter(be, os.path.join(folder, fname), size)
+                    w = LOCAL.open_write(os.path.join(folder, fname), size, backend=be)
                     w.write(memoryview(prefix), 0)
                     written += len(prefix)
                     writers[fname] = (w, {i.name: len(prefix) + i.start for i in infos})
@@ -221,7 +221,7 @@ def copy_checked(src: str, dst: str, size: int, checks: Sequence[Check], *,
         if actual != size:
             raise CorruptCheckpointError(f"{src}: {actual} bytes on disk, manifest says {size} (truncated or "
                                          "replaced)", path=src)
-        w = FileWriter(be, dst, size)
+        w = LOCAL.open_write(dst, size, backend=be)
         try:
             bufs = [memoryview(bytearray(min(chunk_bytes, max(size, 1)))) for _ in range(2)]
             spans = [(i, a, min(chunk_bytes, size - a)) for i, a in enumerate(range(0, size, chunk_bytes))]

@@ -524,7 +524,6 @@ class Saver:
                 if ref in e:
                     e[ref] = pre + e[ref]
             entries[pre + k] = e
-        dtypes = {s.key: s.dtype for s in loc.specs}
         sv.local = (loc.skeleton if (loc.specs or loc.entries) else None, entries)
         return rank_specs(loc.specs, sv.coord.rank)
 
