@@ -28,6 +28,9 @@ OS_PATH_CALLS = {"exists", "lexists", "isfile", "isdir", "islink", "ismount", "g
 PATH_METHODS = {"read_bytes", "read_text", "write_bytes", "write_text", "mkdir", "unlink", "rmdir", "exists",
                 "is_dir", "is_file", "is_symlink", "glob", "rglob", "iterdir", "stat", "lstat", "touch",
                 "rename", "replace", "resolve", "readlink", "symlink_to", "hardlink_to", "open", "samefile"}
+#: ``pathlib.Path`` methods that the Store also has, but always with a path argument: without
+#: arguments (``folder.exists()``) the receiver is a ``Path``.
+NO_ARG_PATH_METHODS = {"exists", "stat", "lstat", "read_bytes", "resolve", "readlink", "open"}
 #: Methods only ``pathlib.Path`` / ``os.DirEntry`` have (the Store spells its own differently):
 #: flagged on any receiver, since a variable's type is not known to the scan.
 PATH_ONLY_METHODS = {"read_text", "write_bytes", "write_text", "mkdir", "unlink", "rmdir", "is_dir", "is_file",
@@ -87,7 +90,8 @@ def _violations(path: str) -> list[tuple[int, str]]:
             bad = full
         elif isinstance(node.func, ast.Attribute) and (
                 node.func.attr in PATH_ONLY_METHODS
-                or node.func.attr in PATH_METHODS and _is_path_expr(node.func.value, aliases)):
+                or node.func.attr in PATH_METHODS and _is_path_expr(node.func.value, aliases)
+                or node.func.attr in NO_ARG_PATH_METHODS and not node.args and not node.keywords):
             bad = f"Path.{node.func.attr}"
         if bad:
             out.append((node.lineno, bad))
@@ -145,7 +149,8 @@ def test_the_scan_sees_each_kind_of_call(tmp_path):
     src = tmp_path / "m.py"
     src.write_text("import os, shutil\nfrom pathlib import Path\nfrom os.path import exists as ex\n"
                    "open('x')\nos.listdir('.')\nos.path.isdir('.')\nshutil.rmtree('x')\nPath('x').read_bytes()\n"
-                   "ex('x')\nos.path.join('a', 'b')\nPath('a') / 'b'\nfolder.is_dir()\n")
+                   "ex('x')\nos.path.join('a', 'b')\nPath('a') / 'b'\nfolder.is_dir()\nfolder.exists()\n"
+                   "store.exists(folder)\n")
     calls = [c for _, c in _violations(str(src))]
     assert sorted(calls) == sorted(["open", "os.listdir", "os.path.isdir", "shutil.rmtree", "Path.read_bytes",
-                                    "os.path.exists", "Path.is_dir"])
+                                    "os.path.exists", "Path.is_dir", "Path.exists"])

@@ -422,7 +422,7 @@ class Saver:
         loc_specs: list = []
         try:
             route.check(opts)
-            if sv.path.exists() and not opts.overwrite:
+            if LOCAL_STORE.exists(str(sv.path)) and not opts.overwrite:
                 raise CheckpointExistsError(f"{sv.path} already exists; pass overwrite=True to replace it atomically")
             split = split_state(state, opts.local_keys) if has_split(state, opts.local_keys) else None
             if split is not None:
