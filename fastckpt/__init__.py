@@ -159,8 +159,7 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
     """
     return _saver().async_save(
         state, path, process_group=process_group, overwrite=overwrite, step=step, weights=weights,
-        extra_files=extra_files, metadata=metadata, on_commit=on_commit, local_keys=local_keys,
-        **({} if commit is None else {"commit": commit}),
+        extra_files=extra_files, metadata=metadata, on_commit=on_commit, local_keys=local_keys, commit=commit,
         timeout_s=timeout_s, io=io, consistency=consistency,
         **_given(max_shard_bytes=max_shard_bytes, chunk_bytes=chunk_bytes, threads=threads,
                  staging_bytes=staging_bytes, o_direct=o_direct, io_backend=io_backend,
