@@ -65,7 +65,7 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
                overwrite: bool = False, step: int | None = None, weights: dict[str, str] | None = None,
                extra_files: dict[str, bytes] | None = None, metadata: dict[str, str] | None = None,
                on_commit: Callable[[Path], None] | None = None, local_keys: tuple[str, ...] | list[str] = (),
-               commit: str = "rename", timeout_s: float | None = None,
+               commit: str | None = None, timeout_s: float | None = None,
                io: IOTuning | None = None, consistency: Consistency | None = None,
                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                threads: int | None = None, staging_bytes: int | None = None, o_direct: bool | None = None,
@@ -99,7 +99,8 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
             existing ``path``, no step, ``{"model": "model"}``, none, none, none); see
             :class:`fastckpt.SaveOptions`.
         local_keys, commit, timeout_s: multi-rank saves: per-rank top-level keys (default none),
-            ``"rename"`` (default) or ``"marker"``, seconds to wait for the other ranks (default the
+            ``"rename"`` or ``"marker"`` (default ``None``: the store's default, ``"rename"`` on a local
+            file system, ``"marker"`` on an object store), seconds to wait for the other ranks (default the
             group's timeout); see :class:`fastckpt.SaveOptions`.
         io, max_shard_bytes, chunk_bytes, threads, staging_bytes, o_direct, io_backend,
             min_free_bytes: how the bytes move, as an :class:`fastckpt.IOTuning` or its fields by
@@ -180,7 +181,7 @@ def save(state: Any, path: str | os.PathLike, *, process_group: Any = None,
          overwrite: bool = False, step: int | None = None, weights: dict[str, str] | None = None,
          extra_files: dict[str, bytes] | None = None, metadata: dict[str, str] | None = None,
          on_commit: Callable[[Path], None] | None = None, local_keys: tuple[str, ...] | list[str] = (),
-         commit: str = "rename", timeout_s: float | None = None,
+         commit: str | None = None, timeout_s: float | None = None,
          io: IOTuning | None = None, consistency: Consistency | None = None,
          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
          threads: int | None = None, staging_bytes: int | None = None, o_direct: bool | None = None,

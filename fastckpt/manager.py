@@ -302,12 +302,14 @@ _COMMON_LOCK = threading.Lock()
 def committed_steps(root: str | os.PathLike, prefix: str = "step-") -> list[int]:
     """Steps ``{root}/{prefix}{n}`` that hold a valid ``manifest.json`` (commit marker), ascending."""
     pat = re.compile(re.escape(prefix) + r"(\d+)$")
+    store = store_for(root)
     try:
-        names = os.listdir(root)
-    except FileNotFoundError:
+        names = store.listdir(os.fspath(root))
+    except (FileNotFoundError, NotADirectoryError):
         return []
+    held = None if store.local else store
     return sorted(int(m.group(1)) for n in names
-                  if (m := pat.match(n)) and cm.is_committed(os.path.join(root, n)))
+                  if (m := pat.match(n)) and cm.is_committed(store.join(os.fspath(root), n), held))
 
 
 def newest_common_step(root: str | os.PathLike, *, prefix: str = "step-", process_group: Any = None,

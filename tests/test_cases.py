@@ -16,7 +16,8 @@ import fastckpt
 import fastckpt.loading.reader
 from fastckpt.loading.device import load_weights
 from fastckpt.errors import (FastCkptError, HeaderError, UnsupportedDtypeError, UnsupportedValueError)
-from fastckpt.format.safetensors import encode_header, read_header
+from fastckpt.format.safetensors import encode_header
+from fastckpt.storage.model_files import read_header
 from fastckpt.loading.tp import Shard
 
 from fastckpt_testkit import assert_same, assert_tree_same, listing, st_file, write_bytes

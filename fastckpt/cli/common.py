@@ -158,7 +158,7 @@ def not_found_message(root: str | os.PathLike, prefix: str | None = None) -> str
     root = os.path.abspath(os.fspath(root))
     if not LOCAL.exists(root):
         return f"{root}: no checkpoints: no such file or folder"
-    if not os.path.isdir(root):
+    if not LOCAL.isdir(root):
         return (f"{root}: no checkpoints: it is a file, not a folder (pass the run root or checkpoint folder; "
                 f"`fastckpt verify {root}` checks one safetensors file)")
     pats = [f"{p}N" for p in ((prefix,) if prefix else PREFIXES)]

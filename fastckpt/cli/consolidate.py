@@ -16,7 +16,6 @@ Nothing appears at ``DIR`` unless all of it succeeded.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import sys
 from typing import Callable
@@ -29,7 +28,6 @@ from ..storage.store import LOCAL, strategy
 
 #: The consolidated folder is built in a hidden folder and renamed into place.
 _COMMIT = strategy("rename")
-from ..storage.io import copy_file
 
 
 def meta_folders(tag_dir: str, config: str | None) -> list[str]:
@@ -48,11 +46,11 @@ def check_to_zero(to: str, tag_dir: str, config: str | None) -> None:
     Raises:
         ValueError: naming both paths (before anything is written).
     """
-    real_to = os.path.realpath(to)
+    real_to = LOCAL.realpath(to)
     for p in (os.path.dirname(tag_dir), tag_dir, config):
         if not p:
             continue
-        rp = os.path.realpath(p)
+        rp = LOCAL.realpath(p)
         if real_to == rp or os.path.commonpath([real_to, rp]) in (rp, real_to):
             raise ValueError(f"refusing --to {to}: it is, is inside or contains {os.path.abspath(p)}, which the "
                              "consolidation reads; choose a --to elsewhere")
@@ -80,7 +78,7 @@ def export_zero(tag_dir: str, to: str, args: argparse.Namespace, meta_patterns: 
     """
     config = getattr(args, "config", None)
     check_to_zero(to, tag_dir, config)
-    if os.path.lexists(to) and not args.overwrite:
+    if LOCAL.lexists(to) and not args.overwrite:
         raise CheckpointExistsError(f"{to} exists; choose another --to or pass --overwrite")
     sd, info = consolidate(tag_dir)
     print(f"source: DeepSpeed ZeRO-{info.stage} tag {tag_dir} ({info.world_size} ranks, {len(sd)} tensors, "
@@ -109,9 +107,9 @@ def _copy_matching(folders: list[str], dst: str, patterns: tuple[str, ...]) -> l
     copied: list[str] = []
     for d in folders:
         for pat in patterns:
-            for p in sorted(glob.glob(os.path.join(glob.escape(d), pat))):
+            for p in LOCAL.glob(d, pat):
                 name = os.path.basename(p)
                 if LOCAL.isfile(p) and name not in copied:
-                    copy_file(p, os.path.join(dst, name))
+                    LOCAL.put_file(p, os.path.join(dst, name))
                     copied.append(name)
     return copied

@@ -46,7 +46,6 @@ gate included (named on stderr, no command printed, nothing at ``--to``).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
@@ -61,7 +60,6 @@ from ..loading.source import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Source, adapter_b
 from ..saving.committer import folder_error
 from ..saving.export import Entry, copy_checked, plan_shards, read_checked, warm_files, write_shards
 from ..storage import commit as cm
-from ..storage.io import copy_file
 from ..storage.store import LOCAL, strategy
 
 #: Exports are built in a hidden folder and renamed into place (never half-visible at --to).
@@ -112,7 +110,7 @@ def _copy_side_file(folder: str, name: str, dst: str, checked: _Checked) -> None
     src = os.path.join(folder, name)
     fc = file_checks(folder, name)
     if fc is None or not fc[1]:
-        copy_file(src, dst)
+        LOCAL.put_file(src, dst)
         checked.unchecked.append(name)
         return
     copy_checked(src, dst, fc[0], fc[1])
@@ -136,7 +134,7 @@ def _meta_files(src_dir: str) -> list[str]:
     """Names of the config/tokenizer files of ``src_dir``, in :data:`META_PATTERNS` order."""
     out: list[str] = []
     for pat in META_PATTERNS:
-        for p in sorted(glob.glob(os.path.join(glob.escape(src_dir), pat))):
+        for p in LOCAL.glob(src_dir, pat):
             if LOCAL.isfile(p) and os.path.basename(p) not in out:
                 out.append(os.path.basename(p))
     return out
@@ -152,7 +150,7 @@ def _copy_meta(src_dir: str, dst: str, checked: _Checked) -> list[str]:
 
 
 def _has_tokenizer(folder: str) -> bool:
-    return any(glob.glob(os.path.join(glob.escape(folder), pat)) for pat in TOKENIZER_PATTERNS)
+    return any(LOCAL.glob(folder, pat) for pat in TOKENIZER_PATTERNS)
 
 
 def _meta_fallbacks(src: Source, args: argparse.Namespace) -> list[str]:
@@ -214,7 +212,7 @@ def merged_state(src: Source, config_dir: str, scratch: str, checked: _Checked, 
     """
     import peft
     import transformers
-    from safetensors.torch import save_file
+    from safetensors.torch import save as safetensors_bytes
 
     if not LOCAL.isfile(os.path.join(config_dir, "config.json")):
         raise ValueError(f"--merge-lora: {src.meta_dir} has no config.json (nor has the base model folder): "
@@ -238,7 +236,7 @@ def merged_state(src: Source, config_dir: str, scratch: str, checked: _Checked, 
         checked.tensors += len(adapter)
     else:
         checked.unchecked.append(ADAPTER_WEIGHTS)
-    save_file(adapter, os.path.join(scratch, ADAPTER_WEIGHTS))
+    LOCAL.write_file(os.path.join(scratch, ADAPTER_WEIGHTS), safetensors_bytes(adapter), fsync=False)
     del adapter
     return lora.unique_tensors(peft.PeftModel.from_pretrained(model, scratch).merge_and_unload())
 
@@ -268,7 +266,7 @@ def check_to(to: str, src: Source, args: argparse.Namespace) -> None:
     Raises:
         ValueError: naming both paths (before anything is written or removed).
     """
-    real = os.path.realpath
+    real = LOCAL.realpath
     separate_adapter = src.adapter_dir is not None and real(src.adapter_dir) != real(src.path)
     given = "the source" if real(args.source) in (real(src.path), real(src.adapter_dir or src.path)) \
         else "the run root the source checkpoint was taken from,"
@@ -276,11 +274,11 @@ def check_to(to: str, src: Source, args: argparse.Namespace) -> None:
              (src.path, "the base model folder" if separate_adapter else "the source checkpoint"),
              (src.adapter_dir, "the LoRA adapter folder"), (getattr(args, "base", None), "the base model folder")]
     reads += [(d, "the base model folder") for d in _meta_fallbacks(src, args)]
-    real_to = os.path.realpath(to)
+    real_to = LOCAL.realpath(to)
     for p, what in reads:
         if not p:
             continue
-        rp = os.path.realpath(p)
+        rp = LOCAL.realpath(p)
         how = "is" if real_to == rp else "is inside" if _inside(real_to, rp) else \
             "contains" if _inside(rp, real_to) else None
         if how:
@@ -321,7 +319,7 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
         CheckpointExistsError: ``to`` exists and ``--overwrite`` was not given.
         OSError: naming ``to`` (not the temporary folder) when it cannot be written.
     """
-    if os.path.lexists(to) and not args.overwrite:
+    if LOCAL.lexists(to) and not args.overwrite:
         raise CheckpointExistsError(f"{to} exists; choose another --to or pass --overwrite")
     checked = _Checked()
     try:
@@ -420,7 +418,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         out = export(src, os.path.abspath(args.to), args)
         adapter = os.path.join(out, "adapter") if src.adapter_dir and not args.merge_lora else None
         if args.warm:
-            _warm(glob.glob(os.path.join(glob.escape(out), "*.safetensors")), args)
+            _warm(LOCAL.glob(out, "*.safetensors"), args)
         print(f"wrote {out}", file=sys.stderr)
     else:
         _warm_source(src, args)

@@ -7,7 +7,7 @@ valid value is, and the JSON bytes a writer produces. Reading the file from disk
 
 * :class:`Manifest`: the whole document; :class:`FileEntry` per file, :class:`TensorEntry` per
   key path (a stored tensor, an ``alias`` or a ``view``), :class:`TensorChunk` per format-2 chunk,
-  :class:`Distributed` (with :class:`ShardInfo` / :class:`ShardPiece`) for multi-rank saves.
+  :class:`Distributed` for multi-rank saves.
 * :func:`parse` (bytes or a dict) raises :class:`~fastckpt.errors.ManifestError` naming the file,
   the key and the value; :meth:`Manifest.to_json` gives the bytes written to disk.
 * :class:`RangeCheck`: one checksummed range of a file (a small file, a safetensors header, a
@@ -138,25 +138,6 @@ class TensorEntry:
 
 
 @dataclass
-class ShardPiece:
-    """One rank's piece of a format-1 multi-rank ``Shard`` value (stored under ``key``)."""
-
-    rank: int
-    key: str
-    offsets: tuple[int, ...]
-    shape: tuple[int, ...]
-
-
-@dataclass
-class ShardInfo:
-    """A format-1 ``Shard`` value: its dtype, global shape and the pieces the ranks stored."""
-
-    dtype: str
-    global_shape: tuple[int, ...]
-    pieces: list[ShardPiece] = field(default_factory=list)
-
-
-@dataclass
 class Distributed:
     """The ``distributed`` section of a multi-rank save (docs/FORMAT.md, "Multi-rank").
 
@@ -167,7 +148,6 @@ class Distributed:
         bytes_by_rank: rank -> bytes it wrote.
         rank_local_keys: top-level keys saved rank-locally (``local_keys``).
         rank_local_skeletons: rank -> its ``state-rank*.json`` file.
-        shards: key path -> :class:`ShardInfo` (format-1 ``Shard`` values).
         planner: ``"dcp"`` for DTensor saves (DCP's planner decided the writes), else ``None``.
     """
 
@@ -178,7 +158,6 @@ class Distributed:
     bytes_by_rank: dict[int, int] = field(default_factory=dict)
     rank_local_keys: list[str] = field(default_factory=list)
     rank_local_skeletons: dict[int, str] = field(default_factory=dict)
-    shards: dict[str, ShardInfo] = field(default_factory=dict)
     planner: str | None = None
 
     def to_dict(self) -> dict:
@@ -188,10 +167,7 @@ class Distributed:
             "written_by": {k: list(v) for k, v in self.written_by.items()},
             "bytes_by_rank": {str(r): b for r, b in self.bytes_by_rank.items()},
             "rank_local": {"keys": list(self.rank_local_keys),
-                           "skeletons": {str(r): n for r, n in self.rank_local_skeletons.items()}},
-            "shards": {k: {"dtype": s.dtype, "global_shape": list(s.global_shape),
-                           "pieces": [{"rank": p.rank, "key": p.key, "offsets": list(p.offsets), "shape": list(p.shape)}
-                                      for p in s.pieces]} for k, s in self.shards.items()}}
+                           "skeletons": {str(r): n for r, n in self.rank_local_skeletons.items()}}}
         if self.planner is not None:
             d["planner"] = self.planner
         return d
@@ -490,7 +466,9 @@ class _Parser:
         if not isinstance(d, dict):
             raise self.fail(w, d, "an object")
         rl = self.get(d, "rank_local", w, "an object", lambda x: isinstance(x, dict), optional=True) or {}
-        shards = self.get(d, "shards", w, "an object", lambda x: isinstance(x, dict), optional=True) or {}
+        # a pre-release folder may hold an empty "shards" (format-1 Shard values, removed): ignored
+        self.get(d, "shards", w, "an empty object (format-1 Shard values are no longer read: save the state "
+                 "again with DTensors)", lambda x: x == {}, optional=True)
         return Distributed(
             mode=self.get(d, "mode", w, "'rename' or 'marker'", lambda x: x in ("rename", "marker")),
             node=self.get(d, "node", w, "a string or null", _str, optional=True),
@@ -509,26 +487,7 @@ class _Parser:
                 rl, "skeletons", f"{w}.rank_local", "an object (rank -> file name)",
                 lambda x: isinstance(x, dict) and all(_rank(r) and _str(n) for r, n in x.items()),
                 optional=True) or {}).items()},
-            shards={k: self.shard(k, s) for k, s in shards.items()},
             planner=self.get(d, "planner", w, "a string", _str, optional=True))
-
-    def shard(self, key: str, s: Any) -> ShardInfo:
-        w = f"distributed.shards[{key!r}]"
-        if not isinstance(s, dict):
-            raise self.fail(w, s, "an object with 'dtype', 'global_shape', 'pieces'", key)
-        shape = self.ints(s, "global_shape", w, tensor=key)
-        assert shape is not None
-        pieces = self.get(s, "pieces", w, "a list", lambda x: isinstance(x, list), tensor=key)
-        out = ShardInfo(self.get(s, "dtype", w, "a dtype string", _str, tensor=key), shape)
-        for i, p in enumerate(pieces):
-            pw = f"{w}.pieces[{i}]"
-            if not isinstance(p, dict):
-                raise self.fail(pw, p, "an object with 'rank', 'key', 'offsets', 'shape'", key)
-            out.pieces.append(ShardPiece(self.get(p, "rank", pw, "a rank", _nat, tensor=key),
-                                         self.get(p, "key", pw, "a key path", _str, tensor=key),
-                                         self.ints(p, "offsets", pw, n=len(shape), tensor=key),  # type: ignore[arg-type]
-                                         self.ints(p, "shape", pw, n=len(shape), tensor=key)))  # type: ignore[arg-type]
-        return out
 
 
 def _integer(x: Any) -> bool:

@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 import struct
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .dtypes import itemsize, str_to_dtype
 from ..errors import HeaderError, NotSafetensorsError, UnsafePathError, UnsupportedValueError
@@ -238,26 +238,27 @@ def parse_header(body: bytes, file_size: int, *, path: str = "?") -> Header:
     return Header(path, data_offset, {i.name: i for i in infos}, meta, file_size)
 
 
-def read_header_fd(fd: int, path: str) -> Header:
-    """Read and validate the header of the open safetensors file ``fd``.
+def read_header_at(read_at: Callable[[int, int], bytes], size: int, path: str) -> Header:
+    """Read and validate the header of a safetensors file of ``size`` bytes through ``read_at``.
 
     The length field is checked against the file size before the header is read,
-    so a hostile length (e.g. 2**63) never sizes an allocation.
+    so a hostile length (e.g. 2**63) never sizes an allocation. The file is opened (and found
+    to be a regular file) by the caller: :func:`fastckpt.storage.model_files.read_header`.
+
+    Args:
+        read_at: ``read_at(offset, n)`` returns up to ``n`` bytes of the file from byte ``offset``.
+        size: the file's size in bytes.
+        path: the file's name, for messages.
 
     Raises:
-        HeaderError: see :func:`parse_header`; also not a regular file, a file shorter than
-            8 bytes, or a length field larger than the file or than ``MAX_HEADER_BYTES``.
+        HeaderError: see :func:`parse_header`; also a file shorter than 8 bytes, or a length
+            field larger than the file or than ``MAX_HEADER_BYTES``.
         NotSafetensorsError: (a ``HeaderError``) the file starts like a ``torch.save`` zip
             archive, a pickle or a JSON file (says how to convert it; nothing is unpickled).
     """
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise HeaderError(f"{path}: not a regular file (a folder, FIFO or device{_link_note(path)}); a "
-                          "safetensors file must be a plain file or a symlink to one", path=path)
-    size = st.st_size
     if size < 8:
         raise HeaderError(f"{path}: file is {size} bytes, shorter than the 8-byte header length", path=path)
-    first = os.pread(fd, 8, 0)
+    first = read_at(0, 8)
     (n,) = struct.unpack("<Q", first)
     if n > size - 8 or n > MAX_HEADER_BYTES:
         _refuse_foreign(first, path)
@@ -266,7 +267,7 @@ def read_header_fd(fd: int, path: str) -> Header:
                           "bytes after it (truncated or not a safetensors file)", path=path)
     if n > MAX_HEADER_BYTES:
         raise HeaderError(f"{path}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit", path=path)
-    body = os.pread(fd, n, 8)
+    body = read_at(8, n)
     if len(body) != n:
         raise HeaderError(f"{path}: short read of header ({len(body)} of {n} bytes)", path=path)
     return parse_header(body, size, path=path)
@@ -302,35 +303,11 @@ def _refuse_foreign(first: bytes, path: str) -> None:
         f"(a flat dict of tensors)", path=path, kind=kind)
 
 
-def read_header(path: str | os.PathLike) -> Header:
-    """Open ``path`` (following a symlink) and return its validated :class:`Header`.
-
-    Opened non-blocking, so a FIFO planted under a weight's name is refused instead of
-    hanging the reader (see :func:`read_header_fd`).
-
-    Raises:
-        HeaderError: as :func:`read_header_fd`.
-        OSError: ``path`` cannot be opened (``FileNotFoundError`` for a missing file or a
-            dangling symlink).
-    """
-    path = os.fspath(path)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        return read_header_fd(fd, path)
-    finally:
-        os.close(fd)
-
-
-def safe_join(folder: str | os.PathLike, name: str) -> str:
-    """Join a file ``name`` taken from an index or manifest onto ``folder``, for READING.
-
-    The name itself must stay inside ``folder``: it is relative, has no ``..`` component and
-    no NUL, and every folder it passes through resolves inside ``folder`` (a sub-folder that is
-    a symlink out of it is refused). The file itself may be a symlink to anywhere: a model
-    downloaded by ``huggingface_hub`` keeps every file of ``snapshots/<rev>/`` as a relative
-    symlink into ``../../blobs/``, and shared model stores, git-annex and DVC do the same.
-    Following such a link only ever reads; code that writes or deletes must not use this
-    function to decide that a path is inside a folder.
+def check_name(folder: str | os.PathLike, name: str) -> str:
+    """Join a file ``name`` taken from an index or manifest onto ``folder``, for READING: the
+    string checks (the name is relative, has no ``..`` component and no NUL). The check that no
+    folder it passes through is a symlink out of ``folder`` needs the store:
+    :func:`fastckpt.storage.model_files.safe_join` does both.
 
     Args:
         folder: the checkpoint or model folder.
@@ -340,41 +317,29 @@ def safe_join(folder: str | os.PathLike, name: str) -> str:
         ``os.path.join(folder, name)`` (not resolved: messages keep the name the user knows).
 
     Raises:
-        UnsafePathError: ``name`` is empty, absolute, contains ``..`` or a NUL, or one of its
-            folders resolves (through a symlink) outside ``folder``.
+        UnsafePathError: ``name`` is empty, absolute, or contains ``..`` or a NUL.
     """
     folder = os.fspath(folder)
     if not isinstance(name, str) or not name or "\x00" in name or os.path.isabs(name) \
             or name.startswith("\\") or ".." in name.replace("\\", "/").split("/"):
         raise UnsafePathError(f"{folder}: file name {name!r} from an index or manifest leaves the folder")
-    full = os.path.join(folder, name)
-    parent = os.path.dirname(full)
-    real_folder = os.path.realpath(folder)
-    real_parent = os.path.realpath(parent)
-    if os.path.commonpath([real_folder, real_parent]) != real_folder:
-        raise UnsafePathError(f"{folder}: {name!r} lies in {real_parent}, outside the folder (a sub-folder "
-                              "is a symlink out of it)")
-    return full
+    return os.path.join(folder, name)
 
 
 INDEX_SUFFIX = ".safetensors.index.json"
 
 
-def read_index(index_path: str | os.PathLike) -> dict[str, str]:
-    """Read an HF ``*.safetensors.index.json`` and return its ``weight_map`` (tensor -> shard).
-
-    Shard names are joined with :func:`safe_join`: a shard may be a symlink (the hub cache's
-    ``snapshots/<rev>/`` files all are), a name may not leave the index's folder.
+def parse_index(data: bytes, index_path: str) -> dict[str, str]:
+    """Parse the bytes of an HF ``*.safetensors.index.json`` and return its ``weight_map``
+    (tensor -> shard file name). That the shards exist is checked by the caller
+    (:func:`fastckpt.storage.model_files.read_index`).
 
     Raises:
-        HeaderError: not JSON, no ``weight_map`` object, a non-string entry, or a shard named
-            by the index is missing or a dangling symlink (names the index and the shard).
+        HeaderError: not JSON, no ``weight_map`` object, or a non-string entry.
         UnsafePathError: a shard name leaves the folder (absolute, ``..``).
     """
-    index_path = os.fspath(index_path)
     try:
-        with open(index_path, "rb") as f:
-            raw = json.loads(f.read().decode("utf-8"), object_pairs_hook=_dup_check)
+        raw = json.loads(data.decode("utf-8"), object_pairs_hook=_dup_check)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise HeaderError(f"{index_path}: not a valid JSON index: {e}", path=index_path) from None
     wm = raw.get("weight_map") if isinstance(raw, dict) else None
@@ -382,22 +347,8 @@ def read_index(index_path: str | os.PathLike) -> dict[str, str]:
         raise HeaderError(f"{index_path}: no valid 'weight_map' object", path=index_path)
     folder = os.path.dirname(index_path)
     for shard in sorted(set(wm.values())):
-        full = safe_join(folder, shard)
-        if not os.path.exists(full):
-            n = sum(1 for v in wm.values() if v == shard)
-            raise HeaderError(f"{index_path}: names shard {shard!r}, which does not exist{_link_note(full)} "
-                              f"({n} of its {len(wm)} tensors are mapped there); the download is incomplete: "
-                              "fetch the missing shard again, or load a folder whose index matches its files",
-                              path=full)
+        check_name(folder, shard)
     return wm
-
-
-def _link_note(path: str) -> str:
-    """``" (a symlink to X)"`` when ``path`` is a symlink, else ``""`` (for error messages)."""
-    try:
-        return f" (a symlink to {os.readlink(path)})" if os.path.islink(path) else ""
-    except OSError:
-        return ""
 
 
 def write_index(entries: dict[str, str], total_bytes: int) -> bytes:

@@ -45,13 +45,14 @@ import errno
 import json
 import os
 import time
-from pathlib import Path
 
 import xxhash
 
 from fastckpt.errors import CorruptCheckpointError
-from fastckpt.format import encode_header, read_header_fd
+from fastckpt.format import encode_header
+from fastckpt.storage.model_files import read_header_fd
 from fastckpt.storage import ALIGN, FileWriter, buffer_address, fsync_dir, get_backend, read_exact
+from fastckpt.storage.store import LOCAL
 
 from .chunk import FORMAT_TAG, HEADER_ALIGN, ChunkHandle, KVStoreOptions, chunk_name, piece_hashes
 from .folder_index import KVFolderIndex
@@ -98,7 +99,7 @@ class KVFileStore(KVFolderIndex):
                 return False
             self._writing.add(name)
         try:
-            if os.path.exists(self.path_for(name)):
+            if LOCAL.exists(self.path_for(name)):
                 self.stats.add(put_skipped=1)
                 return False
             entries = [(f"kv.{i}", dt, tuple(shape), nb) for i, (dt, shape, nb) in enumerate(groups)]
@@ -118,20 +119,20 @@ class KVFileStore(KVFolderIndex):
     def _write_file(self, name: str, prefix: bytes, buf: memoryview) -> None:
         total = len(prefix) + len(buf)
         sub = os.path.join(self.root, name[:2])
-        os.makedirs(sub, exist_ok=True)
+        LOCAL.makedirs(sub)
         tmp = self.temp_path_for(name)
         with self._locked():  # make room and create the full-size temp file in one lock section
             self._make_room_locked(total)
             w = None
             try:  # creates the file and reserves its bytes: a full tier fails here, before any write
                 w = FileWriter(self._be, tmp, total, o_direct=self._direct_ok)
-                if os.fstat(w.fd).st_size < total:  # no posix_fallocate here: the size is fixed now anyway
-                    os.ftruncate(w.fd, total)
-                size = os.fstat(w.fd).st_size
+                if self._be.size(w.fd) < total:  # no posix_fallocate here: the size is fixed now anyway
+                    self._be.set_size(w.fd, total)
+                size = self._be.size(w.fd)
             except BaseException:
                 if w is not None:
                     w.close()
-                Path(tmp).unlink(missing_ok=True)
+                LOCAL.remove(tmp)
                 raise
             self._adjust_used(size)  # the data writes below stay inside this size: no lock needed
         committed = False
@@ -145,10 +146,10 @@ class KVFileStore(KVFolderIndex):
                 w.close()
             final = self.path_for(name)
             with self._locked():
-                if os.path.exists(final):  # same key committed meanwhile by another process
+                if LOCAL.exists(final):  # same key committed meanwhile by another process
                     self._discard_temp_locked(tmp)
                 else:
-                    os.rename(tmp, final)  # FileNotFoundError if a scan judged our temp file stale
+                    LOCAL.rename(tmp, final)  # FileNotFoundError if a scan judged our temp file stale
                     self._index[name] = size
                 committed = True
             if self.opts.durable:
@@ -161,10 +162,11 @@ class KVFileStore(KVFolderIndex):
     def _discard_temp_locked(self, tmp: str) -> None:
         """Delete our temp file and subtract its bytes, if it is still there (lock held)."""
         try:
-            size = os.stat(tmp, follow_symlinks=False).st_size
-            os.unlink(tmp)
+            size = LOCAL.entry(tmp).size
         except FileNotFoundError:
             return  # a scan removed it (stale) and recounted: nothing left to subtract
+        if not LOCAL.remove(tmp):
+            return
         self._adjust_used(-size)
 
     def _write_data(self, w: FileWriter, buf: memoryview, offset: int) -> None:
@@ -187,7 +189,7 @@ class KVFileStore(KVFolderIndex):
         try:
             h = self._parse(fd, name, path)
         except (CorruptCheckpointError, ValueError, KeyError, OSError) as e:
-            ino = os.fstat(fd).st_ino
+            ino = self._be.inode(fd)
             self._be.close(fd)
             self.drop_corrupt(ChunkHandle(name, path, -1, -1, 0, [], 0, "", "", 1, [], ino), str(e))
             return None
@@ -213,7 +215,7 @@ class KVFileStore(KVFolderIndex):
             raise CorruptCheckpointError(f"{path}: {len(hashes)} checksums for {nbytes} bytes", path=path)
         groups = [(i.dtype, i.shape) for i in sorted(infos, key=lambda i: int(i.name.split(".")[1]))]
         return ChunkHandle(name, path, fd, -1, hdr.data_offset, groups, nbytes, meta["fmt"], meta["key"],
-                           piece, hashes, os.fstat(fd).st_ino)
+                           piece, hashes, self._be.inode(fd))
 
     def read_piece(self, h: ChunkHandle, buf: memoryview, start: int, length: int) -> None:
         """Read data bytes ``[start, start+length)`` of ``h`` into ``buf[start:start+length]``.

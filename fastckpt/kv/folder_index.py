@@ -37,7 +37,6 @@ The accounting protocol (what keeps the shared capacity exact across processes):
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import re
@@ -45,11 +44,11 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from pathlib import Path
 
 from fastckpt.errors import InsufficientSpaceError
 from fastckpt.storage.commit import host_tag, pid_alive
-from fastckpt.storage.lock import flock_exclusive
+from fastckpt.storage.lock import SharedStateFile
+from fastckpt.storage.store import LOCAL
 
 from .chunk import LOCK_NAME, SUFFIX, ChunkHandle, KVStats, KVStoreOptions
 
@@ -69,9 +68,9 @@ FINAL_RE = re.compile(r"^([0-9a-f]{32})\.kv\.safetensors$")
 TMP_RE = re.compile(r"^\.tmp\.([0-9a-f]{32})\.([^.]+)\.(\d+)\.[0-9a-f]+$")
 
 
-def _read_lock_header(fd: int) -> tuple[int, int, int] | None:
+def _read_lock_header(lock: SharedStateFile) -> tuple[int, int, int] | None:
     """``(used bytes, generation, holder pid)`` from an open ``.fckv.lock``; None if absent or unknown."""
-    raw = os.pread(fd, _LOCK_FMT.size, 0)
+    raw = lock.read(_LOCK_FMT.size)
     if len(raw) != _LOCK_FMT.size:
         return None
     magic, used, gen, holder = _LOCK_FMT.unpack(raw)
@@ -82,22 +81,19 @@ def _folder_bytes(root: str) -> tuple[int, int, int]:
     """``(bytes, chunk files, temp files)`` of the chunk and temp files under ``root`` now."""
     total = chunks = temps = 0
     try:
-        subs = [e.path for e in os.scandir(root) if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+        subs = [e.path for e in LOCAL.entries(root) if len(e.name) == 2 and e.folder]
     except FileNotFoundError:
         return 0, 0, 0
     for sub in subs:
         try:
-            entries = list(os.scandir(sub))
+            entries = LOCAL.entries(sub)
         except FileNotFoundError:
             continue
         for e in entries:
             final = FINAL_RE.match(e.name) is not None
             if not final and TMP_RE.match(e.name) is None:
                 continue
-            try:
-                total += e.stat(follow_symlinks=False).st_size
-            except FileNotFoundError:
-                continue
+            total += e.size
             chunks += final
             temps += not final
     return total, chunks, temps
@@ -113,16 +109,16 @@ def audit(root: str) -> dict:
     the summed ``st_size`` of chunk and temp files. With ``holder == 0`` the protocol
     guarantees ``counter == disk``; otherwise the next lock section of any store recounts.
     """
-    fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDONLY)
+    lock = SharedStateFile(os.path.join(root, LOCK_NAME), create=False)
     try:
-        flock_exclusive(fd)
+        lock.lock()
         try:
-            hdr = _read_lock_header(fd)
+            hdr = _read_lock_header(lock)
             disk, chunks, temps = _folder_bytes(root)
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            lock.unlock()
     finally:
-        os.close(fd)
+        lock.close()
     return {"counter": hdr[0] if hdr else None, "generation": hdr[1] if hdr else None,
             "holder": hdr[2] if hdr else None, "disk": disk, "chunks": chunks, "temps": temps}
 
@@ -140,11 +136,11 @@ class KVFolderIndex:
     def __init__(self, options: KVStoreOptions):
         self.opts = options
         self.root = os.path.abspath(options.path)
-        os.makedirs(self.root, exist_ok=True)
+        LOCAL.makedirs(self.root)
         self.stats = KVStats()
         self._tlock = threading.RLock()
         self._depth = 0
-        self._lock_fd = os.open(os.path.join(self.root, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        self._lock = SharedStateFile(os.path.join(self.root, LOCK_NAME))
         self._index: OrderedDict[str, int] = OrderedDict()  # name -> bytes, LRU first
         self._pins: dict[str, int] = {}
         self._writing: set[str] = set()
@@ -179,11 +175,11 @@ class KVFolderIndex:
                 store._tlock.acquire()
                 try:
                     if store._depth == 0:
-                        flock_exclusive(store._lock_fd)
+                        store._lock.lock()
                         try:
                             store._open_section()
                         except BaseException:
-                            fcntl.flock(store._lock_fd, fcntl.LOCK_UN)
+                            store._lock.unlock()
                             raise
                     store._depth += 1
                 except BaseException:
@@ -198,14 +194,14 @@ class KVFolderIndex:
                             if et is None or issubclass(et, InsufficientSpaceError):
                                 store._close_section()
                         finally:
-                            fcntl.flock(store._lock_fd, fcntl.LOCK_UN)
+                            store._lock.unlock()
                 finally:
                     store._tlock.release()
 
         return _Ctx()
 
     def _open_section(self) -> None:
-        hdr = _read_lock_header(self._lock_fd)
+        hdr = _read_lock_header(self._lock)
         if hdr is None or hdr[2] != 0:
             if hdr is not None and hdr[2] == os.getpid():
                 logger.info("fastckpt kv: %s: a lock section of this process ended by an error; "
@@ -219,19 +215,19 @@ class KVFolderIndex:
             self._write_header(hdr[0], hdr[1])
 
     def _close_section(self) -> None:
-        hdr = _read_lock_header(self._lock_fd)
+        hdr = _read_lock_header(self._lock)
         if hdr is not None:
-            os.pwrite(self._lock_fd, _LOCK_FMT.pack(_LOCK_MAGIC, hdr[0], hdr[1], 0), 0)
+            self._lock.write(_LOCK_FMT.pack(_LOCK_MAGIC, hdr[0], hdr[1], 0))
 
     def _write_header(self, used: int, gen: int) -> None:
-        os.pwrite(self._lock_fd, _LOCK_FMT.pack(_LOCK_MAGIC, max(0, used), gen, os.getpid()), 0)
+        self._lock.write(_LOCK_FMT.pack(_LOCK_MAGIC, max(0, used), gen, os.getpid()))
 
     def _used_locked(self) -> int:
         """The shared used-bytes counter (lock held; valid: the section was opened by a check)."""
-        hdr = _read_lock_header(self._lock_fd)
+        hdr = _read_lock_header(self._lock)
         if hdr is None:  # clobbered by someone outside the protocol
             self._rescan_locked()
-            hdr = _read_lock_header(self._lock_fd)
+            hdr = _read_lock_header(self._lock)
         return hdr[0]
 
     def _adjust_used(self, delta: int) -> None:
@@ -239,7 +235,7 @@ class KVFolderIndex:
 
         Called after the change: if the header is unreadable, the recount already sees it.
         """
-        hdr = _read_lock_header(self._lock_fd)
+        hdr = _read_lock_header(self._lock)
         if hdr is None:
             self._rescan_locked()
             return
@@ -257,14 +253,14 @@ class KVFolderIndex:
     # ----- scanning ------------------------------------------------------------------
     def _subdirs(self) -> list[str]:
         try:
-            return [e.path for e in os.scandir(self.root) if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+            return [e.path for e in LOCAL.entries(self.root) if len(e.name) == 2 and e.folder]
         except FileNotFoundError:
             return []
 
     @staticmethod
     def _entries(sub: str) -> list:
         try:
-            return [e for e in os.scandir(sub) if FINAL_RE.match(e.name) or TMP_RE.match(e.name)]
+            return [e for e in LOCAL.entries(sub) if FINAL_RE.match(e.name) or TMP_RE.match(e.name)]
         except FileNotFoundError:
             return []
 
@@ -288,24 +284,20 @@ class KVFolderIndex:
         used = 0
         for sub in self._subdirs():
             for e in self._entries(sub):
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
                 tm = TMP_RE.match(e.name)
                 if tm is not None:
-                    if self._tmp_is_stale(tm, st.st_mtime, now):
-                        Path(e.path).unlink(missing_ok=True)
-                        logger.info("fastckpt kv: removed stale temp file %s (%d bytes)", e.path, st.st_size)
+                    if self._tmp_is_stale(tm, e.mtime, now):
+                        LOCAL.remove(e.path)
+                        logger.info("fastckpt kv: removed stale temp file %s (%d bytes)", e.path, e.size)
                         continue
-                    used += st.st_size
+                    used += e.size
                     continue
-                used += st.st_size
-                found.append((st.st_mtime, e.name[:32], st.st_size))
+                used += e.size
+                found.append((e.mtime, e.name[:32], e.size))
         recency = {n: i for i, n in enumerate(self._index)}
         found.sort(key=lambda t: (recency.get(t[1], -1), t[0]))  # unseen files first, oldest first
         self._index = OrderedDict((n, size) for _, n, size in found)
-        hdr = _read_lock_header(self._lock_fd)
+        hdr = _read_lock_header(self._lock)
         self._write_header(used, (hdr[1] if hdr else 0) + 1)
         self._last_scan = time.monotonic()
         self.stats.add(rescans=1)
@@ -324,7 +316,7 @@ class KVFolderIndex:
     def contains(self, name: str) -> bool:
         """True if chunk ``name`` is committed (one ``stat``; sees other processes' puts)."""
         try:
-            size = os.stat(self.path_for(name)).st_size
+            size = LOCAL.size(self.path_for(name))
         except FileNotFoundError:
             with self._tlock:
                 self._index.pop(name, None)
@@ -375,23 +367,21 @@ class KVFolderIndex:
         path = self.path_for(name)
         recorded = self._index.get(name)
         try:
-            st = os.stat(path, follow_symlinks=False)
+            st = LOCAL.entry(path)
         except FileNotFoundError:
             self._index.pop(name, None)
             return None
-        if ino is not None and st.st_ino != ino:
+        if ino is not None and st.ino != ino:
             return None
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
+        if not LOCAL.remove(path):
             self._index.pop(name, None)
             return None
         self._index.pop(name, None)
-        if recorded is not None and recorded != st.st_size:
+        if recorded is not None and recorded != st.size:
             self._rescan_locked()  # changed behind our back: re-derive from the folder
         else:
-            self._adjust_used(-st.st_size)
-        return st.st_size
+            self._adjust_used(-st.size)
+        return st.size
 
     def drop_corrupt(self, handle: ChunkHandle, why: str) -> None:
         """Delete a chunk that failed validation (a miss from now on) and log ``why``."""
@@ -444,6 +434,4 @@ class KVFolderIndex:
 
     def close(self) -> None:
         """Close the lock file; the store must not be used afterwards."""
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        self._lock.close()

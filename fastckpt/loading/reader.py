@@ -180,7 +180,7 @@ class _DirectReader:
         fd, dfd = self.fds[path], self.dfds.get(path)
         if self.probe:
             try:
-                r = os.preadv(fd, [buf[lo - buf_off:hi - buf_off]], lo, os.RWF_NOWAIT)
+                r = self.be.preadv_cached(fd, [buf[lo - buf_off:hi - buf_off]], lo)
             except OSError as e:
                 if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EOPNOTSUPP, errno.EINVAL):
                     raise

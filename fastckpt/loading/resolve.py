@@ -8,7 +8,7 @@ checked against the headers and file sizes, and no tensor may appear in two file
 Files are read through symlinks wherever they point (a ``huggingface_hub`` cache snapshot,
 ``models--org--name/snapshots/<rev>/``, holds only relative symlinks into ``../../blobs/``);
 names taken from an index or manifest must still stay inside the folder
-(:func:`fastckpt.format.safetensors.safe_join`). A model folder's
+(:func:`fastckpt.storage.model_files.safe_join`). A model folder's
 ``model.safetensors.index.json`` names exactly the files loaded: other layouts beside it
 (``consolidated.safetensors``, an ``original/`` sub-folder, leftovers) are never mixed in, and a
 shard it names that is missing is refused, naming the index and the shard.
@@ -16,14 +16,14 @@ shard it names that is missing is refused, naming the index and the shard.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from dataclasses import dataclass, field
 
 from ..storage import commit as cm
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, HeaderError, InvalidArgumentError
-from ..format.safetensors import INDEX_SUFFIX, Header, TensorInfo, read_header, read_index, safe_join
+from ..format.safetensors import INDEX_SUFFIX, Header, TensorInfo
+from ..storage.model_files import read_header, read_index, safe_join
 from ..format.manifest import Manifest
 from ..storage.store import LOCAL
 
@@ -135,7 +135,7 @@ def _foreign_files(path: str) -> tuple[list[str], dict[str, str]]:
     only without it. With no index: ``model.safetensors`` alone when present, else every
     top-level ``*.safetensors`` file.
     """
-    indexes = sorted(glob.glob(os.path.join(glob.escape(path), "*" + INDEX_SUFFIX)))
+    indexes = LOCAL.glob(path, "*" + INDEX_SUFFIX)
     if os.path.join(path, MAIN_INDEX) in indexes:
         indexes = [os.path.join(path, MAIN_INDEX)]
     wanted: dict[str, str] = {}
@@ -147,9 +147,9 @@ def _foreign_files(path: str) -> tuple[list[str], dict[str, str]]:
             wanted[name] = shard
     if indexes:
         return sorted(set(wanted.values())), wanted
-    if os.path.lexists(os.path.join(path, MAIN_FILE)):
+    if LOCAL.lexists(os.path.join(path, MAIN_FILE)):
         return [MAIN_FILE], wanted
-    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(path), "*.safetensors"))), wanted
+    return sorted(os.path.basename(p) for p in LOCAL.glob(path, "*.safetensors")), wanted
 
 
 def _foreign_header(path: str, name: str) -> Header:
@@ -158,8 +158,8 @@ def _foreign_header(path: str, name: str) -> Header:
     try:
         return read_header(full)
     except FileNotFoundError:
-        target = f" (a dangling symlink to {os.readlink(full)}: an interrupted download?)" \
-            if os.path.islink(full) else ""
+        link = LOCAL.link_target(full)
+        target = f" (a dangling symlink to {link}: an interrupted download?)" if link is not None else ""
         raise HeaderError(f"{full}: missing{target}", path=full) from None
 
 
@@ -167,7 +167,7 @@ def _resolve_foreign(path: str) -> Resolved:
     r = Resolved(path)
     files, wanted = _foreign_files(path)
     if not files:
-        pickled = sorted(n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth", ".ckpt")))
+        pickled = sorted(n for n in LOCAL.listdir(path) if n.endswith((".bin", ".pt", ".pth", ".ckpt")))
         hint = (f"; it holds {', '.join(pickled[:3])}{' ...' if len(pickled) > 3 else ''}: torch.save (pickle) "
                 "files, which fastckpt never unpickles. If you trust them, convert once: "
                 "fastckpt.save(torch.load(FILE, weights_only=True), FOLDER), or load the model with "

@@ -14,7 +14,6 @@ Used by ``fastckpt load`` (:mod:`fastckpt.cli.serve`) and the vLLM loader plugin
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -24,11 +23,11 @@ from typing import Iterable
 import torch
 
 from ..errors import CheckpointNotFoundError
-from ..format.safetensors import safe_join
 from ..storage.commit import MANIFEST, read_manifest_shared
 from ..storage.retention import scan_checkpoints
 from ..format.dtypes import itemsize, str_to_dtype
 from ..format.manifest import RangeCheck
+from ..storage.model_files import safe_join
 from ..storage.store import LOCAL
 from .reader import read_tensors
 from .regions import Stored, box_runs
@@ -179,7 +178,7 @@ def find_checkpoint(source: str | os.PathLike) -> str:
     source = os.path.abspath(os.fspath(source))
     if not LOCAL.isdir(source) or LOCAL.exists(os.path.join(source, MANIFEST)):
         return source
-    if glob.glob(os.path.join(glob.escape(source), "*.safetensors")):
+    if LOCAL.glob(source, "*.safetensors"):
         return source
     names = LOCAL.listdir(source)
     prefixes = sorted({m.group(1) for n in names if (m := _STEP_RE.match(n))})

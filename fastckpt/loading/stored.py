@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import CorruptCheckpointError, UnsupportedValueError
 from ..format.dtypes import itemsize, str_to_dtype
 from ..format.layout import RANK_KEY
-from ..format.safetensors import safe_join
+from ..storage.model_files import safe_join
 from ..format.tree import join, unflatten
 from ..storage.store import LOCAL
 from .regions import Box, Stored

@@ -11,7 +11,7 @@ import xxhash
 
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, FastCkptError, InvalidArgumentError,
                       UnsafePathError)
-from ..format.safetensors import safe_join
+from ..storage.model_files import safe_join
 from ..storage.io import get_backend, read_exact
 from ..format.manifest import Manifest
 from ..storage.locate import is_url, store_for

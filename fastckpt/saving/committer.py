@@ -61,9 +61,9 @@ def folder_error(path: Path, e: OSError) -> FastCkptError | None:
     if isinstance(e, FileNotFoundError):
         return None
     here = Path(path).parent
-    while not here.exists() and here != here.parent:  # the deepest folder that exists
+    while not LOCAL.exists(str(here)) and here != here.parent:  # the deepest folder that exists
         here = here.parent
-    if here.exists() and not here.is_dir():
+    if LOCAL.exists(str(here)) and not LOCAL.isdir(str(here)):
         return NotAFolderError(f"cannot save '{path}': {here} is a file, not a folder; save under "
                                "another path or move the file", path=str(path), file=str(here))
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -130,16 +130,16 @@ def rank_report(rank: int, hashes: dict[str, str], local: Any, folder: str, nbyt
     Args:
         rank: the rank.
         hashes: xxh3 of every tensor whose first byte this rank wrote (global key paths).
-        local: ``(skeleton, entries, shards)`` of the rank's local state (multi-rank), or ``None``.
+        local: ``(skeleton, entries)`` of the rank's local state (multi-rank), or ``None``.
         folder: the folder (the rank writes ``state-rank0000r.json`` there).
         nbytes: bytes this rank wrote.
         linked_bytes: bytes of files the rank hard-linked instead of writing.
     """
     report = {"ok": True, "hashes": hashes, "bytes": nbytes, "linked_bytes": linked_bytes, "files": {},
-              "entries": {}, "shards": {}}
+              "entries": {}}
     if local is not None:
-        skeleton, entries, shards = local
-        report["entries"], report["shards"] = entries, shards
+        skeleton, entries = local
+        report["entries"] = entries
         if skeleton is not None:
             name = f"state-rank{rank:05d}.json"
             data = json.dumps(skeleton, separators=(",", ":")).encode()
@@ -214,7 +214,6 @@ def dist_section(plan: SavePlan, units: dict[int, tuple[int, ...]], reports: dic
         planner: ``"dcp"`` when DCP's planner placed the chunks (the DCP drop-in), else ``None`` (not recorded).
     """
     written_by: dict[str, list[int]] = {}
-    shards: dict[str, dict] = {}
     skeletons: dict[str, str] = {}
     for r, rep in sorted(reports.items()):
         for i in units.get(r, ()):
@@ -226,12 +225,9 @@ def dist_section(plan: SavePlan, units: dict[int, tuple[int, ...]], reports: dic
         for name in rep["files"]:
             written_by[name] = [r]
             skeletons[str(r)] = name
-        for kp, piece in rep["shards"].items():
-            entry = shards.setdefault(kp, {"dtype": piece["dtype"], "global_shape": piece["global_shape"], "pieces": []})
-            entry["pieces"].append({"rank": r, "key": piece["key"], "offsets": piece["offsets"], "shape": piece["shape"]})
     return {"mode": mode, "node": node if strategy(mode).per_node else None, "nodes": nodes, "written_by": written_by,
             "bytes_by_rank": {str(r): rep["bytes"] for r, rep in sorted(reports.items())},
-            "rank_local": {"keys": list(local_keys), "skeletons": skeletons}, "shards": shards,
+            "rank_local": {"keys": list(local_keys), "skeletons": skeletons},
             **({"planner": planner} if planner else {})}
 
 
@@ -261,7 +257,7 @@ class InFlight:
     sources: dict = field(default_factory=dict)  # global key path -> tensor (local ones under RANK_KEY)
     frozen: set = field(default_factory=set)
     trainable: set = field(default_factory=set)
-    local: tuple | None = None  # multi-rank: (skeleton, entries, shards) of the rank-local state
+    local: tuple | None = None  # multi-rank: (skeleton, entries) of the rank-local state
     plan: SavePlan | None = None
     own: Ownership | None = None
     part: Part = field(default_factory=Part)

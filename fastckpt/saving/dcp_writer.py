@@ -62,6 +62,7 @@ from ..format.tree import flatten, join, unflatten
 from ..storage.memory import host_buffer, pin_if_possible
 from ..device import to_host
 from ..storage.staging import StagingPool
+from ..storage.store import LOCAL
 from .pages import Chunk, PageJob, check_tiling, create_files, run_job
 from .collect import Collected, collect
 from .dtensor import check_state, placement_of, view_key, walk_state, with_stand_ins
@@ -213,7 +214,7 @@ class FastCkptWriter(StorageWriter):
         chunks = [c for c in chunks if c.numel or not c.shape]
         plan = self._plan(info["specs"])
         check_tiling(plan, chunks)
-        if self.path.exists() and not self.opts.overwrite:
+        if LOCAL.exists(str(self.path)) and not self.opts.overwrite:
             raise CheckpointExistsError(f"{self.path} already exists; pass overwrite=True to replace it atomically")
         self.info, self.plan = info, plan
         self.folder = create_folder(self.path, self.opts, plan.file_bytes)
@@ -308,7 +309,7 @@ class FastCkptWriter(StorageWriter):
         reports: dict[int, dict] = {}
         values: dict[str, Any] = {}
         for r, rank_results in enumerate(results):
-            rep = reports.setdefault(r, {"hashes": {}, "chunks": {}, "files": {}, "entries": {}, "shards": {},
+            rep = reports.setdefault(r, {"hashes": {}, "chunks": {}, "files": {}, "entries": {},
                                          "bytes": 0, "written": [], "placement": info.get("placement", {})})
             for res in rank_results:
                 d = res.storage_data

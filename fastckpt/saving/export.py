@@ -121,7 +121,7 @@ def write_shards(plan: ShardPlan, fetch: Callable[[list[str]], dict[str, torch.T
                     entries = list(dict(plan.files)[fname])
                     prefix, infos = encode_header(entries, meta)
                     size = len(prefix) + (infos[-1].end if infos else 0)
-                    w = FileWriter(be, os.path.join(folder, fname), size)
+                    w = LOCAL.open_write(os.path.join(folder, fname), size, backend=be)
                     w.write(memoryview(prefix), 0)
                     written += len(prefix)
                     writers[fname] = (w, {i.name: len(prefix) + i.start for i in infos})
@@ -217,11 +217,11 @@ def copy_checked(src: str, dst: str, size: int, checks: Sequence[Check], *,
     hasher = _RangeHasher(src, checks)
     fd = be.open_read(src)
     try:
-        actual = os.fstat(fd).st_size
+        actual = be.size(fd)
         if actual != size:
             raise CorruptCheckpointError(f"{src}: {actual} bytes on disk, manifest says {size} (truncated or "
                                          "replaced)", path=src)
-        w = FileWriter(be, dst, size)
+        w = LOCAL.open_write(dst, size, backend=be)
         try:
             bufs = [memoryview(bytearray(min(chunk_bytes, max(size, 1)))) for _ in range(2)]
             spans = [(i, a, min(chunk_bytes, size - a)) for i, a in enumerate(range(0, size, chunk_bytes))]
@@ -304,8 +304,7 @@ def warm_files(paths: list[str], *, threads: int | None = None, range_bytes: int
         hasher = _RangeHasher(path, [check]) if check else None
         fd = be.open_read(path)
         try:
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, start, n, os.POSIX_FADV_SEQUENTIAL)
+            be.advise_sequential(fd, start, n)
             buf = memoryview(bytearray(max(1, min(chunk_bytes, n))))
             for a in range(0, n, chunk_bytes):
                 m = min(chunk_bytes, n - a)

@@ -127,9 +127,11 @@ class SaveOptions:
             optimizer partition); each rank writes its own files for them and ``load_into`` restores
             each rank's. Values outside them that differ between ranks are refused
             (:class:`~fastckpt.errors.RankValuesDifferError`).
-        commit: multi-rank saves: ``"rename"`` (shared file system: one hidden folder, rank 0
-            renames it; default) or ``"marker"`` (node-local disks: each node writes its own
-            folder in place; its ``manifest.json`` is written once every rank reported).
+        commit: ``"rename"`` (a hidden folder renamed into place; multi-rank: one shared file
+            system, rank 0 renames it) or ``"marker"`` (files written in place, ``manifest.json``
+            last; multi-rank on node-local disks: each node writes its own folder, its manifest
+            once every rank reported). Default ``None``: the store's default, ``"rename"`` on a
+            local file system, ``"marker"`` on an object store (``s3://...``).
         timeout_s: multi-rank saves: seconds to wait for the other ranks, counted from the
             first rank's arrival (default: the process group's timeout).
         **flat: fields of :class:`IOTuning` and :class:`Consistency` by name.
@@ -143,14 +145,15 @@ class SaveOptions:
                  extra_files: dict[str, bytes] | None = None, metadata: dict[str, str] | None = None,
                  step: int | None = None, on_commit: Callable[[Path], None] | None = None,
                  io: IOTuning | None = None, consistency: Consistency | None = None,
-                 local_keys: tuple[str, ...] | list[str] = (), commit: str = "rename",
+                 local_keys: tuple[str, ...] | list[str] = (), commit: str | None = None,
                  timeout_s: float | None = None, **flat: Any):
         if isinstance(local_keys, str):  # tuple() would take its letters for keys
             raise InvalidArgumentError(f"local_keys must be a list of top-level state keys, e.g. "
                                        f"local_keys=[{local_keys!r}], got the str {local_keys!r}")
         self.overwrite, self.weights, self.extra_files = overwrite, weights, extra_files
         self.metadata, self.step, self.on_commit = metadata, step, on_commit
-        self.local_keys, self.commit, self.timeout_s = tuple(local_keys), commit, timeout_s
+        self.local_keys, self.timeout_s = tuple(local_keys), timeout_s
+        self.commit = "rename" if commit is None else commit
         io_kw = {k: flat.pop(k) for k in list(flat) if k in _IO}
         cons_kw = {k: flat.pop(k) for k in list(flat) if k in _CONSISTENCY}
         if flat:

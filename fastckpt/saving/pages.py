@@ -49,6 +49,7 @@ from ..format.layout import SavePlan
 from ..storage.io import FileWriter, default_threads, get_backend, group_by_bytes, memory_backed, write_all
 from ..device import AllOf, to_host
 from ..storage.staging import StagingPool
+from ..storage.store import LOCAL
 from .options import SaveOptions
 
 #: Bytes of one page: the unit of single-writer ownership (O_DIRECT alignment, NFS/Lustre caching).
@@ -242,7 +243,7 @@ def create_files(plan: SavePlan, folder: str, opts: SaveOptions) -> int:
     be = get_backend(opts.io.io_backend)
     prealloc = not memory_backed(folder)
     for f in plan.files:
-        w = FileWriter(be, os.path.join(folder, f.name), f.size, False, create=True, preallocate=prealloc)
+        w = LOCAL.open_write(os.path.join(folder, f.name), f.size, create=True, preallocate=prealloc, backend=be)
         try:
             write_all(be, w.fd, memoryview(f.prefix), 0)
             w.sync()
@@ -348,8 +349,9 @@ class PageJob:
         view = memoryview(buf.numpy()) if lay.buffer_bytes else None
         try:
             for fi in sorted({fi for fi, _, _, _ in lay.spans}):
-                writers[fi] = FileWriter(be, os.path.join(self.folder, self.plan.files[fi].name),
-                                         self.plan.files[fi].size, self.opts.io.o_direct is not False, create=False)
+                pf = self.plan.files[fi]
+                writers[fi] = LOCAL.open_write(os.path.join(self.folder, pf.name), pf.size,
+                                               o_direct=self.opts.io.o_direct is not False, create=False, backend=be)
             pieces = [(fi, a + d, off + d, min(step, b - a - d)) for fi, a, b, off in lay.spans
                       for d in range(0, b - a, step)]
             tasks = [t for t in group_by_bytes(pieces, step) if t]  # a Shard(1) chunk is thousands of row spans

@@ -24,20 +24,17 @@ class Split:
     Attributes:
         replicated: the state with local subtrees replaced by ``{"__rank_local__": key}``.
         local: ``{"local": {key: subtree}}`` of this rank.
-        shards: always empty (the manifest's ``distributed.shards`` of the removed pre-release
-            ``Shard`` values; DTensors take the chunked route).
     """
 
     replicated: Any
     local: dict
-    shards: dict[str, dict]
 
 
 def split_state(state: Any, local_keys: tuple[str, ...]) -> Split:
     """Separate replicated values and rank-local top-level subtrees (``local_keys``)."""
     local: dict = {}
     if not isinstance(state, dict):
-        return Split(state, local, {})
+        return Split(state, local)
     rep = {}
     for k, v in state.items():
         if k in local_keys:
@@ -45,7 +42,7 @@ def split_state(state: Any, local_keys: tuple[str, ...]) -> Split:
             rep[k] = {"__rank_local__": k}
         else:
             rep[k] = v
-    return Split(rep, local, {})
+    return Split(rep, local)
 
 
 def has_split(state: Any, local_keys: tuple[str, ...]) -> bool:

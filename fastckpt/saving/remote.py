@@ -12,13 +12,12 @@ across stores).
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any
 
 from ..errors import CheckpointExistsError
 from ..storage.fsspec_store import make_spool, upload_checkpoint
 from ..storage.locate import store_for
-from ..storage.store import Store
+from ..storage.store import LOCAL, Store
 from .future import SaveFuture
 
 
@@ -59,15 +58,15 @@ def start_remote_save(saver: Any, state: Any, path: str, pg: Any, options: dict)
         try:
             upload_checkpoint(local, store, url, overwrite=overwrite, commit=commit)
         finally:
-            shutil.rmtree(top, ignore_errors=True)
+            LOCAL.remove(top)
         if user_hook is not None:
             user_hook(url)
 
     try:
         fut = saver.async_save(state, local, process_group=pg, on_commit=commit_remote, **options)
     except BaseException:
-        shutil.rmtree(top, ignore_errors=True)
+        LOCAL.remove(top)
         raise
     fut.path = url
-    fut.add_done_callback(lambda _f: shutil.rmtree(top, ignore_errors=True))
+    fut.add_done_callback(lambda _f: LOCAL.remove(top))
     return fut

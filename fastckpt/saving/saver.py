@@ -51,7 +51,6 @@ from ..coordination import LOCAL, Coordinator, PathClaim, forget_session, group_
 from ..errors import CheckpointExistsError, DistributedSaveError, InvalidArgumentError
 from ..format.layout import SavePlan, plan_save
 from ..format.stateful import to_state_dicts
-from ..format.tree import join
 from ..storage.staging import StagingPool
 from ..storage.store import LOCAL as LOCAL_STORE, strategy
 from .remote import start_remote_save, wants_store
@@ -423,7 +422,7 @@ class Saver:
         loc_specs: list = []
         try:
             route.check(opts)
-            if sv.path.exists() and not opts.overwrite:
+            if LOCAL_STORE.exists(str(sv.path)) and not opts.overwrite:
                 raise CheckpointExistsError(f"{sv.path} already exists; pass overwrite=True to replace it atomically")
             split = split_state(state, opts.local_keys) if has_split(state, opts.local_keys) else None
             if split is not None:
@@ -525,10 +524,7 @@ class Saver:
                 if ref in e:
                     e[ref] = pre + e[ref]
             entries[pre + k] = e
-        dtypes = {s.key: s.dtype for s in loc.specs}
-        shards = {kp: {**v, "dtype": dtypes[join("shards", kp)], "key": pre + join("shards", kp)}
-                  for kp, v in split.shards.items()}
-        sv.local = (loc.skeleton if (loc.specs or loc.entries) else None, entries, shards)
+        sv.local = (loc.skeleton if (loc.specs or loc.entries) else None, entries)
         return rank_specs(loc.specs, sv.coord.rank)
 
     def _open(self, sv: InFlight) -> None:

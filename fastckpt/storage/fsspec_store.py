@@ -189,6 +189,13 @@ class FsspecStore(Store):
         except FileNotFoundError:
             raise FileNotFoundError(2, "no such file", self.normalize(path)) from None
 
+    def read_range(self, path: str, offset: int, n: int) -> bytes:
+        """One ranged GET."""
+        try:
+            return self.fs.cat_file(self._p(path), start=offset, end=offset + n) if n > 0 else b""
+        except FileNotFoundError:
+            raise FileNotFoundError(2, "no such file", self.normalize(path)) from None
+
     def write_file(self, path: str, data: bytes, *, fsync: bool = True, replace: bool = False) -> None:
         """Upload ``data`` as one object (a PUT is atomic: readers see old or new bytes)."""
         if not replace and self.fs.exists(self._p(path)):

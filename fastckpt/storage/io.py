@@ -74,6 +74,30 @@ class PosixBackend:
         """Read into the buffers ``bufs`` (in order) from ``offset``; returns bytes read (0 at EOF)."""
         return os.preadv(fd, bufs, offset)
 
+    def preadv_cached(self, fd: int, bufs: list[memoryview], offset: int) -> int:
+        """Read into ``bufs`` from ``offset`` only what the page cache holds, never waiting for the
+        device (``RWF_NOWAIT``); returns bytes read (short or 0 when not cached).
+
+        Raises:
+            OSError: ``EAGAIN`` / ``EOPNOTSUPP`` / ``EINVAL`` where the kernel or file system cannot
+                tell (the caller reads normally), or a read error.
+        """
+        return os.preadv(fd, bufs, offset, os.RWF_NOWAIT)
+
+    def size(self, fd: int) -> int:
+        """The size in bytes of the open file ``fd``."""
+        return os.fstat(fd).st_size
+
+    def inode(self, fd: int) -> int:
+        """The inode number of the open file ``fd`` (a file replaced under its name gets another one)."""
+        return os.fstat(fd).st_ino
+
+    def advise_sequential(self, fd: int, offset: int, nbytes: int) -> None:
+        """Tell the kernel bytes ``[offset, offset + nbytes)`` of ``fd`` will be read in order
+        (larger read-ahead); no-op where unsupported."""
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_SEQUENTIAL)
+
     def fsync(self, fd: int) -> None:
         """Make the file's data and metadata durable."""
         os.fsync(fd)

@@ -155,3 +155,47 @@ class RootLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class SharedStateFile:
+    """A lock file whose first bytes hold state shared by the processes that lock it (the KV chunk
+    store's ``.fckv.lock``: used bytes, generation, holder pid; :mod:`fastckpt.kv.folder_index`).
+
+    The lock is the exclusive ``flock(2)`` of :func:`flock_exclusive` on this object's own open file
+    description (the kernel drops it when the holder dies); the state is read and written at
+    offset 0 with ``pread`` / ``pwrite`` while it is held. The file is never deleted.
+
+    Args:
+        path: the lock file.
+        create: create it if missing and open it for writing (False: read only, must exist).
+
+    Raises:
+        OSError: the file cannot be opened (``FileNotFoundError`` with ``create=False``).
+    """
+
+    def __init__(self, path: str, *, create: bool = True):
+        self.path = path
+        flags = (os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY
+        self._fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+    def lock(self) -> None:
+        """Take the exclusive lock, waiting as long as another holder keeps it."""
+        flock_exclusive(self._fd)
+
+    def unlock(self) -> None:
+        """Let go of the lock."""
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def read(self, n: int) -> bytes:
+        """The file's first ``n`` bytes (fewer when it is shorter: a fresh file is empty)."""
+        return os.pread(self._fd, n, 0)
+
+    def write(self, data: bytes) -> None:
+        """Write ``data`` at offset 0 (one ``pwrite``; not fsynced: the state is re-derivable)."""
+        os.pwrite(self._fd, data, 0)
+
+    def close(self) -> None:
+        """Close the file (drops the lock if held); safe to call twice."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

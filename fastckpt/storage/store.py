@@ -34,11 +34,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fnmatch
+import glob
 import json
 import os
 import shutil
 import socket
+import stat
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 from ..errors import CheckpointExistsError
@@ -107,6 +111,68 @@ class Store:
         """
         raise NotImplementedError
 
+    def glob(self, folder: str, pattern: str) -> list[str]:
+        """Sorted paths of the entries of ``folder`` (one level) whose names match the shell
+        ``pattern`` (``*``, ``?``, ``[...]``; a leading ``.`` is matched only by a pattern starting
+        with one, as ``glob.glob``). ``folder`` itself is taken literally (no pattern in it).
+        Empty when ``folder`` does not exist or is a file."""
+        try:
+            names = self.listdir(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        hidden = pattern.startswith(".")
+        return sorted(self.join(folder, n) for n in names
+                      if fnmatch.fnmatchcase(n, pattern) and (hidden or not n.startswith(".")))
+
+    def entries(self, folder: str) -> list["Entry"]:
+        """The entries of ``folder`` with their own size and times (a symlink is not followed), in
+        no order; entries removed while the folder is read are left out.
+
+        Raises:
+            FileNotFoundError: no such folder. NotADirectoryError: ``folder`` is a file.
+        """
+        out = []
+        for name in self.listdir(folder):
+            try:
+                out.append(self.entry(self.join(folder, name)))
+            except FileNotFoundError:
+                continue
+        return out
+
+    def entry(self, path: str) -> "Entry":
+        """What is at ``path`` itself (a symlink is not followed): an :class:`Entry`.
+
+        Raises:
+            FileNotFoundError: nothing at ``path``.
+        """
+        folder = self.isdir(path)
+        if not folder and not self.exists(path):
+            raise FileNotFoundError(2, "no such file or folder", path)
+        return Entry(self.basename(path), path, folder, 0 if folder else self.size(path), self.mtime(path), 0)
+
+    def rename(self, src: str, dst: str) -> None:
+        """Rename file ``src`` to ``dst`` in one atomic step, replacing a file at ``dst`` (``rename(2)``).
+
+        Raises:
+            FileNotFoundError: ``src`` is gone.
+            NotImplementedError: the store has no atomic rename (object stores).
+        """
+        raise NotImplementedError(f"{self.name} store has no atomic rename")
+
+    def lexists(self, path: str) -> bool:
+        """True if an entry is at ``path``, a dangling local symlink included (:meth:`exists` is
+        False for one)."""
+        return self.exists(path)
+
+    def realpath(self, path: str) -> str:
+        """``path`` with every symlink in it resolved (:meth:`normalize` where the store has no links)."""
+        return self.normalize(path)
+
+    def link_target(self, path: str) -> str | None:
+        """What the symlink ``path`` points to (as stored, maybe relative), or ``None`` when ``path``
+        is no symlink or cannot be read; for messages (a hub cache snapshot is all symlinks)."""
+        return None
+
     def size(self, path: str) -> int:
         """Size of file ``path`` in bytes."""
         raise NotImplementedError
@@ -127,6 +193,22 @@ class Store:
     def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         """The content of file ``path`` (small files: JSON, configs, headers), whole or its first
         ``limit`` bytes (fewer when the file is shorter)."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def open_reader(self, path: str) -> Iterator["FileReader"]:
+        """File ``path`` open for reads at offsets (a header, then a few ranges): a
+        :class:`FileReader` with its ``size`` in bytes, ``regular`` (False for a folder, FIFO or
+        device: read nothing then) and ``read_at(offset, n)``. Never blocks on a FIFO.
+
+        Raises:
+            FileNotFoundError: no such file (a dangling symlink included).
+        """
+        size = self.size(path)
+        yield FileReader(size, True, lambda off, n: self.read_range(path, off, n))
+
+    def read_range(self, path: str, offset: int, n: int) -> bytes:
+        """Up to ``n`` bytes of file ``path`` from byte ``offset`` (fewer at the end of the file)."""
         raise NotImplementedError
 
     def write_file(self, path: str, data: bytes, *, fsync: bool = True, replace: bool = False) -> None:
@@ -215,6 +297,38 @@ class Store:
         yield path
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a folder (:meth:`Store.entries`, :meth:`Store.entry`).
+
+    Attributes:
+        name: its name in the folder. path: its path in the store.
+        folder: True for a folder (a symlink to one is not). size: bytes (0 for a folder).
+        mtime: modification time, seconds since the epoch. ino: the local inode number (0 where
+            the store has none): a file replaced under the same name gets another one.
+    """
+
+    name: str
+    path: str
+    folder: bool
+    size: int
+    mtime: float
+    ino: int
+
+
+class FileReader:
+    """An open file of a store (:meth:`Store.open_reader`).
+
+    Attributes:
+        size: the file's size in bytes.
+        regular: False when the path is no regular file (a folder, FIFO or device).
+        read_at: ``read_at(offset, n)`` -> up to ``n`` bytes from byte ``offset``.
+    """
+
+    def __init__(self, size: int, regular: bool, read_at):
+        self.size, self.regular, self.read_at = size, regular, read_at
+
+
 class NoLock:
     """The root lock of a store without locks (object stores): acquiring always succeeds, so two jobs
     writing one root are not detected; keep one writing job per root there."""
@@ -267,6 +381,40 @@ class LocalStore(Store):
     def listdir(self, folder: str) -> list[str]:
         return os.listdir(folder)
 
+    def glob(self, folder: str, pattern: str) -> list[str]:
+        return sorted(glob.glob(os.path.join(glob.escape(folder), pattern)))
+
+    def lexists(self, path: str) -> bool:
+        return os.path.lexists(path)
+
+    def entries(self, folder: str) -> list[Entry]:
+        """One ``scandir``; each entry's ``lstat`` (entries gone meanwhile are left out)."""
+        out = []
+        with os.scandir(folder) as it:
+            for e in it:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                out.append(Entry(e.name, e.path, stat.S_ISDIR(st.st_mode), st.st_size, st.st_mtime, st.st_ino))
+        return out
+
+    def entry(self, path: str) -> Entry:
+        st = os.stat(path, follow_symlinks=False)
+        return Entry(os.path.basename(path), path, stat.S_ISDIR(st.st_mode), st.st_size, st.st_mtime, st.st_ino)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst)
+
+    def realpath(self, path: str) -> str:
+        return os.path.realpath(path)
+
+    def link_target(self, path: str) -> str | None:
+        try:
+            return os.readlink(path) if os.path.islink(path) else None
+        except OSError:
+            return None
+
     def size(self, path: str) -> int:
         return os.stat(path).st_size
 
@@ -284,6 +432,22 @@ class LocalStore(Store):
     def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         with open(path, "rb") as f:
             return f.read() if limit is None else f.read(limit)
+
+    @contextlib.contextmanager
+    def open_reader(self, path: str) -> Iterator[FileReader]:
+        """Opened non-blocking (a FIFO planted under a file's name is reported, not waited on),
+        following symlinks; ``read_at`` is one ``pread``."""
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        try:
+            st = os.fstat(fd)
+            yield FileReader(st.st_size, stat.S_ISREG(st.st_mode), lambda off, n: os.pread(fd, n, off))
+        finally:
+            os.close(fd)
+
+    def read_range(self, path: str, offset: int, n: int) -> bytes:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(n)
 
     def write_file(self, path: str, data: bytes, *, fsync: bool = True, replace: bool = False) -> None:
         if replace:  # through a hidden name of this process, then one rename

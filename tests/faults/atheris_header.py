@@ -11,8 +11,9 @@ import atheris
 
 import fastckpt.format.safetensors as fmt
 from fastckpt.errors import FastCkptError
+from fastckpt.storage.model_files import read_header_fd
 
-for _name in ("parse_header", "read_header_fd", "_parse_entry", "_check_layout", "_dup_check", "check_metadata"):
+for _name in ("parse_header", "read_header_at", "_parse_entry", "_check_layout", "_dup_check", "check_metadata"):
     atheris.instrument_func(getattr(fmt, _name))
 
 _FD = os.memfd_create("fuzz")
@@ -22,7 +23,7 @@ def one_input(data: bytes) -> None:
     os.ftruncate(_FD, 0)
     os.pwrite(_FD, data, 0)
     try:
-        fmt.read_header_fd(_FD, "fuzz")
+        read_header_fd(_FD, "fuzz")
     except FastCkptError:
         pass
 

@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 import fastckpt
 from fastckpt.cli.main import main as cli_main
 from fastckpt.errors import FastCkptError, HeaderError, UnsafePathError
-from fastckpt.format.safetensors import parse_header, read_header
+from fastckpt.format.safetensors import parse_header
+from fastckpt.storage.model_files import read_header
 
 from faultkit import SAVE_OPTS, make_state
 

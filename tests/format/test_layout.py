@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fastckpt.format.layout import ArraySpec, plan_save, shard_file_names
-from fastckpt.format.safetensors import read_header
+from fastckpt.storage.model_files import read_header
 
 
 def _spec(key, group, nbytes=16):

@@ -139,9 +139,10 @@ MALFORMED = [
     ("distributed.mode", _set("distributed", {"mode": "copy"}), "copy"),
     ("distributed.bytes_by_rank", _set("distributed", {"mode": "rename", "bytes_by_rank": {"r0": 1}}),
      {"r0": 1}),
-    ("distributed.shards['p'].pieces[0].offsets",
-     _set("distributed", {"mode": "rename", "shards": {"p": {"dtype": "F32", "global_shape": [4], "pieces": [
-         {"rank": 0, "key": "@rank0/p", "offsets": [0, 0], "shape": [2]}]}}}), [0, 0]),
+    # the pieces of the removed pre-release Shard values: no longer read (an empty object is ignored)
+    ("distributed.shards",
+     _set("distributed", {"mode": "rename", "shards": {"p": {"dtype": "F32", "global_shape": [4], "pieces": []}}}),
+     {"p": {"dtype": "F32", "global_shape": [4], "pieces": []}}),
 ]
 
 
@@ -252,6 +253,12 @@ def test_process_group_save_round_trip(pool, tmp_path):
     assert d.rank_local_keys == ["optimizer"] and sorted(d.rank_local_skeletons) == [0, 1]
     assert sorted(d.bytes_by_rank) == [0, 1] and all(isinstance(b, int) for b in d.bytes_by_rank.values())
     assert {"@rank0/local/optimizer/rank", "@rank1/local/optimizer/rank"} <= set(m.tensors)
+    # the always-empty "shards" of the removed format-1 Shard values is no longer written ...
+    doc = json.loads(_manifest_bytes(tmp_path / "pg"))
+    assert "shards" not in doc["distributed"] and not hasattr(d, "shards")
+    # ... and a pre-release folder's empty one still reads
+    doc["distributed"]["shards"] = {}
+    assert parse(json.dumps(doc).encode(), "pre-release/manifest.json").distributed.bytes_by_rank == d.bytes_by_rank
 
 
 def test_fsdp2_dtensor_save_round_trip(pool, tmp_path):

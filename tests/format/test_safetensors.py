@@ -14,8 +14,8 @@ from safetensors.torch import save as st_save
 
 from fastckpt.errors import (CorruptCheckpointError, FastCkptError, HeaderError, UnsafePathError,
                              UnsupportedDtypeError, UnsupportedValueError)
-from fastckpt.format.safetensors import (MAX_HEADER_BYTES, encode_header, parse_header, read_header, read_index,
-                             safe_join, write_index)
+from fastckpt.format.safetensors import MAX_HEADER_BYTES, encode_header, parse_header, write_index
+from fastckpt.storage.model_files import read_header, read_index, safe_join
 
 from fastckpt_testkit import st_file, write_bytes
 

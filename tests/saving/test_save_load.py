@@ -628,4 +628,4 @@ def test_group_object_keeps_its_values_beside_flat_defaults(tmp_path):
                       io=fastckpt.IOTuning(max_shard_bytes=4000), step=2)
     files = sorted(n for n in os.listdir(p) if n.startswith("model-") and n.endswith(".safetensors"))
     assert len(files) == 3, files  # io's 4000-byte shards, not the flat default of 5e9
-    assert fastckpt.read_manifest(str(p))["step"] == 2
+    assert fastckpt.read_manifest(str(p)).step == 2
