@@ -192,7 +192,12 @@ def save(state: Any, path: str | os.PathLike, *, process_group: Any = None,
 
     Same as ``async_save(state, path, ...).result()`` with ``early_writes=True`` by default (writes
     start while the state is still being copied, since the caller waits for both); the folder
-    appears only complete (written to a hidden sibling, fsynced, renamed).
+    appears only complete (written to a hidden sibling, fsynced, renamed). Since the caller waits,
+    a state of CPU tensors saved by this process alone (no ``process_group``, no DTensors, no
+    ``defer``/``defer_frozen``) is not copied into staging memory: each tensor is hashed and written
+    straight from its own memory (:mod:`fastckpt.saving.direct`; the files are the same bytes). Another
+    thread must not change the tensors meanwhile: an in-place torch write seen on a tensor's version
+    counter fails the save with ``SourceChangedError``, nothing committed.
 
     Args:
         state, path: as :func:`async_save`.
@@ -214,13 +219,14 @@ def save(state: Any, path: str | os.PathLike, *, process_group: Any = None,
         The errors of :func:`async_save`, and any I/O failure (``OSError`` with its errno,
         e.g. ENOSPC, EIO) of the background writers, with nothing committed.
     """
-    return async_save(state, path, process_group=process_group, overwrite=overwrite, step=step, weights=weights,
-                      extra_files=extra_files, metadata=metadata, on_commit=on_commit, local_keys=local_keys,
-                      commit=commit, timeout_s=timeout_s, io=io, consistency=consistency,
-                      max_shard_bytes=max_shard_bytes, chunk_bytes=chunk_bytes, threads=threads,
-                      staging_bytes=staging_bytes, o_direct=o_direct, io_backend=io_backend,
-                      min_free_bytes=min_free_bytes, link_from=link_from, link_check=link_check,
-                      early_writes=early_writes, defer_frozen=defer_frozen, defer=defer).result()
+    return _saver().save(
+        state, path, process_group=process_group, overwrite=overwrite, step=step, weights=weights,
+        extra_files=extra_files, metadata=metadata, on_commit=on_commit, local_keys=local_keys, commit=commit,
+        timeout_s=timeout_s, io=io, consistency=consistency,
+        **_given(max_shard_bytes=max_shard_bytes, chunk_bytes=chunk_bytes, threads=threads,
+                 staging_bytes=staging_bytes, o_direct=o_direct, io_backend=io_backend,
+                 min_free_bytes=min_free_bytes, link_from=link_from, link_check=link_check,
+                 early_writes=early_writes, defer_frozen=defer_frozen, defer=defer))
 
 
 def reserve(nbytes: int, *, background: bool = True) -> None:

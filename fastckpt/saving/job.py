@@ -27,6 +27,7 @@ from ..storage.store import LOCAL
 from . import dedupe
 from .dedupe import LinkUnchanged
 from .deferred import DeferredStaging
+from .direct import DirectWrites
 
 if TYPE_CHECKING:
     from .options import SaveOptions
@@ -49,7 +50,7 @@ class Part:
     leader: bool = True
 
 
-class SaveJob(LinkUnchanged, DeferredStaging):
+class SaveJob(LinkUnchanged, DeferredStaging, DirectWrites):
     """One rank's part of one save: files, staging buffer, writer pool.
 
     Args:
@@ -93,6 +94,7 @@ class SaveJob(LinkUnchanged, DeferredStaging):
         self.seg_starts: list[int] = []
         self.bytes_written = 0  # bytes this rank wrote itself (units + headers)
         self.held = False  # holds the staging pool's buffer
+        self.direct = False  # written from the sources, not staged (write_direct: fastckpt.save)
 
     def _at(self, stream_off: int) -> int:
         """Buffer offset of stream offset ``stream_off`` (whole-state staging)."""
@@ -292,9 +294,11 @@ class SaveJob(LinkUnchanged, DeferredStaging):
 
     def write_all(self) -> None:
         """Background part: remaining writes, checksums, headers, fsync."""
+        if self.direct:
+            self.finish_direct()
         if self.deferred:
             self._stage_deferred()
-        if not self.streaming:
+        if not self.streaming and not self.direct:
             for i in self.owned:
                 u = self.plan.units[i]
                 if i not in self.unit_futs and u.file_index not in self.linked:

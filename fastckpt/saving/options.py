@@ -46,6 +46,9 @@ class IOTuning:
             through a ring of ``chunk_bytes`` slots while the caller waits.
         o_direct: write with O_DIRECT (the staged bytes go straight to the disk, no page-cache
             copy). ``None`` (default): where the file system supports it; ``False``: buffered.
+            :func:`fastckpt.save` of CPU tensors stages nothing: O_DIRECT pieces pass through a
+            small page-aligned buffer per I/O thread, buffered ones are written from the tensors'
+            memory (:mod:`fastckpt.saving.direct`).
         io_backend: name in :data:`fastckpt.storage.io.BACKENDS` or a backend instance.
         min_free_bytes: free bytes required beyond the checkpoint (default 0).
     """

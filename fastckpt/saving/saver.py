@@ -292,6 +292,17 @@ class Saver:
     def async_save(self, state: Any, path: str | os.PathLike, *, process_group: Any = _OWN,
                    **options: Any) -> SaveFuture:
         """See :func:`fastckpt.async_save` (``process_group`` defaults to the saver's own)."""
+        return self._submit(state, path, process_group, options, direct=False)
+
+    def save(self, state: Any, path: str | os.PathLike, *, process_group: Any = _OWN, **options: Any) -> Path:
+        """See :func:`fastckpt.save` (``process_group`` defaults to the saver's own): ``async_save(...).result()``,
+        except that a state of CPU tensors saved by this process alone is written straight from the
+        tensors' memory, never copied into the staging pool (:mod:`fastckpt.saving.direct`), since the
+        caller waits for the whole save anyway. Returns the checkpoint's path."""
+        return self._submit(state, path, process_group, options, direct=True).result()
+
+    def _submit(self, state: Any, path: str | os.PathLike, process_group: Any, options: dict[str, Any], *,
+                direct: bool) -> SaveFuture:
         if wants_store(path, options):  # s3://... or store=: spool locally, upload with the store's commit
             return start_remote_save(self, state, path, self.process_group if process_group is _OWN else process_group, options)
         opts = SaveOptions(**options)
@@ -303,7 +314,7 @@ class Saver:
             target = Path(os.path.abspath(InvalidArgumentError.check_path(path)))
             route = save_route(state)
             with no_gc():
-                return self._start(state, target, opts, pg, route)
+                return self._start(state, target, opts, pg, route, direct)
 
     def _plan(self, specs: list, opts: SaveOptions) -> SavePlan:
         """:func:`plan_save`, memoised on its inputs (a training run saves the same layout each time)."""
@@ -316,7 +327,8 @@ class Saver:
         self._plan_memo = (key, plan)
         return plan
 
-    def _start(self, state: Any, path: Path, opts: SaveOptions, pg: Any, route: SaveRoute) -> SaveFuture:
+    def _start(self, state: Any, path: Path, opts: SaveOptions, pg: Any, route: SaveRoute,
+               direct: bool = False) -> SaveFuture:
         t0 = time.perf_counter()
         self._join_priming()
         if route.dtensor:  # every rank of the DTensors' meshes (or of process_group) saves together
@@ -335,13 +347,13 @@ class Saver:
             else:
                 self._prepare(sv, state)
                 self._open(sv)
-                self._stage(sv)
+                self._stage(sv, direct)
         except BaseException:
             self._abort(sv)
             raise
         fut = sv.fut
         fut._staged = sv.job.staged
-        if not sv.job.deferred:
+        if not sv.job.deferred and not getattr(sv.job, "direct", False):  # direct: set once every write is done
             sv.job.staged.set()
         fut.blocking_s = time.perf_counter() - t0
         self._pending = fut
@@ -553,12 +565,16 @@ class Saver:
         sv.folder = job.tmp = lead["folder"]
         job.linked = set(lead["linked"])
 
-    def _stage(self, sv: InFlight) -> None:
-        """Step 3: open this rank's files, copy its tensors into staging memory."""
+    def _stage(self, sv: InFlight, direct: bool = False) -> None:
+        """Step 3: open this rank's files, copy its tensors into staging memory (``direct``, a blocking
+        save of one process whose tensors allow it: start writing them from their own memory instead)."""
         try:
             if not sv.part.leader:
                 sv.job.open_files()
-            sv.job.stage(sv.sources, sv.frozen, sv.trainable)
+            if direct and sv.single and sv.job.can_write_direct(sv.sources):
+                sv.job.write_direct(sv.sources, sv.frozen)
+            else:
+                sv.job.stage(sv.sources, sv.frozen, sv.trainable)
         except Exception as e:
             if sv.single:
                 raise

@@ -491,7 +491,8 @@ def test_many_small_mixed_tensors_stage_in_batched_runs(tmp_path):
 @pytest.mark.parametrize("call, expect_early", [("async_save", False), ("save", True)])
 def test_early_writes_only_where_the_caller_waits_for_the_whole_save(tmp_path, monkeypatch, call, expect_early):
     """async_save: the disk starts after the copy (training waits only for the copy);
-    save: writes overlap the copy (the caller waits for both anyway)."""
+    save: writes overlap the copy (the caller waits for both anyway). Strided tensors make ``save``
+    stage (contiguous CPU tensors it writes without staging: test_direct_save.py)."""
     from fastckpt.saving import saver
     staged, during = [False], []
     real_stage, real_write = saver.SaveJob.stage, saver.SaveJob._write_unit
@@ -506,6 +507,8 @@ def test_early_writes_only_where_the_caller_waits_for_the_whole_save(tmp_path, m
     monkeypatch.setattr(saver.SaveJob, "stage", stage)
     monkeypatch.setattr(saver.SaveJob, "_write_unit", write_unit)
     state = {"model": {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(16)}}  # 64 MiB, 8 units
+    if call == "save":
+        state = {"model": {k: v.reshape(2, -1).t() for k, v in state["model"].items()}}  # strided: staged
     out = getattr(fastckpt, call)(state, tmp_path / "c")
     if call == "async_save":
         out.result()
