@@ -11,6 +11,7 @@ import xxhash
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FastCkptError, UnsafePathError
 from ..format.safetensors import safe_join
 from ..storage.io import get_backend, read_exact
+from ..tier import tier_for
 from ..storage.commit import MANIFEST, read_manifest
 from ..format.dtypes import itemsize, str_to_dtype
 from .chunks import chunk_boxes
@@ -46,6 +47,7 @@ def _hash_range(path: str, runs: list[tuple[int, int]], chunk: int) -> str:
     be = get_backend(None)
     h = xxhash.xxh3_64()
     fd = be.open_read(path)
+    bg = tier_for(path).background()  # verification yields to latency-critical reads and checkpoint writes
     try:
         buf = bytearray(min(chunk, max(max((n for _, n in runs), default=1), 1)))
         mv = memoryview(buf)
@@ -53,10 +55,12 @@ def _hash_range(path: str, runs: list[tuple[int, int]], chunk: int) -> str:
             pos = 0
             while pos < nbytes:
                 n = min(chunk, nbytes - pos)
+                bg.pace(n)
                 read_exact(be, fd, mv[:n], offset + pos, path=path)
                 h.update(mv[:n])
                 pos += n
     finally:
+        bg.close()
         be.close(fd)
     return h.hexdigest()
 

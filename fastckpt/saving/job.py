@@ -23,6 +23,7 @@ import xxhash
 from ..format.layout import SavePlan
 from ..storage.io import ALIGN, FileWriter, default_threads, get_backend, write_all
 from ..storage.staging import StagingPool, copy_into, copy_pieces, copy_runs
+from ..tier import NO_WRITES, tier_for
 from . import dedupe
 from .dedupe import LinkUnchanged
 from .deferred import DeferredStaging
@@ -92,6 +93,7 @@ class SaveJob(LinkUnchanged, DeferredStaging):
         self.seg_starts: list[int] = []
         self.bytes_written = 0  # bytes this rank wrote itself (units + headers)
         self.held = False  # holds the staging pool's buffer
+        self.tier = NO_WRITES  # this save's capacity claim and write pacing on the tier (open_files)
 
     def _at(self, stream_off: int) -> int:
         """Buffer offset of stream offset ``stream_off`` (whole-state staging)."""
@@ -186,6 +188,7 @@ class SaveJob(LinkUnchanged, DeferredStaging):
             todo = [i for i in self.files if i not in self.linked]
         else:
             todo = sorted({p.units[i].file_index for i in self.owned} - self.linked)
+        self.tier = tier_for(self.tmp).checkpoint(self.tmp, sum(p.files[i].size for i in todo) if self.part.leader else 0)
         for i in todo:
             self.writers[i] = FileWriter(self.be, os.path.join(self.tmp, p.files[i].name), p.files[i].size,
                                          self.io.o_direct is not False, create=self.part.leader)
@@ -195,6 +198,7 @@ class SaveJob(LinkUnchanged, DeferredStaging):
             raise self.first_exc  # a write already failed: do not keep writing
         u = self.plan.units[i]
         try:
+            self.tier.pace(u.nbytes)  # held back (bounded) while latency-critical reads wait on the tier
             self.writers[u.file_index].write(self.view[slot_off:slot_off + u.nbytes], u.file_offset)
             self.bytes_written += u.nbytes
         except BaseException as e:
@@ -339,6 +343,7 @@ class SaveJob(LinkUnchanged, DeferredStaging):
                 err = err or e
         self.exec.shutdown(wait=True, cancel_futures=True)
         self._release()
+        self.tier.done(stored=strict and err is None and self.first_exc is None)
         if strict and err is not None:
             raise err
 

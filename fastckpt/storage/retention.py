@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from . import commit as cm
+from ..tier import tier_for
 from .io import fsync_dir
 
 #: Suffix of the hidden name a folder gets while :func:`delete_checkpoint` removes it.
@@ -314,7 +315,9 @@ def delete_checkpoint(path: str | os.PathLike) -> bool:
     except OSError:
         pass  # without a record the cleaner attributes the folder by its name (same pid and host)
     fsync_dir(os.path.dirname(doomed))
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(doomed) for f in fs)
     shutil.rmtree(doomed, ignore_errors=True)
+    tier_for(os.path.dirname(path)).add_stored("checkpoints", os.path.dirname(path), -size)  # the tier's budget
     return True
 
 
