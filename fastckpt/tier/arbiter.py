@@ -215,6 +215,7 @@ class Tier:
 
     # ----- membership --------------------------------------------------------------------
     def _join(self) -> None:
+        self._stop.set()  # the heartbeat of an earlier membership (before a fork or leave) ends
         with self.lock:
             with self.state.locked():
                 self.idx = self.state.take_slot()
@@ -227,8 +228,8 @@ class Tier:
             threading.Thread(target=self._heartbeat, args=(self._stop,), name="fastckpt-tier", daemon=True).start()
 
     def _own(self) -> Slot:
-        """This process's slot (rejoins after a fork or if the slot was taken over)."""
-        if self.pid != os.getpid():
+        """This process's slot (rejoins after a fork or after :meth:`leave`)."""
+        if self.pid != os.getpid() or self.idx < 0:
             self._join()
         return self.slot
 
@@ -444,6 +445,9 @@ class Tier:
                 with self.state.locked():
                     budget, used, claims = self._totals()
                     short = sum(used) + sum(claims) + nbytes - budget if budget else 0
+                    if short > 0 and sum(used) + sum(claims) - used[KV] - claims[KV] + nbytes > budget:
+                        raise self._full(KV, nbytes, budget, used, claims,
+                                         "checkpoints and models hold the rest; they are never evicted for KV")
                     if short <= 0:
                         self.slot.claims[KV] += nbytes
                         self.state.write_slot(self.idx, self.slot)

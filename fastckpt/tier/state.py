@@ -247,6 +247,8 @@ class SharedState:
 
     def write_slot(self, i: int, s: Slot) -> None:
         """Write slot ``i`` (its owner, or under the lock when taking or freeing it)."""
+        if not 0 <= i < SLOTS:
+            raise IndexError(f"{self.path}: no slot {i} (0..{SLOTS - 1})")
         _SLOT.pack_into(self.mm, _SLOTS_OFF + i * _SLOT.size, *_SLOT.unpack(s.pack()))
 
     def slots(self) -> list[tuple[int, Slot]]:
