@@ -198,8 +198,8 @@ class SaveJob(LinkUnchanged, DeferredStaging):
             raise self.first_exc  # a write already failed: do not keep writing
         u = self.plan.units[i]
         try:
-            self.tier.pace(u.nbytes)  # held back (bounded) while latency-critical reads wait on the tier
-            self.writers[u.file_index].write(self.view[slot_off:slot_off + u.nbytes], u.file_offset)
+            with self.tier.write(u.nbytes, self.writers[u.file_index].fd):  # the tier: readers first (bounded)
+                self.writers[u.file_index].write(self.view[slot_off:slot_off + u.nbytes], u.file_offset)
             self.bytes_written += u.nbytes
         except BaseException as e:
             with self.exc_lock:

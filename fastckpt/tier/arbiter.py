@@ -4,11 +4,11 @@ Every process that saves, loads or serves KV chunks on a tier joins its shared s
 (:mod:`.state`) on first use, with no configuration, and then:
 
 * **Bandwidth.** A latency-critical read (a KV get, a weight load) runs inside
-  :meth:`Tier.reading`, which counts it as a waiting reader for every process. A checkpoint's
-  writes call :meth:`WritePacer.pace` before each batch of writes: while any reader waits, the
-  writer is held back in short steps, as long as the time held back stays within
-  ``(factor - 1)`` x the time the save spent writing (``factor`` default 1.3,
-  ``$FASTCKPT_TIER_FACTOR``); when no reader waits it writes at full speed (it catches up).
+  :meth:`Tier.reading`, which counts it as a waiting reader for every process. Each write of a
+  checkpoint runs inside :meth:`WritePacer.write`: while any reader waits the write is held back,
+  while reads are frequent the save keeps one write in flight, both only until the save reaches
+  ``factor`` x its unhindered time (``factor`` default 1.3, ``$FASTCKPT_TIER_FACTOR``; see
+  :class:`WritePacer`); when no reader is about it writes at full speed (it catches up).
   Background work (deferred copies, verification, prune) calls :meth:`BackgroundPacer.pace` and
   yields while readers or writers are active, at most ``max_wait_s`` per call.
 * **Capacity.** One budget (``$FASTCKPT_TIER_BUDGET_BYTES`` or ``fastckpt tier PATH --budget``;
@@ -44,6 +44,12 @@ KV = CLASSES.index("kv")
 DEFAULT_FACTOR = 1.3
 #: Longest step a paced writer or a yielding background job sleeps before looking again, seconds.
 STEP_S = 0.002
+#: Reads count as frequent while one ended less than this ago, seconds.
+RECENT_S = 0.25
+#: Writes one save keeps in flight while reads are frequent.
+READ_CAP = 1
+#: Seconds of unpaced writing a process's first save uses to measure its unhindered rate.
+PROBE_S = 0.3
 #: How long a checkpoint's claim waits for KV stores to evict for it, seconds.
 EVICT_WAIT_S = 10.0
 
@@ -99,6 +105,10 @@ class CheckpointWrites:
         """Before writing ``nbytes``: see :meth:`WritePacer.pace`."""
         self.pacer.pace(nbytes)
 
+    def write(self, nbytes: int, fd: int = -1):
+        """A context around one write of ``nbytes`` into ``fd``: see :meth:`WritePacer.write`."""
+        return self.pacer.write(nbytes, fd)
+
     def done(self, stored: bool) -> None:
         """The writes ended (idempotent): settle the claim if ``stored``, else release it."""
         self.pacer.close()
@@ -107,53 +117,131 @@ class CheckpointWrites:
 
 
 class WritePacer:
-    """Paces one checkpoint's writes for waiting readers, within its bound (see the module doc).
+    """Paces one checkpoint's writes for latency-critical readers, within its bound.
 
-    Thread-safe: several writer threads of one save share it. Attributes (seconds / counts):
-    ``delayed_s`` total time held back, ``waits`` how many times, ``written`` bytes.
+    Before each write (:meth:`write`, a context around it, or :meth:`pace` just before it):
+
+    * while a reader of any process waits, the write is held back (2 ms steps);
+    * while reads are frequent (one ended within :data:`RECENT_S`), this save keeps at most
+      :data:`READ_CAP` writes in flight, so a read that starts queues behind little;
+    * neither happens once the save is at its bound: ``factor`` x the time its bytes so far take
+      at its unhindered rate. The rate is measured while no reader is about; the first save of a
+      process that finds readers about from its start writes its first :data:`PROBE_S` seconds
+      unpaced to measure it, later saves start from the rate of the previous one. Past the bound
+      it writes at full speed: it catches up.
+
+    Thread-safe: the writer threads of one save share it. Attributes: ``delayed_s`` (time held
+    back), ``waits`` (how many times), ``written`` (bytes).
     """
 
     def __init__(self, tier: "Tier", factor: float):
         self.tier, self.factor = tier, factor
-        self.t0 = time.monotonic()
+        self.t0 = 0.0
         self.delayed_s = 0.0
         self.waits = 0
-        self.written = 0
-        self.lock = threading.Lock()
+        self.written = 0  # bytes whose write started, and finished
+        self.done = 0
+        self.cond = threading.Condition()
+        self.inflight = 0
+        self.free_bytes = 0  # bytes written, and wall time, while no reader was about: the unhindered rate
+        self.free_s = 0.0
+        self.last = 0.0  # time of the previous write's start, and whether readers were about since
+        self.last_free = False
+        self.free_mark = 0
+        self.flushing = False
+        self.holding = 0  # writes of this save held now, since hold_t0
+        self.hold_t0 = 0.0
         self.closed = False
         tier._bump(writers=1)
 
-    def pace(self, nbytes: int) -> None:
-        """Call before writing ``nbytes``: returns at once unless readers wait and the bound allows a delay."""
+    def rate(self) -> float:
+        """The unhindered write rate, bytes per second (0: not known yet): this process's fastest
+        save so far (its sync included), else what this save measured while unhindered."""
+        if self.tier.write_rate:
+            return self.tier.write_rate
+        if self.free_s >= min(self.tier.probe_s, 0.2) and self.free_bytes:
+            return self.free_bytes / self.free_s
+        return 0.0
+
+    def _slack(self, now: float) -> float:
+        """Seconds the save may still be held back now (<= 0: at its bound)."""
+        rate = self.rate()
+        return self.factor * self.written / rate - (now - self.t0) if rate else 0.0
+
+    def _enter(self, nbytes: int) -> bool:
         t = self.tier
         t.note(write=nbytes)
-        self.written += nbytes
-        if not t.readers_waiting():
-            return
-        with self.lock:
-            start = time.monotonic()
-            while True:
-                now = time.monotonic()
-                cur = now - start
-                active = (now - self.t0) - self.delayed_s - cur
-                left = (self.factor - 1.0) * active - (self.delayed_s + cur)
-                if left <= 0 or not t.readers_waiting():
-                    break
-                if cur == 0.0:
-                    t._bump(pacing=1)
-                time.sleep(min(STEP_S, left))
-            cur = time.monotonic() - start
-            if cur > 0.0005:
-                self.delayed_s += cur
-                self.waits += 1
-                t._bump(pacing=-1, paced_ns=int(cur * 1e9), pace_waits=1)
-            elif t._own().pacing:
-                t._bump(pacing=-1)
+        now_ns = time.time_ns()
+        readers, last_read = t.read_state()
+        recent = readers > 0 or now_ns - last_read < RECENT_S * 1e9
+        with self.cond:
+            now = time.monotonic()
+            if not self.t0:
+                self.t0 = self.last = now
+            probing = not self.tier.write_rate and (self.free_s < self.tier.probe_s or not self.free_bytes)
+            free = not recent or probing
+            if self.last_free and free:  # bytes completed over time while unhindered: the rate
+                self.free_s += now - self.last
+                self.free_bytes += self.done - self.free_mark
+            self.last, self.last_free, self.free_mark = now, free, self.done
+            self.written += nbytes
+            self.flushing = not free and self.tier.flush_paced
+            if not free:
+                start = now
+                while True:
+                    readers, _ = t.read_state() if now > start else (readers, 0)
+                    busy = readers > 0 or self.inflight >= READ_CAP
+                    left = self._slack(now)
+                    if not busy or left <= 0:
+                        break
+                    if now == start:  # held from here: wall time while any write of this save is held
+                        if not self.holding:
+                            self.hold_t0 = now
+                            t._bump(pacing=1)
+                        self.holding += 1
+                    self.cond.wait(min(STEP_S, left))
+                    now = time.monotonic()
+                if now > start:
+                    self.waits += 1
+                    self.holding -= 1
+                    if not self.holding:
+                        held = now - self.hold_t0
+                        self.delayed_s += held
+                        t._bump(pacing=-1, paced_ns=int(held * 1e9), pace_waits=1)
+            self.inflight += 1
+            return self.flushing and self._slack(now) > 0
+
+    def _exit(self, nbytes: int) -> None:
+        with self.cond:
+            self.inflight -= 1
+            self.done += nbytes
+            self.cond.notify()
+
+    @contextmanager
+    def write(self, nbytes: int, fd: int = -1) -> Iterator[None]:
+        """Around one write of ``nbytes`` into file descriptor ``fd``: held back first when readers
+        wait (see the class doc). While paced, the write is also flushed (``fdatasync``) before the
+        next one starts, so a device's write-back cache does not bury the reads at the final fsync."""
+        flush = self._enter(nbytes)
+        try:
+            yield
+            if flush and fd >= 0:
+                os.fdatasync(fd)
+        finally:
+            self._exit(nbytes)
+
+    def pace(self, nbytes: int) -> None:
+        """Just before a write of ``nbytes`` (no in-flight cap: the write's end is not seen)."""
+        self._enter(nbytes)
+        self._exit(nbytes)
 
     def close(self) -> None:
         """The save's writes are done (idempotent)."""
         if not self.closed:
             self.closed = True
+            took = time.monotonic() - self.t0 if self.t0 else 0.0
+            if took > 0.01 and self.written:  # the next save starts from the fastest save's rate, sync included
+                self.tier.write_rate = max(self.tier.write_rate, self.written / took)
             self.tier._bump(writers=-1)
 
 
@@ -201,8 +289,11 @@ class Tier:
         self.state = SharedState(path)
         self.factor = _env_float("FASTCKPT_TIER_FACTOR", DEFAULT_FACTOR)
         self.evict_wait_s = _env_float("FASTCKPT_TIER_EVICT_WAIT_S", EVICT_WAIT_S)
+        self.probe_s = _env_float("FASTCKPT_TIER_PROBE_S", PROBE_S)
+        self.flush_paced = os.environ.get("FASTCKPT_TIER_FLUSH", "1") != "0"
         self.lock = threading.RLock()
         self.evictors: list[Callable[[int], int]] = []
+        self.write_rate = 0.0  # unhindered write rate of this process's last save, bytes/s (0: unknown)
         self.pid = -1
         self.idx = -1
         self.slot = Slot()
@@ -299,6 +390,11 @@ class Tier:
         """Latency-critical reads running now, in every live process of the tier."""
         return sum(s.readers for _, s in self.state.live())
 
+    def read_state(self) -> tuple[int, int]:
+        """``(reads running now, time.time_ns() when the last one ended)`` over the tier's live processes."""
+        live = self.state.live()
+        return sum(s.readers for _, s in live), max((s.last_read_ns for _, s in live), default=0)
+
     def busy(self) -> bool:
         """True while any live process reads latency-critically or writes a checkpoint."""
         return any(s.readers or s.writers for _, s in self.state.live())
@@ -306,13 +402,11 @@ class Tier:
     @contextmanager
     def reading(self, nbytes: int = 0) -> Iterator[None]:
         """A latency-critical read (KV get, weight load): checkpoint writes are paced while it runs."""
-        self._bump(readers=1)
+        self.begin_read()
         try:
             yield
         finally:
-            self._bump(readers=-1)
-            if nbytes:
-                self.note(read=nbytes)
+            self.end_read(nbytes)
 
     def begin_read(self) -> None:
         """Start a latency-critical read (pair with :meth:`end_read`; :meth:`reading` does both)."""
@@ -320,7 +414,9 @@ class Tier:
 
     def end_read(self, nbytes: int = 0) -> None:
         """End a read started by :meth:`begin_read`, which read ``nbytes``."""
-        self._bump(readers=-1)
+        with self.lock:
+            self._own().last_read_ns = time.time_ns()
+            self._bump(readers=-1)
         if nbytes:
             self.note(read=nbytes)
 
@@ -501,6 +597,11 @@ class NullTier:
 
         def pace(self, nbytes: int = 0) -> None:
             """No pacing."""
+
+        @contextmanager
+        def write(self, nbytes: int = 0, fd: int = -1) -> Iterator[None]:
+            """No pacing."""
+            yield
 
         def close(self) -> None:
             """Nothing to close."""

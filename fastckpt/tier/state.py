@@ -49,7 +49,7 @@ RATE_WINDOW_S = 1.0
 
 _HDR = struct.Struct("<8sIIQQ")
 _ROOT = struct.Struct("<QIIQQ216s")  # hash, class, pad, used, updated ns, path (utf-8, truncated)
-_SLOT = struct.Struct("<IIQQQ3QIIIIQQddQQQQQQI4x")
+_SLOT = struct.Struct("<IIQQQ3QIIIIQQddQQQQQQQI4x")
 _HDR_OFF = 0
 _ROOTS_OFF = 4096
 _SLOTS_OFF = _ROOTS_OFF + ROOTS * _ROOT.size
@@ -71,7 +71,8 @@ class Slot:
         read_bps / write_bps: rate over the last window, bytes per second.
         win_t0_ns / win_read / win_write: the current window. paced_ns: time checkpoint writes
         were held back for readers. pace_waits: how many times. bg_waited_ns: time background
-        work yielded. pacing: 1 while a write is held back now.
+        work yielded. last_read_ns: when the last latency-critical read ended (``time.time_ns()``).
+        pacing: 1 while a write is held back now.
     """
 
     pid: int = 0
@@ -94,6 +95,7 @@ class Slot:
     paced_ns: int = 0
     pace_waits: int = 0
     bg_waited_ns: int = 0
+    last_read_ns: int = 0
     pacing: int = 0
 
     def pack(self) -> bytes:
@@ -101,7 +103,8 @@ class Slot:
         return _SLOT.pack(self.pid, self.host, self.start, self.heartbeat_ns, self.created_ns, *self.claims,
                           self.readers, self.writers, self.background, self.evictor, self.read_bytes,
                           self.write_bytes, self.read_bps, self.write_bps, self.win_t0_ns, self.win_read,
-                          self.win_write, self.paced_ns, self.pace_waits, self.bg_waited_ns, self.pacing)
+                          self.win_write, self.paced_ns, self.pace_waits, self.bg_waited_ns, self.last_read_ns,
+                          self.pacing)
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> "Slot":

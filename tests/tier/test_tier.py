@@ -33,6 +33,7 @@ def tier_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTCKPT_TIER_DIR", str(d))
     monkeypatch.delenv("FASTCKPT_TIER", raising=False)
     monkeypatch.delenv("FASTCKPT_TIER_BUDGET_BYTES", raising=False)
+    monkeypatch.setenv("FASTCKPT_TIER_PROBE_S", "0.05")  # small saves: measure the unhindered rate quickly
     return d
 
 
@@ -52,17 +53,24 @@ def _hold_read(path: str, ready, stop) -> None:
 
 
 def _save(path: str, nbytes: int, go, out) -> None:
-    """Save ``nbytes`` with fastckpt once ``go`` is set; report time and this process's pacing."""
+    """Save ``nbytes`` with fastckpt once ``go`` is set (after a first save that tells the arbiter this
+    process's write rate, as a training process saves again and again); report the second save's
+    time and pacing."""
     import torch
 
     import fastckpt
     state = {"w": torch.arange(nbytes // 4, dtype=torch.int32)}
+    t0 = time.monotonic()
+    fastckpt.save(state, path + ".first", chunk_bytes=4 * MiB)
+    first = time.monotonic() - t0
+    before = _mine(path)
     go.wait(120)
     t0 = time.monotonic()
     fastckpt.save(state, path, chunk_bytes=4 * MiB)
     el = time.monotonic() - t0
     me = _mine(path)
-    out.put({"elapsed": el, "paced_s": me["paced_s"], "waits": me["pace_waits"], "written": me["write_bytes"]})
+    out.put({"elapsed": el, "paced_s": me["paced_s"] - before["paced_s"], "waits": me["pace_waits"] - before["pace_waits"],
+             "written": me["write_bytes"] - before["write_bytes"], "first_s": first})
 
 
 def _kv_store(root: str, chunk: int, **kw):
@@ -197,8 +205,8 @@ def test_writer_paced_while_another_process_reads_within_its_bound(tier_dir, tmp
     stop.set()
     _join_all(writer, reader)
     assert got["waits"] >= 1 and got["paced_s"] > 0, got  # held back for the reader
-    writing = got["elapsed"] - got["paced_s"]
-    assert got["paced_s"] <= 0.3 * writing + 0.05, got  # the 1.3x bound (default factor)
+    # the 1.3x bound (default factor) of the save's unhindered time: the process's earlier save
+    assert got["paced_s"] <= 0.3 * max(got["first_s"], alone["elapsed"]) + 0.05, (got, alone)
     assert got["written"] >= 96 * MiB
 
 
@@ -234,7 +242,7 @@ def test_three_processes_kv_reader_loader_and_writer(tier_dir, tmp_path):
     w.join(30)
     _join_all(writer, kv, ld)
     assert res["waits"] >= 1 and res["paced_s"] > 0, res
-    assert res["paced_s"] <= 0.3 * (res["elapsed"] - res["paced_s"]) + 0.05, res
+    assert res["paced_s"] <= 0.3 * res["first_s"] + 0.05, res
     assert res["kv_gets"] > 0 and res["kv_read"] >= res["kv_gets"] * 4 * MiB, res
     assert res["loads"] >= 0 and res["load_read"] >= 16 * MiB, res
     assert seen["readers"] >= 1
