@@ -48,6 +48,9 @@ STEP_S = 0.002
 RECENT_S = 0.25
 #: Writes one save keeps in flight while reads are frequent.
 READ_CAP = 1
+#: Share of a save's allowance (``factor - 1``) the pacer uses; the rest is for the slowdown the
+#: reads themselves cause.
+AIM = 0.8
 #: Seconds of unpaced writing a process's first save uses to measure its unhindered rate.
 PROBE_S = 0.3
 #: How long a checkpoint's claim waits for KV stores to evict for it, seconds.
@@ -166,7 +169,9 @@ class WritePacer:
     def _slack(self, now: float) -> float:
         """Seconds the save may still be held back now (<= 0: at its bound)."""
         rate = self.rate()
-        return self.factor * self.written / rate - (now - self.t0) if rate else 0.0
+        # aim at 80% of the allowance: the readers slow the writes too, beyond what is held back
+        aim = 1.0 + (self.factor - 1.0) * AIM
+        return aim * self.written / rate - (now - self.t0) if rate else 0.0
 
     def _enter(self, nbytes: int) -> bool:
         t = self.tier
