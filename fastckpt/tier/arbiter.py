@@ -50,7 +50,7 @@ RECENT_S = 0.25
 READ_CAP = 1
 #: Share of a save's allowance (``factor - 1``) the pacer uses; the rest is for the slowdown the
 #: reads themselves cause.
-AIM = 0.8
+AIM = 0.5
 #: Seconds of unpaced writing a process's first save uses to measure its unhindered rate.
 PROBE_S = 0.3
 #: How long a checkpoint's claim waits for KV stores to evict for it, seconds.
@@ -169,7 +169,7 @@ class WritePacer:
     def _slack(self, now: float) -> float:
         """Seconds the save may still be held back now (<= 0: at its bound)."""
         rate = self.rate()
-        # aim at 80% of the allowance: the readers slow the writes too, beyond what is held back
+        # aim at part of the allowance (AIM): the readers slow the save too, beyond what is held back
         aim = 1.0 + (self.factor - 1.0) * AIM
         return aim * self.written / rate - (now - self.t0) if rate else 0.0
 
