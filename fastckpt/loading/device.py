@@ -38,6 +38,7 @@ import xxhash
 
 from ..format.dtypes import str_to_dtype
 from ..errors import ChecksumMismatchError, KeysNotFoundError
+from ..storage.tier import tier_for
 from ..storage.io import PosixBackend, get_backend, readv_exact
 from .resolve import Resolved, resolve
 from ..storage.io import default_threads
@@ -235,7 +236,8 @@ def load_tensors(r: Resolved, keys: Iterable[str], device: str | torch.device, *
         converting = [p.nbytes for p in pieces if any(convs[c.dest] is not None for c in p.copies)]
         if converting:
             engine.reserve(max(converting))
-        ring.run(pieces, dests, hashers, convs)
+        with tier_for(r.root).reading(sum(p.nbytes for p in pieces)):  # a latency-critical read on the tier
+            ring.run(pieces, dests, hashers, convs)
     for i, h in hashers.items():
         if want[i] is not None and h.hexdigest() != want[i]:
             t = targets[i]

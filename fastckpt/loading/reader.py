@@ -33,6 +33,7 @@ from ..format.manifest import Manifest, TensorEntry
 from ..storage.locate import is_url, store_for
 from ..storage.io import ALIGN, O_DIRECT, PosixBackend, get_backend, read_exact, readv_exact
 from ..storage.memory import aligned_buffer, host_buffer
+from ..storage.tier import tier_for
 from .resolve import Resolved, resolve
 from .chunks import check_chunks
 from ..format.tree import join, key_filter, unflatten
@@ -251,7 +252,8 @@ def read_tensors(r: Resolved, keys: Iterable[str], *, threads: int | None = None
             fname, info = r.tensors[k]
             path = r.file_path(fname)
             dests.append(_alloc(k, path, info, r.headers[fname].data_offset, direct and path in dfds))
-        with ThreadPoolExecutor(threads or default_read_threads(), thread_name_prefix="fastckpt-read") as ex:
+        with tier_for(r.root).reading(sum(d.view.nbytes for d in dests)), \
+                ThreadPoolExecutor(threads or default_read_threads(), thread_name_prefix="fastckpt-read") as ex:
             if direct:
                 reader = _DirectReader(be, fds, dfds, chunk)
                 futs = [ex.submit(reader, q) for q in _direct_requests(

@@ -16,6 +16,7 @@ from ..storage.io import get_backend, read_exact
 from ..format.manifest import Manifest
 from ..storage.locate import is_url, store_for
 from ..storage.commit import read_manifest
+from ..storage.tier import tier_for
 from ..format.dtypes import itemsize, str_to_dtype
 from .regions import Stored, box_runs
 from .reader import check_threads
@@ -50,6 +51,7 @@ def _hash_range(path: str, runs: list[tuple[int, int]], chunk: int) -> str:
     be = get_backend(None)
     h = xxhash.xxh3_64()
     fd = be.open_read(path)
+    bg = tier_for(path).background()  # verification yields to latency-critical reads and checkpoint writes
     try:
         buf = bytearray(min(chunk, max(max((n for _, n in runs), default=1), 1)))
         mv = memoryview(buf)
@@ -57,10 +59,12 @@ def _hash_range(path: str, runs: list[tuple[int, int]], chunk: int) -> str:
             pos = 0
             while pos < nbytes:
                 n = min(chunk, nbytes - pos)
+                bg.pace(n)
                 read_exact(be, fd, mv[:n], offset + pos, path=path)
                 h.update(mv[:n])
                 pos += n
     finally:
+        bg.close()
         be.close(fd)
     return h.hexdigest()
 

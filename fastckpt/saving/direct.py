@@ -131,7 +131,7 @@ class DirectWrites:
                 for t in task:
                     self.hashes[t.spec.key] = xxhash.xxh3_64(view[pos:pos + t.spec.nbytes]).hexdigest()
                     pos += t.spec.nbytes
-                w.write(view, task[0].file_offset)
+                self._write_paced(w, view, task[0].file_offset)
             with self.direct_lock:
                 self.direct_bytes += n
         except BaseException as e:
@@ -153,7 +153,7 @@ class DirectWrites:
             for off in range(0, n, PIECE_BYTES):
                 piece = data[off:off + PIECE_BYTES]
                 h.update(piece)  # then written while still in the cache
-                w.write(piece, at + off)
+                self._write_paced(w, piece, at + off)
         else:
             buf = self._bounce(BOUNCE_BYTES)
             view = memoryview(buf.numpy())
@@ -161,10 +161,15 @@ class DirectWrites:
                 m = min(n - off, BOUNCE_BYTES - (at + off) % ALIGN)
                 to_host(buf[:m], flat[off:off + m], one_thread=True).wait()
                 h.update(view[:m])  # the very bytes written
-                w.write(view[:m], at + off)
+                self._write_paced(w, view[:m], at + off)
                 off += m
         self.hashes[t.spec.key] = h.hexdigest()
         return n
+
+    def _write_paced(self, w: Any, data: memoryview, offset: int) -> None:
+        """Write ``data`` at byte ``offset`` of ``w``, paced by the tier arbiter (readers first, bounded)."""
+        with self.tier.write(len(data), w.fd):
+            w.write(data, offset)
 
     def _bounce(self, n: int) -> torch.Tensor:
         """This I/O thread's page-aligned buffer, at least ``n`` bytes (kept for the job's next tasks)."""

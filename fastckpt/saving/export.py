@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import xxhash
@@ -33,6 +33,7 @@ from ..format.manifest import RangeCheck
 from ..storage.store import LOCAL
 from ..storage.io import DEFAULT_CHUNK_BYTES, FileWriter, default_threads, get_backend, group_by_bytes, read_exact
 from ..storage.memory import bytes_view
+from ..storage.tier import tier_for
 
 #: ``(name, safetensors dtype string, shape, nbytes)`` of one tensor to write.
 Entry = tuple[str, str, tuple[int, ...], int]
@@ -109,6 +110,7 @@ def write_shards(plan: ShardPlan, fetch: Callable[[list[str]], dict[str, torch.T
     meta = {"format": "pt"} if metadata is None else metadata
     work = [(fname, b) for fname, es in plan.files for b in (_batches(es, batch_bytes) or [[]])]
     written = 0
+    tier = tier_for(folder).checkpoint(folder, plan.total_bytes, cls="models")  # the tier's budget and pacing
     with ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="fastckpt-export") as io, \
             ThreadPoolExecutor(1, thread_name_prefix="fastckpt-fetch") as fetcher:
         nxt = fetcher.submit(fetch, [e[0] for e in work[0][1]]) if work else None
@@ -134,14 +136,16 @@ def write_shards(plan: ShardPlan, fetch: Callable[[list[str]], dict[str, torch.T
                                          f"planned {nbytes}")
                     mv = memoryview(bytes_view(t).numpy()) if nbytes else memoryview(b"")
                     for a in range(0, nbytes, chunk_bytes):
-                        futs.append(io.submit(_write, w, mv[a:a + chunk_bytes], offs[name] + a, progress))
+                        futs.append(io.submit(_write, w, mv[a:a + chunk_bytes], offs[name] + a, progress, tier.write))
                 for f in futs:
                     f.result()
                 written += sum(e[3] for e in batch)
                 if wi + 1 == len(work) or work[wi + 1][0] != fname:
                     w.sync()
                     w.close()
+            tier.done(stored=True)
         finally:
+            tier.done(stored=False)  # no-op after the line above
             for w, _ in writers.values():
                 w.close()
             if nxt is not None:
@@ -153,8 +157,10 @@ def write_shards(plan: ShardPlan, fetch: Callable[[list[str]], dict[str, torch.T
     return written
 
 
-def _write(w: FileWriter, data: memoryview, offset: int, progress: Progress | None) -> None:
-    w.write(data, offset)
+def _write(w: FileWriter, data: memoryview, offset: int, progress: Progress | None,
+           paced: Callable[[int], Any]) -> None:
+    with paced(len(data)):  # the tier arbiter's pacing (latency-critical reads first)
+        w.write(data, offset)
     if progress is not None:
         progress(len(data))
 

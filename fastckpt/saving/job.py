@@ -24,6 +24,7 @@ from ..format.layout import SavePlan
 from ..storage.io import ALIGN, FileWriter, default_threads, get_backend, write_all
 from ..storage.staging import StagingPool, copy_pieces, copy_runs
 from ..storage.store import LOCAL
+from ..storage.tier import NO_WRITES, tier_for
 from . import dedupe
 from .dedupe import LinkUnchanged
 from .deferred import DeferredStaging
@@ -95,6 +96,7 @@ class SaveJob(LinkUnchanged, DeferredStaging, DirectWrites):
         self.bytes_written = 0  # bytes this rank wrote itself (units + headers)
         self.held = False  # holds the staging pool's buffer
         self.direct = False  # written from the sources, not staged (write_direct: fastckpt.save)
+        self.tier = NO_WRITES  # this save's capacity claim and write pacing on the tier (open_files)
 
     def _at(self, stream_off: int) -> int:
         """Buffer offset of stream offset ``stream_off`` (whole-state staging)."""
@@ -189,6 +191,7 @@ class SaveJob(LinkUnchanged, DeferredStaging, DirectWrites):
             todo = [i for i in self.files if i not in self.linked]
         else:
             todo = sorted({p.units[i].file_index for i in self.owned} - self.linked)
+        self.tier = tier_for(self.tmp).checkpoint(self.tmp, sum(p.files[i].size for i in todo) if self.part.leader else 0)
         for i in todo:
             self.writers[i] = LOCAL.open_write(LOCAL.join(self.tmp, p.files[i].name), p.files[i].size,
                                                o_direct=self.io.o_direct is not False, create=self.part.leader, backend=self.be)
@@ -198,7 +201,8 @@ class SaveJob(LinkUnchanged, DeferredStaging, DirectWrites):
             raise self.first_exc  # a write already failed: do not keep writing
         u = self.plan.units[i]
         try:
-            self.writers[u.file_index].write(self.view[slot_off:slot_off + u.nbytes], u.file_offset)
+            with self.tier.write(u.nbytes, self.writers[u.file_index].fd):  # the tier: readers first (bounded)
+                self.writers[u.file_index].write(self.view[slot_off:slot_off + u.nbytes], u.file_offset)
             self.bytes_written += u.nbytes
         except BaseException as e:
             with self.exc_lock:
@@ -348,6 +352,7 @@ class SaveJob(LinkUnchanged, DeferredStaging, DirectWrites):
                 err = err or e
         self.exec.shutdown(wait=True, cancel_futures=True)
         self._release()
+        self.tier.done(stored=strict and err is None and self.first_exc is None)
         if strict and err is not None:
             raise err
 

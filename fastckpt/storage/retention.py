@@ -41,6 +41,7 @@ from typing import Iterable, Sequence
 from . import commit as cm
 from .locate import store_for
 from .store import Store
+from .tier import tier_for
 
 #: Suffix of the hidden name a folder gets while :func:`delete_checkpoint` removes it.
 DOOMED_SUFFIX = ".del"
@@ -329,7 +330,10 @@ def delete_checkpoint(path: str | os.PathLike, store: Store | None = None) -> bo
     doomed = store.retire(store.normalize(path), DOOMED_SUFFIX)
     if doomed is None:
         return False
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(doomed) for f in fs)
     store.remove(doomed)
+    if size:  # the tier's capacity budget (a local tier: an object store's folder walks to 0 bytes)
+        tier_for(store.parent(store.normalize(path))).add_stored("checkpoints", store.parent(store.normalize(path)), -size)
     return True
 
 

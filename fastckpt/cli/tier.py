@@ -1,0 +1,109 @@
+"""``fastckpt tier [PATH]``: what the tier arbiter sees on the tier PATH lies on.
+
+Per class (checkpoints, models, KV) the bytes stored, claimed by writes in flight and allowed
+under the shared budget; the recent read and write bandwidth of the tier's processes; readers
+waiting; whether checkpoint writes are being paced. ``--json`` prints the same as one JSON
+object, ``--prometheus`` as Prometheus text exposition (needs ``prometheus-client``: the
+``metrics`` extra). ``--budget BYTES`` sets the tier's shared capacity budget (0: none).
+Reading joins nothing: the command itself never counts as a participant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from ..storage.tier import CLASSES, snapshot
+from .common import human_bytes, parse_bytes
+
+
+def _text(s: dict) -> str:
+    found = "" if s["found"] else ": none yet, no process joined"
+    budget = (human_bytes(s["budget_bytes"]) if s["budget_bytes"]
+              else f"none (the file system: {human_bytes(s['fs_free_bytes'])} free)")
+    lines = [f"tier {s['tier']} (state {s['state']}{found})", f"budget: {budget}",
+             f"{'class':<12} {'stored':>10} {'claimed':>10} {'allowed':>10}"]
+    for c in CLASSES:
+        v = s["classes"][c]
+        allowed = "-" if v["allowed_bytes"] is None else human_bytes(v["allowed_bytes"])
+        lines.append(f"{c:<12} {human_bytes(v['stored_bytes']):>10} {human_bytes(v['claimed_bytes']):>10} "
+                     f"{allowed:>10}")
+    lines.append(f"bandwidth (last second): read {human_bytes(s['read_bps'])}/s, write {human_bytes(s['write_bps'])}/s")
+    lines.append(f"waiting readers: {s['waiting_readers']}; checkpoint writers: {s['writers']}; "
+                 f"background jobs: {s['background']}")
+    lines.append(f"pacing: {'in effect' if s['pacing'] else 'not now'} ({s['paced_s']:.2f} s held back in "
+                 f"{s['pace_waits']} waits by the live processes)")
+    lines.append(f"participants: {len(s['participants'])} live process(es)"
+                 + (": pids " + ", ".join(str(p["pid"]) for p in s["participants"]) if s["participants"] else ""))
+    return "\n".join(lines)
+
+
+def prometheus_text(s: dict) -> str:
+    """The snapshot ``s`` (:func:`fastckpt.storage.tier.snapshot`) as Prometheus text exposition."""
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    reg = CollectorRegistry()
+    lab = {"tier": s["tier"]}
+    g = Gauge("fastckpt_tier_budget_bytes", "Shared capacity budget of the tier (0: none)", ["tier"], registry=reg)
+    g.labels(**lab).set(s["budget_bytes"])
+    stored = Gauge("fastckpt_tier_stored_bytes", "Bytes stored per class", ["tier", "class"], registry=reg)
+    claimed = Gauge("fastckpt_tier_claimed_bytes", "Bytes claimed by writes in flight per class", ["tier", "class"],
+                    registry=reg)
+    allowed = Gauge("fastckpt_tier_allowed_bytes", "Bytes the class may hold now under the budget",
+                    ["tier", "class"], registry=reg)
+    for c in CLASSES:
+        v = s["classes"][c]
+        stored.labels(s["tier"], c).set(v["stored_bytes"])
+        claimed.labels(s["tier"], c).set(v["claimed_bytes"])
+        if v["allowed_bytes"] is not None:
+            allowed.labels(s["tier"], c).set(v["allowed_bytes"])
+    for name, key, doc in (("read_bytes_per_second", "read_bps", "Recent read bandwidth of the tier's processes"),
+                           ("write_bytes_per_second", "write_bps", "Recent write bandwidth of the tier's processes"),
+                           ("waiting_readers", "waiting_readers", "Latency-critical reads running now"),
+                           ("writers", "writers", "Checkpoint saves writing now"),
+                           ("background_jobs", "background", "Background jobs (verify, copies) running now"),
+                           ("pacing", "pacing", "1 while checkpoint writes are held back for readers"),
+                           ("paced_seconds", "paced_s", "Time checkpoint writes of live processes were held back"),
+                           ("participants", None, "Live processes on the tier")):
+        gg = Gauge(f"fastckpt_tier_{name}", doc, ["tier"], registry=reg)
+        gg.labels(**lab).set(len(s["participants"]) if key is None else float(s[key]))
+    return generate_latest(reg).decode()
+
+
+def cmd_tier(args: argparse.Namespace) -> int:
+    """Show (or with ``--budget`` set) the tier that ``args.path`` lies on."""
+    if args.budget is not None:
+        from ..storage.tier import tier_for
+        t = tier_for(args.path)
+        if not t.enabled:
+            raise OSError(f"{args.path}: the tier's shared state cannot be created; budget not set")
+        t.set_budget(args.budget)
+        t.leave()
+    s = snapshot(args.path)
+    if args.json:
+        print(json.dumps(s, indent=1))
+    elif args.prometheus:
+        print(prometheus_text(s), end="")
+    else:
+        print(_text(s))
+    return 0
+
+
+def add_tier_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``fastckpt tier`` to the ``fastckpt`` subcommands (called by :mod:`fastckpt.cli.main`)."""
+    p = subparsers.add_parser("tier", help="per class bytes, bandwidth, waiting readers and pacing on a storage tier",
+                              description=re.sub(r":[a-z]+:`", "`", __doc__.replace("``", "`")),
+                              formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog="Environment: FASTCKPT_TIER names one tier spanning several mounts ('off': no "
+                                     "arbitration); FASTCKPT_TIER_DIR holds the shared state (default /dev/shm); "
+                                     "FASTCKPT_TIER_FACTOR bounds a paced checkpoint (default 1.3x); "
+                                     "FASTCKPT_TIER_BUDGET_BYTES sets the budget. See docs/TIER.md.")
+    p.add_argument("path", nargs="?", default=".", help="a path on the tier (default: the current folder)")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    out.add_argument("--prometheus", action="store_true", help="print Prometheus text exposition")
+    p.add_argument("--budget", type=parse_bytes, default=None,
+                   help="set the tier's shared capacity budget for checkpoints, models and KV (e.g. 2TB; 0: none)")
+    p.set_defaults(func=cmd_tier)
+    return p
