@@ -26,7 +26,7 @@ from ..format.manifest import RangeCheck
 from ..storage.model_files import safe_join
 from ..format.tree import join, unflatten
 from ..storage.store import LOCAL
-from .regions import Box, Stored
+from .regions import Stored
 from .resolve import Resolved, resolve
 
 
