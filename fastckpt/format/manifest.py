@@ -202,6 +202,19 @@ class RangeCheck:
     shape: tuple[int, ...] | None = None
     dtype: str | None = None
 
+    @property
+    def elements(self) -> Box:
+        """The element box this check covers: ``box``, or the whole tensor's box when ``box`` is ``None``.
+
+        Raises:
+            ValueError: a file or header range (no ``shape``).
+        """
+        if self.box is not None:
+            return self.box
+        if self.shape is None:
+            raise ValueError(f"{self.what}: a byte range of {self.file!r}, not a tensor's elements")
+        return (0,) * len(self.shape), tuple(self.shape)
+
 
 @dataclass
 class Manifest:

@@ -281,8 +281,8 @@ class FastCkptReader(StorageReader):
             read_box(files, ex, [(st, box)], box, byte_view(dest), self.chunk_bytes, fqn)
             target.copy_(dest)
         if self.verify:
-            checks = [c for c in sd.descs[fqn].checks if intersect(c.box, box) is not None]
-            verify_region(fqn, checks, dest, box, files, ex, self.chunk_bytes)
+            checks = [c for c in sd.descs[fqn].checks if intersect(c.elements, box) is not None]
+            verify_region(fqn, checks, sd.descs[fqn].pieces[0], dest, box, files, ex, self.chunk_bytes)
         torch.autograd.graph.increment_version(target)
         planner.commit_tensor(item, target)
 

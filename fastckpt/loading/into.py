@@ -31,6 +31,7 @@ import torch
 
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, InvalidArgumentError, StateMismatchError
 from ..format.dtypes import DTYPE_TO_STR, str_to_dtype
+from ..format.manifest import RangeCheck
 from ..format.stateful import load_back, to_state_dicts
 from ..format.tree import join
 from ..storage.io import PosixBackend, get_backend, readv_exact
@@ -38,7 +39,7 @@ from ..storage.locate import is_url, store_for
 from .chunks import box_bytes, chunk_problem
 from .reader import READ_CHUNK_BYTES, check_threads, default_read_threads
 from .regions import Box, ByteRun, Stored, box_runs, contains, dim0_blocks, intersect, split_runs
-from .stored import Check, CheckpointIndex, TensorDesc, open_index
+from .stored import CheckpointIndex, TensorDesc, open_index
 
 #: Host bounce memory (bytes) for destinations that are not contiguous CPU tensors.
 BUFFER_BYTES = 64 << 20
@@ -303,26 +304,28 @@ def _fill(t: FillTarget, files: Files, ex: ThreadPoolExecutor, chunk: int, buffe
     return []
 
 
-def verify_region(key: str, checks: list[Check], local: torch.Tensor, region: Box, files: Files,
-                  ex: ThreadPoolExecutor, chunk: int) -> None:
-    """Check every checksummed box of ``checks`` that overlaps ``region`` (held by ``local``): from
-    ``local`` when the region covers the box, else by reading the whole box from its file.
+def verify_region(key: str, checks: list[RangeCheck], stored: Stored, local: torch.Tensor, region: Box,
+                  files: Files, ex: ThreadPoolExecutor, chunk: int) -> None:
+    """Check every checksummed element box of ``checks`` (of the tensor stored as ``stored``) that
+    overlaps ``region`` (held by ``local``): from ``local`` when the region covers the box, else by
+    reading the whole box from its file.
 
     Raises:
         ChecksumMismatchError: names the key, the chunk (offsets, shape) and the file.
     """
     for c in checks:
-        if math.prod(region[1]) == 0 or intersect(c.box, region) is None:
+        box = c.elements
+        if math.prod(region[1]) == 0 or intersect(box, region) is None:
             continue
-        if contains(region, c.box):
-            data = box_bytes(local, c.box, region[0])
+        if contains(region, box):
+            data = box_bytes(local, box, region[0])
         else:
-            tmp = torch.empty(c.box[1], dtype=local.dtype)
-            read_box(files, ex, [(c.stored, c.box)], c.box, byte_view(tmp), chunk, key)
+            tmp = torch.empty(box[1], dtype=local.dtype)
+            read_box(files, ex, [(stored, box)], box, byte_view(tmp), chunk, key)
             data = byte_view(tmp)
-        problem = chunk_problem(key, c.stored.file, c.box, c.xxh3, data)
+        problem = chunk_problem(key, stored.file, box, c.xxh3, data)
         if problem:
-            raise ChecksumMismatchError(f"{c.what}: {problem}", path=c.stored.file, tensor=key)
+            raise ChecksumMismatchError(f"{c.what}: {problem}", path=stored.file, tensor=key)
 
 
 def _verify_cast(t: FillTarget, files: Files, ex: ThreadPoolExecutor, chunk: int) -> None:
@@ -332,14 +335,16 @@ def _verify_cast(t: FillTarget, files: Files, ex: ThreadPoolExecutor, chunk: int
     Raises:
         ChecksumMismatchError: names the key, the chunk and the file.
     """
+    stored = t.desc.pieces[0]
     for c in t.desc.checks:
-        if math.prod(t.region[1]) == 0 or intersect(c.box, t.region) is None:
+        box = c.elements
+        if math.prod(t.region[1]) == 0 or intersect(box, t.region) is None:
             continue
-        tmp = torch.empty(c.box[1], dtype=t.stored)
-        read_box(files, ex, [(c.stored, c.box)], c.box, byte_view(tmp), chunk, t.key)
-        problem = chunk_problem(t.key, c.stored.file, c.box, c.xxh3, byte_view(tmp))
+        tmp = torch.empty(box[1], dtype=t.stored)
+        read_box(files, ex, [(stored, box)], box, byte_view(tmp), chunk, t.key)
+        problem = chunk_problem(t.key, stored.file, box, c.xxh3, byte_view(tmp))
         if problem:
-            raise ChecksumMismatchError(f"{c.what}: {problem}", path=c.stored.file, tensor=t.key)
+            raise ChecksumMismatchError(f"{c.what}: {problem}", path=stored.file, tensor=t.key)
 
 
 def _verify_targets(targets: list[FillTarget], files: Files, ex: ThreadPoolExecutor, chunk: int) -> None:
@@ -347,7 +352,7 @@ def _verify_targets(targets: list[FillTarget], files: Files, ex: ThreadPoolExecu
     reads of partly covered boxes go to ``ex``. Raises the first failure in target order."""
     def one(t: FillTarget) -> None:
         if t.stored is None:
-            verify_region(t.key, t.desc.checks, t.local, t.region, files, ex, chunk)
+            verify_region(t.key, t.desc.checks, t.desc.pieces[0], t.local, t.region, files, ex, chunk)
         else:
             _verify_cast(t, files, ex, chunk)
 

@@ -22,22 +22,12 @@ from typing import Any
 from ..errors import CorruptCheckpointError, UnsupportedValueError
 from ..format.dtypes import itemsize, str_to_dtype
 from ..format.layout import RANK_KEY
+from ..format.manifest import RangeCheck
 from ..storage.model_files import safe_join
 from ..format.tree import join, unflatten
 from ..storage.store import LOCAL
-from .regions import Box, Stored
+from .regions import Stored
 from .resolve import Resolved, resolve
-
-
-@dataclass(frozen=True)
-class Check:
-    """Global box ``box`` of a tensor, stored in ``stored``, must hash (xxh3-64 of its row-major bytes)
-    to ``xxh3``; ``what`` names it in messages."""
-
-    what: str
-    stored: Stored
-    box: Box
-    xxh3: str
 
 
 @dataclass
@@ -48,14 +38,15 @@ class TensorDesc:
         key: key path (fastckpt) or tensor name (HF).
         shape: global shape. dtype: safetensors dtype string.
         pieces: stored tensors that tile it (one: every format stores full tensors).
-        checks: checksummed boxes (whole tensor or v2 chunks); empty for HF files.
+        checks: checksummed element boxes of ``pieces[0]`` (the whole tensor or its format-2 chunks;
+            :attr:`RangeCheck.elements <fastckpt.format.manifest.RangeCheck.elements>`); empty for HF files.
     """
 
     key: str
     shape: tuple[int, ...]
     dtype: str
     pieces: list[Stored]
-    checks: list[Check] = field(default_factory=list)
+    checks: list[RangeCheck] = field(default_factory=list)
 
 
 @dataclass
@@ -118,14 +109,16 @@ def _stored(r: Resolved, key: str, origin: tuple[int, ...] | None = None) -> Sto
                   info.dtype, isz, origin or (0,) * len(info.shape))
 
 
-def _checks(r: Resolved, key: str, st: Stored) -> list[Check]:
+def _checks(r: Resolved, key: str, st: Stored) -> list[RangeCheck]:
     assert r.manifest is not None
     key, e = r.manifest.resolve(key)
     where = f"tensor {key!r} in {os.path.basename(st.file)!r}"
+    name = os.path.relpath(st.file, r.root)
+    end = st.abs_offset + st.itemsize * math.prod(st.shape)
     if e.xxh3 is not None and e.view is None:
-        return [Check(where, st, st.box, e.xxh3)]
-    return [Check(f"{where} chunk at offsets {list(c.offsets)} of shape {list(c.shape)}", st, c.box, c.xxh3)
-            for c in e.chunks or ()]
+        return [RangeCheck(where, name, st.abs_offset, end, e.xxh3, key, None, st.shape, st.dtype)]
+    return [RangeCheck(f"{where} chunk at offsets {list(c.offsets)} of shape {list(c.shape)}", name, st.abs_offset,
+                       end, c.xxh3, key, c.box, st.shape, st.dtype) for c in e.chunks or ()]
 
 
 def open_index(path: str | os.PathLike, local_rank: int | None = None) -> CheckpointIndex:

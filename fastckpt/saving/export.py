@@ -39,10 +39,6 @@ from ..storage.tier import tier_for
 Entry = tuple[str, str, tuple[int, ...], int]
 #: Called with the byte count each time bytes are read or written (progress bars).
 Progress = Callable[[int], None]
-#: A :class:`~fastckpt.format.manifest.RangeCheck` with ``box=None``: bytes ``[start, end)`` of a
-#: file must hash (xxh3-64) to ``xxh3``; ``what`` names them in errors (``"tensor 'model/w'"``).
-#: Ranges may overlap.
-Check = RangeCheck
 
 
 @dataclass(frozen=True)
@@ -166,13 +162,13 @@ def _write(w: FileWriter, data: memoryview, offset: int, progress: Progress | No
 
 
 class _RangeHasher:
-    """Feeds the bytes of one file, read front to back, to the xxh3 of every :data:`Check` range."""
+    """Feeds the bytes of one file, read front to back, to the xxh3 of every :class:`~fastckpt.format.manifest.RangeCheck` range."""
 
-    def __init__(self, path: str, checks: Sequence[Check]):
+    def __init__(self, path: str, checks: Sequence[RangeCheck]):
         self.path = path
         self.todo = sorted(checks, key=lambda c: (c.start, c.end))
         self.next = 0
-        self.active: list[tuple[Check, "xxhash.xxh3_64"]] = []
+        self.active: list[tuple[RangeCheck, "xxhash.xxh3_64"]] = []
 
     def feed(self, data: memoryview, offset: int) -> None:
         """Hash ``data`` (bytes ``[offset, offset + len(data))`` of the file; calls in file order)."""
@@ -195,14 +191,14 @@ class _RangeHasher:
         """Compare what is left (empty ranges, ranges past the bytes fed)."""
         self.feed(memoryview(b""), 1 << 62)
 
-    def _compare(self, c: Check, h: "xxhash.xxh3_64") -> None:
+    def _compare(self, c: RangeCheck, h: "xxhash.xxh3_64") -> None:
         got = h.hexdigest()
         if got != c.xxh3:
             raise ChecksumMismatchError(f"{self.path}: {c.what} (bytes {c.start}-{c.end}) has xxh3 {got}, manifest "
                                         f"says {c.xxh3}: the file is damaged; refusing to use it", path=self.path)
 
 
-def copy_checked(src: str, dst: str, size: int, checks: Sequence[Check], *,
+def copy_checked(src: str, dst: str, size: int, checks: Sequence[RangeCheck], *,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     """Copy file ``src`` (``size`` bytes) to the new file ``dst``, hashing ``checks`` on the way.
 
@@ -253,7 +249,7 @@ def copy_checked(src: str, dst: str, size: int, checks: Sequence[Check], *,
     return size
 
 
-def read_checked(path: str, size: int | None, checks: Sequence[Check]) -> bytes:
+def read_checked(path: str, size: int | None, checks: Sequence[RangeCheck]) -> bytes:
     """Read the file ``path`` (a small file, or a header), hashing ``checks`` on the bytes read.
 
     Args:
@@ -278,12 +274,12 @@ def read_checked(path: str, size: int | None, checks: Sequence[Check]) -> bytes:
 
 def warm_files(paths: list[str], *, threads: int | None = None, range_bytes: int = 64 << 20,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Progress | None = None,
-               checks: dict[str, Sequence[Check]] | None = None) -> int:
+               checks: dict[str, Sequence[RangeCheck]] | None = None) -> int:
     """Read every byte of ``paths`` into the page cache with parallel sequential reads.
 
     Each file is cut into ``range_bytes`` ranges (default 64 MiB); each worker reads one range
     front to back in ``chunk_bytes`` requests into its own buffer (data discarded). Memory:
-    ``threads * chunk_bytes``. With ``checks`` (path -> :data:`Check` ranges, e.g. a file's
+    ``threads * chunk_bytes``. With ``checks`` (path -> :class:`~fastckpt.format.manifest.RangeCheck` ranges, e.g. a file's
     header and tensors), each checked range is one job whose bytes are hashed as they are read,
     and the bytes no range covers are warmed as above: still one read of every byte.
 
@@ -295,7 +291,7 @@ def warm_files(paths: list[str], *, threads: int | None = None, range_bytes: int
         ChecksumMismatchError: a checked range differs from its checksum (names file and range).
     """
     be = get_backend(None)
-    jobs: list[tuple[str, int, int, Check | None]] = []
+    jobs: list[tuple[str, int, int, RangeCheck | None]] = []
     for p in paths:
         size = LOCAL.size(p)
         pos = 0
@@ -305,7 +301,7 @@ def warm_files(paths: list[str], *, threads: int | None = None, range_bytes: int
             pos = max(pos, c.end)
         jobs += [(p, a, min(range_bytes, size - a), None) for a in range(pos, size, range_bytes)]
 
-    def run(job: tuple[str, int, int, Check | None]) -> int:
+    def run(job: tuple[str, int, int, RangeCheck | None]) -> int:
         path, start, n, check = job
         hasher = _RangeHasher(path, [check]) if check else None
         fd = be.open_read(path)

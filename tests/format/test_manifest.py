@@ -75,6 +75,24 @@ def test_checks_cover_every_checksum_and_hash_to_the_bytes(tmp_path):
         data = (ck / c.file).read_bytes()[c.start:c.end]
         assert xxhash.xxh3_64(data).hexdigest() == c.xxh3, c.what
     assert [c.file for c in m.checks("model.safetensors")] == ["model.safetensors"] * 3  # header, w, e (tied: alias)
+    w = next(c for c in checks if c.key == "model/w")
+    assert w.elements == ((0,) * len(w.shape), tuple(w.shape))  # a whole tensor: its whole element box
+    with pytest.raises(ValueError, match="not a tensor"):
+        next(c for c in checks if c.key is None).elements
+
+
+def test_load_into_checks_are_the_manifests_range_checks(tmp_path):
+    """The loaders check the same :class:`RangeCheck` ranges the manifest lists (one range-check type)."""
+    from fastckpt.loading.stored import open_index
+
+    ck = fastckpt.save(_plain_state(), tmp_path / "ck")
+    m = fastckpt.read_manifest(ck)
+    want = {(c.key, c.file, c.start, c.end, c.xxh3) for c in m.checks()
+            if c.key and not c.key.startswith("%")}  # "%storage/N": the base of views, not a state key
+    idx = open_index(ck)
+    got = {(c.key, c.file, c.start, c.end, c.xxh3) for d in idx.tensors.values() for c in d.checks}
+    assert all(isinstance(c, RangeCheck) for d in idx.tensors.values() for c in d.checks)
+    assert got == want
 
 
 # -- malformed manifests ------------------------------------------------------------------------------
