@@ -45,7 +45,7 @@ PIECE_BYTES = 1 << 20
 BOUNCE_BYTES = 4 << 20
 
 
-def _plain(t: torch.Tensor) -> bool:
+def plain_cpu(t: torch.Tensor) -> bool:
     """True when ``t``'s memory holds exactly the bytes a save writes for it (a dense, contiguous CPU
     tensor without lazy conjugate / negative bits)."""
     return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
@@ -58,14 +58,14 @@ class DirectWrites:
     def can_write_direct(self, sources: dict) -> bool:
         """True when this job may write ``sources`` directly: it writes every unit (one process), no
         copy is deferred, every tensor it writes is on the CPU and every one of at least
-        :data:`DIRECT_MIN_BYTES` is :func:`_plain` (others: device, strided or lazily conjugated
+        :data:`DIRECT_MIN_BYTES` is :func:`plain_cpu` (others: device, strided or lazily conjugated
         tensors go through staging, as in :meth:`SaveJob.stage`)."""
         if not self.all_units or self.cons.defer is not None or self.cons.defer_frozen:
             return False
         for f in self.plan.files:
             for t in f.tensors:
                 src = sources[t.spec.key]
-                if src.device.type != "cpu" or (t.spec.nbytes >= DIRECT_MIN_BYTES and not _plain(src)):
+                if src.device.type != "cpu" or (t.spec.nbytes >= DIRECT_MIN_BYTES and not plain_cpu(src)):
                     return False
         return True
 
@@ -141,7 +141,7 @@ class DirectWrites:
             raise
 
     def _write_tensor(self, w: Any, t: Any) -> int:
-        """Hash and write one :func:`_plain` tensor in order; returns its bytes. With an O_DIRECT fd,
+        """Hash and write one :func:`plain_cpu` tensor in order; returns its bytes. With an O_DIRECT fd,
         each piece is copied into the thread's page-aligned buffer, hashed there and written O_DIRECT
         from it (the first piece ends at a page boundary of the file so that the others start on one);
         without, pieces are hashed and written (buffered) from the tensor's own memory."""

@@ -19,12 +19,14 @@ One rank's part (:class:`PageJob`), by step of :mod:`fastckpt.saving.saver`:
 
 1. ``stage`` (the call): acquire the saver's staging buffer and copy this rank's bytes straight
    into the pages it writes (one host copy: ``Shard(0)``: one range; ``Shard(1)``: a range per
-   row); keep the head bytes that belong to other ranks' pages;
+   row); keep the head bytes that belong to other ranks' pages. ``direct`` (a blocking save whose
+   files take buffered writes, :meth:`PageJob.can_write_direct`): no staging, the runs are written
+   from the local tensors' memory in step 3, and only the head bytes are copied;
 2. ``send_edges`` (background): publish them (``edge/{src}/{dst}`` in the save's store session;
    a failed rank publishes a failure marker instead, so nobody waits for it);
 3. ``write``: take the other ranks' edge bytes, ``pwrite`` each page span with the engine's
    :class:`~fastckpt.storage.io.FileWriter` (O_DIRECT where asked: spans are page aligned in
-   the file and in memory), ``fsync``;
+   the file and in memory), each write paced by the tier arbiter, ``fsync``;
 4. ``hashes``: xxh3-64 of each chunk's elements in row-major order (the bytes of
    ``full[region].contiguous()``: the manifest's per-chunk checksum), read from the staged pages.
 """
@@ -44,12 +46,15 @@ import torch
 import xxhash
 
 from ..coordination import Session
+from ..errors import SourceChangedError
 from ..format.dtypes import itemsize, str_to_dtype
 from ..format.layout import SavePlan
 from ..storage.io import FileWriter, default_threads, get_backend, group_by_bytes, memory_backed, write_all
 from ..device import AllOf, to_host
 from ..storage.staging import StagingPool
 from ..storage.store import LOCAL
+from ..storage.tier import tier_for
+from .direct import DIRECT_MIN_BYTES, plain_cpu
 from .options import SaveOptions
 
 #: Bytes of one page: the unit of single-writer ownership (O_DIRECT alignment, NFS/Lustre caching).
@@ -290,11 +295,29 @@ class PageJob:
         self.staged = threading.Event()  # set at the call: nothing of the sources is read after it
         self.staged.set()
         self.deferred: dict = {}  # (nothing is deferred on this route)
+        self.direct = False  # written from the sources' own memory (stage(direct=True)); staged once written
+        self.src: dict[int, Any] = {}  # direct: chunk index -> its bytes (numpy uint8 view of the source)
+        self.versions: dict[int, tuple[Any, int]] = {}  # direct: chunk index -> (source, version counter)
 
-    def stage(self, sources: dict[str, torch.Tensor]) -> None:
+    def can_write_direct(self, sources: dict[str, Any]) -> bool:
+        """True when :meth:`stage` may leave this rank's chunks in the sources' own memory (``direct``):
+        every chunk it writes is a :func:`~fastckpt.saving.direct.plain_cpu` tensor and its runs are
+        :data:`~fastckpt.saving.direct.DIRECT_MIN_BYTES` or more on average (``Shard(1)`` pieces of a
+        matrix are one run per row: staged, then written in large requests)."""
+        lay = self.lay
+        if lay.copies and sum(n for _, _, n, _ in lay.copies) < DIRECT_MIN_BYTES * len(lay.copies):
+            return False
+        return all(isinstance(sources[self.chunks[ci].key], torch.Tensor) and plain_cpu(sources[self.chunks[ci].key])
+                   for ci in lay.chunks)
+
+    def stage(self, sources: dict[str, torch.Tensor], direct: bool = False) -> None:
         """Copy this rank's chunks (``sources``: key path -> its local tensor, any device) straight into
         the pages it writes in the staging buffer, and keep the head bytes of other ranks' pages; returns
-        once every copy is complete (the caller may change the tensors then)."""
+        once every copy is complete (the caller may change the tensors then).
+
+        ``direct`` (a blocking save whose chunks pass :meth:`can_write_direct`): copy nothing but the
+        head bytes; :meth:`write` writes the rest from the sources' memory and :attr:`staged` is set
+        once it has (the caller must not change the tensors before)."""
         lay = self.lay
         flat: dict[int, torch.Tensor] = {}
         for ci in lay.chunks:
@@ -303,9 +326,21 @@ class PageJob:
             if tuple(t.shape) != c.shape:
                 raise ValueError(f"local tensor of {c.key!r} has shape {list(t.shape)}, its chunk {list(c.shape)}")
             flat[ci] = _flat(t)
-        self.buf, _ = self.pool.acquire(lay.buffer_bytes)
-        self.held = True
-        copies = [to_host(self.buf[off:off + n], flat[ci][s:s + n]) for ci, s, n, off in lay.copies]
+        if direct:
+            self.direct = True
+            self.staged.clear()
+            self.src = {ci: f.numpy() for ci, f in flat.items()}
+            for ci in lay.chunks:
+                t = sources[self.chunks[ci].key]
+                try:
+                    self.versions[ci] = (t, t._version)
+                except (RuntimeError, TypeError):  # inference tensors have no version counter
+                    pass
+            copies = []
+        else:
+            self.buf, _ = self.pool.acquire(lay.buffer_bytes)
+            self.held = True
+            copies = [to_host(self.buf[off:off + n], flat[ci][s:s + n]) for ci, s, n, off in lay.copies]
         for dst, items in lay.sends.items():
             parts = []
             for ci, s, n in items:
@@ -332,33 +367,66 @@ class PageJob:
 
     def write(self) -> None:
         """Take the other ranks' edge bytes, write every page span (about ``chunk_bytes`` per task on the
-        I/O pool) while the chunks are hashed, fsync."""
-        lay, buf = self.lay, self.buf
+        I/O pool) while the chunks are hashed, fsync. Each write is paced by the tier arbiter
+        (latency-critical readers first, within the save's bound) and the bytes are claimed on it.
+
+        Raises:
+            SourceChangedError: (``direct``) a source tensor was written in place during the save."""
+        lay = self.lay
+        received: list[tuple[int, memoryview]] = []  # (buffer offset, bytes) of the other ranks' heads
         for src, items in sorted(lay.recvs.items()):
             data = self.sess.wait_bytes(f"edge/{src}/{self.rank}", f"waiting for rank {src}'s edge bytes")
             if data[:1] != _OK:
                 raise RuntimeError(f"rank {src} failed before handing over its edge bytes: {data[1:].decode()}")
-            got = torch.frombuffer(bytearray(data[1:]), dtype=torch.uint8) if len(data) > 1 else None
-            pos = 0
+            mv, pos = memoryview(data)[1:], 0
             for off, n in items:
-                buf[off:off + n].copy_(got[pos:pos + n])
+                received.append((off, mv[pos:pos + n]))
                 pos += n
-        be = get_backend(self.opts.io.io_backend)
         step = self.opts.io.chunk_bytes
+        if self.direct:  # each run from its source's memory, each head at its place: buffered writes
+            starts = [off for _, _, _, off in lay.spans]
+
+            def place(off: int) -> tuple[int, int]:
+                fi, a, _, soff = lay.spans[bisect.bisect_right(starts, off) - 1]
+                return fi, a + off - soff
+            segs = [(*place(off), memoryview(self.src[ci])[s:s + n]) for ci, s, n, off in lay.copies]
+            segs += [(*place(off), mv) for off, mv in received]
+            o_direct = False
+        else:
+            view = memoryview(self.buf.numpy()) if lay.buffer_bytes else None
+            for off, mv in received:
+                view[off:off + len(mv)] = mv
+            segs = [(fi, a, view[off:off + b - a]) for fi, a, b, off in lay.spans]
+            o_direct = self.opts.io.o_direct is not False
+        pieces = [(fi, x + d, mv[d:d + step], min(step, len(mv) - d)) for fi, x, mv in segs for d in range(0, len(mv), step)]
+        self._write_pieces(pieces, o_direct)
+        if self.direct:
+            for ci, (t, was) in self.versions.items():
+                if t._version != was:
+                    raise SourceChangedError(
+                        f"{self.chunks[ci].key!r} (this rank's chunk at {list(self.chunks[ci].offsets)}) was written "
+                        f"in place (version counter {was} -> {t._version}) while fastckpt.save wrote it from its own "
+                        f"memory into {self.folder}: nothing was committed. Do not change the state during save")
+            self.staged.set()
+
+    def _write_pieces(self, pieces: list[tuple[int, int, memoryview, int]], o_direct: bool) -> None:
+        """Write ``(file index, file offset, bytes, nbytes)`` pieces on the I/O pool while the chunks are
+        hashed, fsync every file; paced and claimed on the tier."""
+        be = get_backend(self.opts.io.io_backend)
         writers: dict[int, FileWriter] = {}
-        view = memoryview(buf.numpy()) if lay.buffer_bytes else None
+        tier = tier_for(self.folder).checkpoint(self.folder, self.lay.written_bytes)
+        stored = False
         try:
-            for fi in sorted({fi for fi, _, _, _ in lay.spans}):
+            for fi in sorted({p[0] for p in pieces}):
                 pf = self.plan.files[fi]
                 writers[fi] = LOCAL.open_write(os.path.join(self.folder, pf.name), pf.size,
-                                               o_direct=self.opts.io.o_direct is not False, create=False, backend=be)
-            pieces = [(fi, a + d, off + d, min(step, b - a - d)) for fi, a, b, off in lay.spans
-                      for d in range(0, b - a, step)]
-            tasks = [t for t in group_by_bytes(pieces, step) if t]  # a Shard(1) chunk is thousands of row spans
+                                               o_direct=o_direct, create=False, backend=be)
+            tasks = [t for t in group_by_bytes(pieces, self.opts.io.chunk_bytes) if t]  # a Shard(1) chunk: many spans
 
             def run(task: list) -> None:
-                for fi, x, o, n in task:
-                    writers[fi].write(view[o:o + n], x)
+                for fi, x, mv, n in task:
+                    with tier.write(n, writers[fi].fd):  # the tier: readers first (bounded)
+                        writers[fi].write(mv, x)
             with ThreadPoolExecutor(self.opts.io.threads or default_threads(), thread_name_prefix="fastckpt-io") as ex:
                 futs = [ex.submit(run, t) for t in tasks]
                 self.hashes()  # while the writes are in flight
@@ -366,8 +434,10 @@ class PageJob:
                     f.result()
                 for f in [ex.submit(w.sync) for w in writers.values()]:
                     f.result()
-            self.bytes_written = lay.written_bytes
+            self.bytes_written = self.lay.written_bytes
+            stored = True
         finally:
+            tier.done(stored=stored)
             for w in writers.values():
                 w.close()
 
@@ -378,7 +448,7 @@ class PageJob:
             arr = self.buf.numpy() if self.buf is not None and self.lay.buffer_bytes else None
             pieces: dict[int, list[tuple[int, Any]]] = {ci: list(self.head_pieces.get(ci, ())) for ci in self.lay.chunks}
             for ci, s, n, off in self.lay.copies:
-                pieces[ci].append((s, arr[off:off + n]))
+                pieces[ci].append((s, self.src[ci][s:s + n] if self.direct else arr[off:off + n]))
             out = {}
             for ci, ps in pieces.items():
                 h = xxhash.xxh3_64()
@@ -389,8 +459,9 @@ class PageJob:
         return self._hashes
 
     def release(self) -> None:
-        """Hand the staging buffer back (once)."""
+        """Hand the staging buffer back (once); drop the references to direct sources."""
         self.buf = None
+        self.src, self.versions = {}, {}
         if self.held:
             self.held = False
             self.pool.release()

@@ -51,6 +51,7 @@ from ..coordination import LOCAL, Coordinator, PathClaim, forget_session, group_
 from ..errors import CheckpointExistsError, DistributedSaveError, InvalidArgumentError
 from ..format.layout import SavePlan, plan_save
 from ..format.stateful import to_state_dicts
+from ..storage.io import memory_backed
 from ..storage.staging import StagingPool
 from ..storage.store import LOCAL as LOCAL_STORE, strategy
 from .remote import start_remote_save, wants_store
@@ -343,7 +344,7 @@ class Saver:
         try:
             if route.dtensor:
                 self._prepare_chunks(sv, state, route)
-                self._stage_chunks(sv)
+                self._stage_chunks(sv, direct)
             else:
                 self._prepare(sv, state)
                 self._open(sv)
@@ -478,13 +479,20 @@ class Saver:
         sv.part = Part((), None, leader=coord.rank == 0)
         sv.job = PageJob(sv.plan, chunks, coord.rank, None, opts, self.pool, sv.sess)
 
-    def _stage_chunks(self, sv: InFlight) -> None:
+    def _stage_chunks(self, sv: InFlight, direct: bool = False) -> None:
         """Steps 2-3 of a state holding DTensors: copy this rank's chunks straight into the pages it writes
         (one host copy), the leader creates the folder and every file; one exchange tells every rank
-        whether every rank got there (a rank's own failure raises its own error there)."""
+        whether every rank got there (a rank's own failure raises its own error there).
+
+        ``direct`` (a blocking save): where the files take no O_DIRECT writes anyway (a memory-backed
+        tier, or ``o_direct=False``) and the rank's chunks allow it
+        (:meth:`~fastckpt.saving.pages.PageJob.can_write_direct`), nothing is copied: they are written
+        from the tensors' own memory."""
         exc = None
         try:
-            sv.job.stage(sv.sources)
+            direct = (direct and (sv.opts.io.o_direct is False or memory_backed(str(sv.path)))
+                      and sv.job.can_write_direct(sv.sources))
+            sv.job.stage(sv.sources, direct=direct)
             if sv.part.leader:
                 sv.folder = create_folder(sv.path, sv.opts, sv.plan.file_bytes, [f.name for f in sv.plan.files])
                 sv.header_bytes = create_files(sv.plan, sv.folder, sv.opts)

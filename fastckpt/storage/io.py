@@ -275,8 +275,17 @@ _FS_TYPES: dict[int, str] = {}
 
 def fs_type(path: str) -> str:
     """The type of the file system holding ``path`` (``"ext4"``, ``"tmpfs"``, ``"nfs4"``...), from
-    ``/proc/self/mountinfo`` (the mount whose device is ``path``'s); ``""`` where unknown (not Linux)."""
-    dev = os.stat(path).st_dev
+    ``/proc/self/mountinfo`` (the mount whose device is ``path``'s, or its nearest existing folder's
+    when ``path`` does not exist yet); ``""`` where unknown (not Linux)."""
+    p = os.path.abspath(path)
+    while True:
+        try:
+            dev = os.stat(p).st_dev
+            break
+        except FileNotFoundError:
+            if os.path.dirname(p) == p:
+                raise
+            p = os.path.dirname(p)
     if dev not in _FS_TYPES:
         want, kind = f"{os.major(dev)}:{os.minor(dev)}", ""
         try:

@@ -88,6 +88,60 @@ def rank_save_uneven(folder: str, o_direct: bool) -> dict:
     return {"bytes_by_rank": fut.bytes_by_rank, "writes": be.writes, "sized": be.sized}
 
 
+def _big_state() -> dict:
+    """Chunks large enough to be written from their own memory by a blocking save (runs >= 64 KiB),
+    one of them with its rank boundary inside a page (head bytes handed to the other rank)."""
+    g = torch.Generator().manual_seed(1)
+    return {"model": {"a.weight": torch.randn(4099, 33, generator=g),   # Shard(0): 2050 + 2049 rows of 132 bytes
+                      "b.weight": torch.randn(1024, 256, generator=g),  # Shard(0): 512 rows each, page aligned
+                      "c.bias": torch.randn(8, generator=g)},          # a plain tensor: one rank writes it
+            "step": 7}
+
+
+def rank_blocking_save_from_memory(folder: str, o_direct: bool, change: bool) -> dict:
+    """fastckpt.save (blocking) of a DTensor state; counts the saver's staging-pool acquisitions. With
+    ``change``, rank 1's first pwrite changes its chunk of ``a.weight`` in place (as another thread would)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import torch.distributed as dist
+    from fastckpt.storage.staging import StagingPool
+    mesh = init_device_mesh("cpu", (2,))
+    full = _big_state()
+    state = {"model": {k: distribute_tensor(v, mesh, [Shard(0)]) if k != "c.bias" else v
+                       for k, v in full["model"].items()}, "step": 7}
+    acquired = []
+    orig = StagingPool.acquire
+
+    def counting(self, *a, **kw):
+        acquired.append(a[0] if a else kw)
+        return orig(self, *a, **kw)
+
+    class Changing(_Recording):
+        def pwrite(self, fd, data, offset):
+            if change and dist.get_rank() == 1 and not self.writes:
+                state["model"]["a.weight"].to_local().add_(1)
+            return super().pwrite(fd, data, offset)
+    be = Changing()
+    StagingPool.acquire = counting
+    out = {}
+    try:
+        try:
+            fastckpt.save(state, os.path.join(folder, "ck"), o_direct=o_direct, timeout_s=60, io_backend=be)
+            out["error"] = None
+        except Exception as e:
+            out["error"], out["message"] = type(e).__name__, str(e)
+        out["acquired_blocking"] = len(acquired)
+        dist.barrier()
+        fastckpt.async_save(state, os.path.join(folder, "ck-async"), o_direct=o_direct, timeout_s=60).result(90)
+        out["acquired_async"] = len(acquired) - out["acquired_blocking"]
+    finally:
+        StagingPool.acquire = orig
+    out["writes"] = be.writes
+    out["leftovers"] = sorted(n for n in os.listdir(folder) if TMP_MARK in n)
+    return out
+
+
 class _FailingBackend(PosixBackend):
     def pwrite(self, fd, data, offset):
         raise OSError(5, "injected EIO")
@@ -130,7 +184,7 @@ def rank_failing_on_rank1(folder: str, where: str) -> dict:
     path = os.path.join(folder, f"bad-{where}")
     orig = getattr(owner, name)
     if dist.get_rank() == 1:
-        def bad(self, *a):
+        def bad(self, *a, **kw):
             raise exc
         setattr(owner, name, bad)
     t = time.monotonic()
@@ -265,6 +319,43 @@ def test_uneven_shards_bytes_exact(pool, tmp_path, request, o_direct, tier):
     assert back["step"] == 3 and back["note"] == "uneven" and torch.equal(back["scalar"], full["scalar"])
     for k, v in full["model"].items():
         assert torch.equal(back["model"][k], v), k
+
+
+@pytest.mark.parametrize("tier", ["disk, o_direct=False", "memory"])
+def test_blocking_save_writes_dtensor_chunks_from_their_own_memory(pool, tmp_path, request, tier):
+    """Where the files take buffered writes (a memory tier, or o_direct=False), fastckpt.save copies
+    no chunk into staging memory: each rank writes its chunks from the tensors' memory (one page, one
+    writer, as before) and the files are those of a one-process save; async_save still stages."""
+    folder = tmp_path if tier.startswith("disk") else request.getfixturevalue("memory_tier")
+    res = pool.run(rank_blocking_save_from_memory, folder=str(folder), o_direct=False if tier.startswith("disk") else None,
+                   change=False, timeout_s=TIMEOUT_S)
+    for r in (0, 1):
+        assert res[r]["error"] is None, res[r]
+        assert res[r]["acquired_blocking"] == 0, res[r]  # no staging buffer: nothing copied
+        assert res[r]["acquired_async"] >= 1, res[r]     # async_save must copy before it returns
+    ref = tmp_path / "ref"
+    fastckpt.save(_big_state(), ref)
+    names = sorted(p.name for p in ref.iterdir() if p.name != "manifest.json")
+    for ck in (folder / "ck", folder / "ck-async"):
+        assert sorted(p.name for p in ck.iterdir() if p.name != "manifest.json") == names
+        for n in names:
+            assert (ck / n).read_bytes() == (ref / n).read_bytes(), (ck, n)
+    pages = {r: {(f, p) for f, off, n in res[r]["writes"] for p in range(off // 4096, (off + n - 1) // 4096 + 1)}
+             for r in (0, 1)}
+    assert pages[0] and pages[1] and not pages[0] & pages[1], sorted(pages[0] & pages[1])[:5]
+    back = fastckpt.load(folder / "ck")  # checksums checked
+    for k, v in _big_state()["model"].items():
+        assert torch.equal(back["model"][k], v), k
+
+
+def test_blocking_save_of_a_chunk_changed_during_its_writes_commits_nothing(pool, tmp_path):
+    res = pool.run(rank_blocking_save_from_memory, folder=str(tmp_path), o_direct=False, change=True,
+                   timeout_s=TIMEOUT_S)
+    for r in (0, 1):  # a failure in the background (the writes) fails every rank with rank 1's error
+        assert res[r]["error"] == "DistributedSaveError", res[r]
+        assert "SourceChangedError" in res[r]["message"] and "'model/a.weight'" in res[r]["message"], res[r]
+        assert res[r]["leftovers"] == [], res[r]
+    assert not (tmp_path / "ck").exists()
 
 
 def test_failing_rank_commits_nothing(pool, tmp_path):
