@@ -171,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # `fastckpt ls ROOT | head`: the reader left; not an error of the command
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+        return 141  # 128 + SIGPIPE, as a shell tool killed by the signal
     except (FastCkptError, OSError, ValueError) as e:
         print(f"fastckpt {args.cmd}: error: {e}", file=sys.stderr)
         return 2

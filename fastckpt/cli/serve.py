@@ -61,6 +61,7 @@ from ..saving.committer import folder_error
 from ..saving.export import Entry, copy_checked, plan_shards, read_checked, warm_files, write_shards
 from ..storage import commit as cm
 from ..storage.store import LOCAL, strategy
+from ..storage.tier import tier_for
 
 #: Exports are built in a hidden folder and renamed into place (never half-visible at --to).
 _COMMIT = strategy("rename")
@@ -327,6 +328,7 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
         tmp = _COMMIT.begin(LOCAL, to, overwrite=args.overwrite)
     except OSError as e:
         raise _user_path_error(e, to) from None
+    claim = None
     try:
         _header_checks(src)
         _copy_all_meta(src, tmp, args, checked)  # first: a merge builds the model from the checked config
@@ -352,13 +354,17 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
         if not src.checksummed:
             checked.unchecked += [os.path.basename(p) for p in src.weight_files]
         plan = plan_shards(entries, args.max_shard_size)
+        claim = tier_for(tmp).checkpoint(tmp, plan.total_bytes, cls="models")  # counted once committed
         with progress_bar(plan.total_bytes, "export", args.quiet) as bar:
-            write_shards(plan, fetch, tmp, threads=args.threads, progress=bar.update)
+            write_shards(plan, fetch, tmp, threads=args.threads, progress=bar.update, tier=claim)
         if src.adapter_dir and not args.merge_lora:
             _layout_adapter(src.adapter_dir, os.path.join(tmp, "adapter"), to, checked)
         gate(tmp, to)  # a folder vllm serve cannot load as its config.json says never appears at --to
         _COMMIT.finish(LOCAL, tmp, to, overwrite=args.overwrite)
+        claim.done(stored=True)
     except BaseException as e:
+        if claim is not None:
+            claim.done(stored=False)  # a refused or failed export holds no bytes of the tier's budget
         _COMMIT.abort(LOCAL, tmp)
         named = _user_path_error(e, to) if isinstance(e, OSError) and not isinstance(e, FastCkptError) else e
         if named is not e:

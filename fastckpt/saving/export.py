@@ -33,7 +33,7 @@ from ..format.manifest import RangeCheck
 from ..storage.store import LOCAL
 from ..storage.io import DEFAULT_CHUNK_BYTES, FileWriter, default_threads, get_backend, group_by_bytes, read_exact
 from ..storage.memory import bytes_view
-from ..storage.tier import tier_for
+from ..storage.tier import CheckpointWrites, tier_for
 
 #: ``(name, safetensors dtype string, shape, nbytes)`` of one tensor to write.
 Entry = tuple[str, str, tuple[int, ...], int]
@@ -82,7 +82,8 @@ def _batches(entries: tuple[Entry, ...], batch_bytes: int) -> list[list[Entry]]:
 
 def write_shards(plan: ShardPlan, fetch: Callable[[list[str]], dict[str, torch.Tensor]], folder: str, *,
                  threads: int | None = None, batch_bytes: int = 1 << 30, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 progress: Progress | None = None, metadata: dict[str, str] | None = None) -> int:
+                 progress: Progress | None = None, metadata: dict[str, str] | None = None,
+                 tier: CheckpointWrites | None = None) -> int:
     """Write the files of ``plan`` (and the index when there are several) into ``folder``.
 
     Args:
@@ -95,6 +96,9 @@ def write_shards(plan: ShardPlan, fetch: Callable[[list[str]], dict[str, torch.T
         chunk_bytes: bytes per write request (default 8 MiB).
         progress: called with bytes written.
         metadata: ``__metadata__`` of every file (default ``{"format": "pt"}``, as transformers writes).
+        tier: the tier arbiter's claim and pacing of these writes (``Tier.checkpoint(..., cls="models")``),
+            settled by the caller once the folder is committed or abandoned. Default: one of its own,
+            counted as stored when the files are written.
 
     Returns:
         Bytes written (headers included).
@@ -106,7 +110,9 @@ def write_shards(plan: ShardPlan, fetch: Callable[[list[str]], dict[str, torch.T
     meta = {"format": "pt"} if metadata is None else metadata
     work = [(fname, b) for fname, es in plan.files for b in (_batches(es, batch_bytes) or [[]])]
     written = 0
-    tier = tier_for(folder).checkpoint(folder, plan.total_bytes, cls="models")  # the tier's budget and pacing
+    own = tier is None  # the caller's claim is settled by the caller (after its own checks and commit)
+    if own:
+        tier = tier_for(folder).checkpoint(folder, plan.total_bytes, cls="models")  # the tier's budget and pacing
     with ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="fastckpt-export") as io, \
             ThreadPoolExecutor(1, thread_name_prefix="fastckpt-fetch") as fetcher:
         nxt = fetcher.submit(fetch, [e[0] for e in work[0][1]]) if work else None
@@ -139,9 +145,11 @@ def write_shards(plan: ShardPlan, fetch: Callable[[list[str]], dict[str, torch.T
                 if wi + 1 == len(work) or work[wi + 1][0] != fname:
                     w.sync()
                     w.close()
-            tier.done(stored=True)
+            if own:
+                tier.done(stored=True)
         finally:
-            tier.done(stored=False)  # no-op after the line above
+            if own:
+                tier.done(stored=False)  # no-op after the line above
             for w, _ in writers.values():
                 w.close()
             if nxt is not None:

@@ -110,7 +110,10 @@ def _convert(gguf: Path, out: Path) -> None:
     cfg = src.config
     if hasattr(cfg, "quantization_config"):
         delattr(cfg, "quantization_config")
-    cfg.torch_dtype = torch.float32
+    if isinstance(getattr(type(cfg), "torch_dtype", None), property):  # transformers >= 4.56: `dtype`
+        cfg.dtype = torch.float32
+    else:
+        cfg.torch_dtype = torch.float32
     model = LlamaForCausalLM(cfg)
     missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied to embed_tokens

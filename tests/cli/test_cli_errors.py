@@ -177,3 +177,19 @@ def test_sizes_in_one_unit_system(tmp_path, capsys):
     assert re.search(r"2\.0 MB checked", capsys.readouterr().out)
     helps = build_parser().format_help() + build_parser()._subparsers._group_actions[0].choices["ls"].format_help()
     assert "decimal" in helps and "10^6" in helps
+
+
+def test_closed_pipe_is_not_reported_as_an_error(tmp_path):
+    """`fastckpt ls ROOT | head -1`: the reader leaves before the output is written. The command exits
+    141 (128 + SIGPIPE, as a shell tool killed by the signal), not 2 ("nothing found") with an error."""
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root)
+    for step in range(1, 4):
+        mgr.save(step, {"w": torch.ones(3) * step})
+    mgr.close() if hasattr(mgr, "close") else None
+    p = subprocess.Popen([sys.executable, "-m", "fastckpt", "ls", str(root)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.close()  # before the child has imported anything: its first write gets EPIPE
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141, err
+    assert "error" not in err and "Traceback" not in err, err

@@ -434,3 +434,19 @@ def test_cli_text_json_prometheus(tier_dir, tmp_path, capsys):
     assert stored["kv"] == 7 * MiB
     assert [s.value for s in fams["fastckpt_tier_waiting_readers"].samples] == [1.0]
     assert snapshot(str(tmp_path))["classes"]["models"]["stored_bytes"] == 5 * MiB
+
+
+def test_refused_export_holds_no_bytes_of_the_budget(tier_dir, tmp_path):
+    """`fastckpt load --to` that the servability gate refuses (no config.json) writes its shards into a
+    temporary folder and removes them: the tier's "models" class must not keep counting them."""
+    import torch
+
+    import fastckpt
+    from fastckpt.cli.main import main
+    ck = fastckpt.save({"model": {"w": torch.ones(4096)}}, str(tmp_path / "run" / "step-1"))
+    for out in ("out1", "out2"):
+        assert main(["load", str(ck), "--to", str(tmp_path / out), "-q"]) == 2
+        assert not (tmp_path / out).exists()
+    classes = snapshot(str(tmp_path))["classes"]
+    assert classes["models"]["stored_bytes"] == 0 and classes["models"]["claimed_bytes"] == 0, classes
+    assert classes["checkpoints"]["stored_bytes"] > 0, classes  # the save itself is counted
