@@ -492,9 +492,13 @@ def _layout(plan: SavePlan, chunks: list[Chunk], rank: int) -> RankLayout:
 
 def run_job(job: PageJob, sources: dict[str, Any]) -> dict[int, str]:
     """``stage`` -> ``send_edges`` -> ``write`` -> ``hashes`` of ``job`` in one go (the DCP drop-in's
-    ``write_data``); on failure tell the waiting ranks, release, re-raise."""
+    ``write_data``, which DCP calls with tensors that stay unchanged until it returns: the caller's in
+    ``dcp.save``, the stager's copies in ``dcp.async_save``); on failure tell the waiting ranks,
+    release, re-raise. Where the files take buffered writes (a memory tier or ``o_direct=False``) and
+    :meth:`PageJob.can_write_direct` allows it, the chunks are written from the tensors' memory."""
     try:
-        job.stage(sources)
+        direct = ((job.opts.io.o_direct is False or memory_backed(job.folder)) and job.can_write_direct(sources))
+        job.stage(sources, direct=direct)
         job.send_edges()
         job.write()
         return job.hashes()
