@@ -152,11 +152,8 @@ def _claim_and_hang(path: str, ready) -> None:
     time.sleep(600)
 
 
-def _warn_count(state_dir: str, save_to: str, drop_to: int | None, out) -> None:
+def _warn_count(state_dir: str, save_to: str, out) -> None:
     """Use a tier whose shared state this process cannot write; report warnings and the save."""
-    if drop_to is not None:
-        os.setgid(drop_to)
-        os.setuid(drop_to)
     import torch
 
     import fastckpt
@@ -384,20 +381,23 @@ def test_read_only_shared_state_one_warning_no_arbitration(tier_dir, tmp_path):
     with open(sp, "wb") as f:  # created by another user, not writable by the worker
         f.write(b"\0" * 4096)
     os.chmod(sp, 0o444)
-    drop = None
-    if os.geteuid() == 0:  # root writes anything: run the worker as nobody
-        drop = 65534
-        os.chmod(tmp_path, 0o777)
-        for d in list(tmp_path.parents)[:-1]:  # pytest's base folders are 0o700: let nobody through
-            if d.stat().st_mode & 0o001 == 0 and d.stat().st_uid == 0:
-                os.chmod(d, d.stat().st_mode | 0o711)
+    immutable = False
+    if os.geteuid() == 0:  # root writes any mode 0444 file; an immutable one (chattr +i) it cannot open for writing
+        import shutil
+        import subprocess
+        if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", sp], capture_output=True).returncode:
+            pytest.skip(f"running as root and {sp} cannot be made immutable (chattr +i): no read-only state to test")
+        immutable = True
     save_to = tmp_path / "saves"
     save_to.mkdir()
-    os.chmod(save_to, 0o777)
-    out = SPAWN.Queue()
-    p = _start(_warn_count, str(tier_dir), str(save_to), drop, out)
-    res = out.get(timeout=180)
-    _join_all(p)
+    try:
+        out = SPAWN.Queue()
+        p = _start(_warn_count, str(tier_dir), str(save_to), out)
+        res = out.get(timeout=180)
+        _join_all(p)
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", sp], capture_output=True)
     assert res["enabled"] == [False, False] and res["ok"], res
     assert len(res["warnings"]) == 1, res
     assert sp in res["warnings"][0] and "FASTCKPT_TIER_DIR" in res["warnings"][0]
