@@ -172,17 +172,22 @@ def _sharded_state(mesh, rows: int, fill: bool) -> dict:
     return {"model": out}
 
 
+def _max_shard_bytes() -> int:
+    """``--max-shard-mib`` (passed to the ranks through the environment); default: the library's 5 GB."""
+    return int(os.environ.get("FASTCKPT_BENCH_MAX_SHARD_BYTES", 5 * 10**9))
+
+
 def _fsdp2_save(kind: str, state: dict, path: str) -> float:
     """Run one save; returns the blocking seconds (== total for DCP's synchronous saves)."""
     import torch.distributed.checkpoint as dcp
     t0 = time.perf_counter()
     if kind == "fastckpt":
-        fut = fastckpt.async_save(state, path, threads=4)
+        fut = fastckpt.async_save(state, path, threads=4, max_shard_bytes=_max_shard_bytes())
         blocking = time.perf_counter() - t0
         fut.result()
         return blocking
     if kind == "fastckpt.save":  # blocking, like dcp.save (memory tier: written from the tensors' memory)
-        fastckpt.save(state, path, threads=4)
+        fastckpt.save(state, path, threads=4, max_shard_bytes=_max_shard_bytes())
         return time.perf_counter() - t0
     if kind == "dcp FileSystemWriter":
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=4, sync_files=True))
@@ -429,9 +434,14 @@ def main() -> None:
                     help="2 ranks with a sharded DTensor state: fastckpt vs DCP (FileSystemWriter, HF writer), loads")
     ap.add_argument("--quick", action="store_true",
                     help="--fsdp2: only fastckpt.async_save vs dcp.save(FileSystemWriter), no loads, no one-rank save")
+    ap.add_argument("--max-shard-mib", type=int, default=None,
+                    help="--fsdp2: fastckpt's max_shard_bytes in MiB (default: the library's 5 GB; a small value gives "
+                         "several files, as a large checkpoint has)")
     ap.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.max_shard_mib:
+        os.environ["FASTCKPT_BENCH_MAX_SHARD_BYTES"] = str(a.max_shard_mib << 20)  # inherited by every child
     if a.fsdp2 and a.child_json:
         with open(a.child_json, "w") as f:
             json.dump(_fsdp2_child(a.mib, a.dir, a.round, a.quick), f)

@@ -399,6 +399,13 @@ class PageJob:
             segs = [(fi, a, view[off:off + b - a]) for fi, a, b, off in lay.spans]
             o_direct = self.opts.io.o_direct is not False
         pieces = [(fi, x + d, mv[d:d + step], min(step, len(mv) - d)) for fi, x, mv in segs for d in range(0, len(mv), step)]
+        # each rank starts at another file: writes into one file serialise on its inode lock in tmpfs (and
+        # on a file's lock in network file systems), so the ranks take the files in rotated order
+        files = sorted({p[0] for p in pieces})
+        world = 1 + max(c.rank for c in self.chunks) if self.chunks else 1
+        first = (self.rank * len(files)) // world if files else 0
+        turn = {fi: (i - first) % len(files) for i, fi in enumerate(files)}
+        pieces.sort(key=lambda p: (turn[p[0]], p[1]))
         self._write_pieces(pieces, o_direct)
         if self.direct:
             for ci, (t, was) in self.versions.items():
