@@ -450,3 +450,18 @@ def test_refused_export_holds_no_bytes_of_the_budget(tier_dir, tmp_path):
     classes = snapshot(str(tmp_path))["classes"]
     assert classes["models"]["stored_bytes"] == 0 and classes["models"]["claimed_bytes"] == 0, classes
     assert classes["checkpoints"]["stored_bytes"] > 0, classes  # the save itself is counted
+
+
+def test_committed_export_counts_its_bytes_as_models(tier_dir, tmp_path):
+    """A `fastckpt load --to` that passes the gate and commits counts its tensor bytes under "models"."""
+    transformers = pytest.importorskip("transformers")
+    from fastckpt.cli.main import main
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "src"))
+    assert main(["load", str(tmp_path / "src"), "--to", str(tmp_path / "out"), "-q"]) == 0
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        nbytes = sum(f.get_tensor(k).nbytes for k in f.keys())
+    models = snapshot(str(tmp_path))["classes"]["models"]
+    assert models["stored_bytes"] == nbytes and models["claimed_bytes"] == 0, models
