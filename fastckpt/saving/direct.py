@@ -45,6 +45,15 @@ PIECE_BYTES = 1 << 20
 BOUNCE_BYTES = 4 << 20
 
 
+def changed_in_place(what: str, was: int, now: int, folder: str) -> SourceChangedError:
+    """The error of a tensor written from its own memory (``what`` names it) whose version counter
+    moved from ``was`` to ``now`` while the save wrote it into ``folder``."""
+    return SourceChangedError(
+        f"{what} was written in place (version counter {was} -> {now}) while fastckpt.save wrote it from its "
+        f"own memory into {folder}: the bytes written may mix old and new values; nothing was committed. Do "
+        "not change the state from another thread during save")
+
+
 def plain_cpu(t: torch.Tensor) -> bool:
     """True when ``t``'s memory holds exactly the bytes a save writes for it (a dense, contiguous CPU
     tensor without lazy conjugate / negative bits)."""
@@ -197,8 +206,5 @@ class DirectWrites:
             if now != was:
                 if self.cache is not None:
                     self.cache.forget(k)
-                raise SourceChangedError(
-                    f"{k!r} was written in place (version counter {was} -> {now}) while fastckpt.save wrote "
-                    f"it from its own memory into {self.tmp}: the bytes written may mix old and new values; "
-                    "nothing was committed. Do not change the state from another thread during save")
+                raise changed_in_place(repr(k), was, now, self.tmp)
         self.staged.set()

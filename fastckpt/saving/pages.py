@@ -46,7 +46,6 @@ import torch
 import xxhash
 
 from ..coordination import Session
-from ..errors import SourceChangedError
 from ..format.dtypes import itemsize, str_to_dtype
 from ..format.layout import SavePlan
 from ..storage.io import FileWriter, default_threads, get_backend, group_by_bytes, memory_backed, write_all
@@ -54,7 +53,7 @@ from ..device import AllOf, to_host
 from ..storage.staging import StagingPool
 from ..storage.store import LOCAL
 from ..storage.tier import tier_for
-from .direct import DIRECT_MIN_BYTES, plain_cpu
+from .direct import DIRECT_MIN_BYTES, changed_in_place, plain_cpu
 from .options import SaveOptions
 
 #: Bytes of one page: the unit of single-writer ownership (O_DIRECT alignment, NFS/Lustre caching).
@@ -371,7 +370,7 @@ class PageJob:
         (latency-critical readers first, within the save's bound) and the bytes are claimed on it.
 
         Raises:
-            SourceChangedError: (``direct``) a source tensor was written in place during the save."""
+            fastckpt.errors.SourceChangedError: (``direct``) a source tensor was written in place during the save."""
         lay = self.lay
         received: list[tuple[int, memoryview]] = []  # (buffer offset, bytes) of the other ranks' heads
         for src, items in sorted(lay.recvs.items()):
@@ -410,10 +409,8 @@ class PageJob:
         if self.direct:
             for ci, (t, was) in self.versions.items():
                 if t._version != was:
-                    raise SourceChangedError(
-                        f"{self.chunks[ci].key!r} (this rank's chunk at {list(self.chunks[ci].offsets)}) was written "
-                        f"in place (version counter {was} -> {t._version}) while fastckpt.save wrote it from its own "
-                        f"memory into {self.folder}: nothing was committed. Do not change the state during save")
+                    raise changed_in_place(f"{self.chunks[ci].key!r} (this rank's chunk at "
+                                           f"{list(self.chunks[ci].offsets)})", was, t._version, self.folder)
             self.staged.set()
 
     def _write_pieces(self, pieces: list[tuple[int, int, memoryview, int]], o_direct: bool) -> None:
