@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list committed checkpoints under a root, and what was skipped",
                         description=f"List the committed checkpoints of a run root with their sizes "
                                     f"(decimal units: 1 MB = 10^6 bytes), and what was skipped and why. "
-                                    f"{_FOUND}. Exit 0: listed; 2: nothing found (says where it looked).")
+                                    f"{_FOUND}. Exit 0: listed; 2: nothing found (says where it looked); 141: "
+                                    "the reader of its output closed the pipe first (e.g. | head).")
     ls.add_argument("root")
     ls.add_argument("--prefix", default=None, help=_PREFIX_HELP)
     ls.set_defaults(func=cmd_ls)

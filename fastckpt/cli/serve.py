@@ -1,11 +1,12 @@
 """``fastckpt load``: the step before ``vllm serve``.
 
-``fastckpt load SOURCE [--to DIR] [--config HF_DIR] [--merge-lora] [--verify] [--warm] [--threads N]``
+``fastckpt load SOURCE [--to DIR] [--merge-lora] [--base BASE_DIR] [--config HF_DIR] [--max-shard-size SIZE]
+[--overwrite] [--verify] [--warm] [--threads N] [-q]``
 
 SOURCE may also be a DeepSpeed ``save_dir`` (or tag folder) written by fastckpt's DeepSpeed
 engine: ``--to DIR`` then consolidates its ZeRO-1/2/3 partitions (any number of ranks) into a
 servable HF folder of fp32 weights (:mod:`fastckpt.cli.consolidate`). An FSDP2 checkpoint
-written by fastckpt (full tensors under ``model/``) exports like any fastckpt checkpoint.
+written by fastckpt (full tensors, as a one-process save writes them) exports like any fastckpt checkpoint.
 ``--config HF_DIR`` supplies ``config.json`` / tokenizer files (over the checkpoint's). Native
 DeepSpeed (pickled ``*_model_states.pt``) and DCP (pickled ``.metadata``) folders are refused,
 naming the pickle file.

@@ -4,7 +4,7 @@ Per class (checkpoints, models, KV) the bytes stored, claimed by writes in fligh
 under the shared budget; the recent read and write bandwidth of the tier's processes; readers
 waiting; whether checkpoint writes are being paced. ``--json`` prints the same as one JSON
 object, ``--prometheus`` as Prometheus text exposition (needs ``prometheus-client``: the
-``metrics`` extra). ``--budget BYTES`` sets the tier's shared capacity budget (0: none).
+``metrics`` extra). ``--budget SIZE`` (bytes or e.g. ``2TB``) sets the tier's shared capacity budget (0: none).
 Reading joins nothing: the command itself never counts as a participant.
 """
 
@@ -15,6 +15,7 @@ import json
 import re
 
 from ..storage.tier import CLASSES, snapshot
+from ..errors import InvalidArgumentError
 from .common import human_bytes, parse_bytes
 
 
@@ -84,7 +85,12 @@ def cmd_tier(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(s, indent=1))
     elif args.prometheus:
-        print(prometheus_text(s), end="")
+        try:
+            text = prometheus_text(s)
+        except ImportError as e:
+            raise InvalidArgumentError(f"fastckpt tier --prometheus needs prometheus-client ({e}): "
+                                       "pip install 'fastckpt-io[metrics]' (or prometheus-client)") from None
+        print(text, end="")
     else:
         print(_text(s))
     return 0

@@ -418,7 +418,8 @@ class PageJob:
         hashed, fsync every file; paced and claimed on the tier."""
         be = get_backend(self.opts.io.io_backend)
         writers: dict[int, FileWriter] = {}
-        tier = tier_for(self.folder).checkpoint(self.folder, self.lay.written_bytes)
+        # rank 0 claims every shard file (it created them), as the plain route's leader does
+        tier = tier_for(self.folder).checkpoint(self.folder, sum(f.size for f in self.plan.files) if self.rank == 0 else 0)
         stored = False
         try:
             for fi in sorted({p[0] for p in pieces}):

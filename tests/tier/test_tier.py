@@ -465,3 +465,38 @@ def test_committed_export_counts_its_bytes_as_models(tier_dir, tmp_path):
         nbytes = sum(f.get_tensor(k).nbytes for k in f.keys())
     models = snapshot(str(tmp_path))["classes"]["models"]
     assert models["stored_bytes"] == nbytes and models["claimed_bytes"] == 0, models
+
+
+def test_retention_keeps_the_checkpoint_count_equal_to_the_shard_bytes_on_disk(tier_dir, tmp_path):
+    """Saves claim their shard files; retention subtracts the shard files it frees (not manifests, not
+    files another folder still links): after many saves and deletes the count is what is on disk."""
+    import torch
+
+    import fastckpt
+    root = tmp_path / "run"
+    mgr = fastckpt.CheckpointManager(root, keep_last=1, link_unchanged=True)
+    frozen = torch.arange(50_000, dtype=torch.float32)
+    for step in range(1, 7):
+        mgr.save(step, {"model": {"frozen": frozen, "w": torch.full((40_000,), float(step))}, "step": step})
+    mgr.wait() if hasattr(mgr, "wait") else None
+    on_disk = {}
+    for f in root.rglob("*.safetensors"):
+        st = f.stat()
+        on_disk[(st.st_dev, st.st_ino)] = st.st_size  # a hard-linked file once
+    stored = snapshot(str(root))["classes"]["checkpoints"]["stored_bytes"]
+    assert mgr.steps() == [6] and stored == sum(on_disk.values()), (stored, on_disk)
+
+
+def test_a_missing_state_folder_is_created(tmp_path, monkeypatch):
+    """``FASTCKPT_TIER_DIR`` naming a folder that does not exist yet: created, arbitration on, no warning."""
+    import torch
+
+    import fastckpt
+    d = tmp_path / "new" / "state"
+    monkeypatch.setenv("FASTCKPT_TIER_DIR", str(d))
+    monkeypatch.delenv("FASTCKPT_TIER", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fastckpt.save({"x": torch.arange(10)}, str(tmp_path / "ck"))
+        assert tier_for(str(tmp_path)).enabled
+    assert d.is_dir() and any(d.iterdir())

@@ -698,8 +698,7 @@ def tier_for(path: str | os.PathLike) -> Tier | NullTier:
                 msg = (f"fastckpt: tier {name}: its shared state {sp} cannot be created or opened ({e}); "
                        "this process does not arbitrate bandwidth or capacity with others on the tier. Set "
                        "FASTCKPT_TIER_DIR to a writable folder shared by them (default /dev/shm)")
-                logger.warning(msg)
-                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)  # the one warning (printed once per place)
                 t = NULL
             _TIERS[sp] = t
     return t

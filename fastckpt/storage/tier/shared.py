@@ -193,6 +193,8 @@ class SharedState:
         self.path = path
         self.writable = writable
         flags = os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY
+        if writable:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # $FASTCKPT_TIER_DIR may be new
         old = os.umask(0) if writable else None
         try:
             self.fd = os.open(path, flags, 0o666)
