@@ -298,16 +298,19 @@ class PageJob:
         self.src: dict[int, Any] = {}  # direct: chunk index -> its bytes (numpy uint8 view of the source)
         self.versions: dict[int, tuple[Any, int]] = {}  # direct: chunk index -> (source, version counter)
 
-    def can_write_direct(self, sources: dict[str, Any]) -> bool:
+    def can_write_direct(self, sources: dict[str, Any], path: str) -> bool:
         """True when :meth:`stage` may leave this rank's chunks in the sources' own memory (``direct``):
-        every chunk it writes is a :func:`~fastckpt.saving.direct.plain_cpu` tensor and its runs are
+        the files at ``path`` (the checkpoint folder, or where it will be) take buffered writes anyway (a
+        memory-backed tier, or ``o_direct=False``), every chunk it writes is a
+        :func:`~fastckpt.saving.direct.plain_cpu` tensor and its runs are
         :data:`~fastckpt.saving.direct.DIRECT_MIN_BYTES` or more on average (``Shard(1)`` pieces of a
         matrix are one run per row: staged, then written in large requests)."""
         lay = self.lay
         if lay.copies and sum(n for _, _, n, _ in lay.copies) < DIRECT_MIN_BYTES * len(lay.copies):
             return False
-        return all(isinstance(sources[self.chunks[ci].key], torch.Tensor) and plain_cpu(sources[self.chunks[ci].key])
-                   for ci in lay.chunks)
+        if not all(isinstance(t, torch.Tensor) and plain_cpu(t) for t in (sources[self.chunks[ci].key] for ci in lay.chunks)):
+            return False
+        return self.opts.io.o_direct is False or memory_backed(path)
 
     def stage(self, sources: dict[str, torch.Tensor], direct: bool = False) -> None:
         """Copy this rank's chunks (``sources``: key path -> its local tensor, any device) straight into
@@ -502,8 +505,7 @@ def run_job(job: PageJob, sources: dict[str, Any]) -> dict[int, str]:
     release, re-raise. Where the files take buffered writes (a memory tier or ``o_direct=False``) and
     :meth:`PageJob.can_write_direct` allows it, the chunks are written from the tensors' memory."""
     try:
-        direct = ((job.opts.io.o_direct is False or memory_backed(job.folder)) and job.can_write_direct(sources))
-        job.stage(sources, direct=direct)
+        job.stage(sources, direct=job.can_write_direct(sources, job.folder))
         job.send_edges()
         job.write()
         return job.hashes()

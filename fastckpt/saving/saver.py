@@ -51,7 +51,6 @@ from ..coordination import LOCAL, Coordinator, PathClaim, forget_session, group_
 from ..errors import CheckpointExistsError, DistributedSaveError, InvalidArgumentError
 from ..format.layout import SavePlan, plan_save
 from ..format.stateful import to_state_dicts
-from ..storage.io import memory_backed
 from ..storage.staging import StagingPool
 from ..storage.store import LOCAL as LOCAL_STORE, strategy
 from .remote import start_remote_save, wants_store
@@ -490,9 +489,7 @@ class Saver:
         from the tensors' own memory."""
         exc = None
         try:
-            direct = (direct and (sv.opts.io.o_direct is False or memory_backed(str(sv.path)))
-                      and sv.job.can_write_direct(sv.sources))
-            sv.job.stage(sv.sources, direct=direct)
+            sv.job.stage(sv.sources, direct=direct and sv.job.can_write_direct(sv.sources, str(sv.path)))
             if sv.part.leader:
                 sv.folder = create_folder(sv.path, sv.opts, sv.plan.file_bytes, [f.name for f in sv.plan.files])
                 sv.header_bytes = create_files(sv.plan, sv.folder, sv.opts)
