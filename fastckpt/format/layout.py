@@ -72,6 +72,11 @@ STATE_STEM = "state"
 #: weights group, named as ``save_pretrained`` names it (:func:`shard_file_names`).
 _INTERNAL_STEM = re.compile(r"state|rank\d+")
 
+#: Smallest data bytes per file when a stem that several ranks write is split into one file per
+#: writer (:func:`plan_save` ``writers``): below this, one more file's create and fsync cost more
+#: than two ranks taking turns at one file's write lock.
+SPLIT_MIN_BYTES = 16 << 20
+
 
 def shard_file_names(stem: str, n: int, *, peft: bool = False) -> list[str]:
     """The file names of group ``stem`` cut into ``n`` files (``n >= 1``).
@@ -199,8 +204,16 @@ def _shard(specs: list[ArraySpec], max_shard_bytes: int) -> list[list[ArraySpec]
     return shards
 
 
+def _file_bytes(stem: str, group: list[ArraySpec], max_shard_bytes: int, writers: int) -> int:
+    """Data bytes per file of ``stem``: ``max_shard_bytes``, lowered so that ``writers`` ranks get a file each."""
+    if writers == 1 or re.fullmatch(r"rank\d+", stem):
+        return max_shard_bytes
+    per_writer = -(-sum(s.nbytes for s in group) // writers)
+    return min(max_shard_bytes, max(per_writer, SPLIT_MIN_BYTES))
+
+
 def plan_save(specs: list[ArraySpec], *, max_shard_bytes: int, chunk_bytes: int,
-              metadata: dict[str, str] | None = None) -> SavePlan:
+              metadata: dict[str, str] | None = None, writers: int = 1) -> SavePlan:
     """Plan the files, byte ranges and write units for ``specs``.
 
     Args:
@@ -213,6 +226,15 @@ def plan_save(specs: list[ArraySpec], *, max_shard_bytes: int, chunk_bytes: int,
             stems (every stem but fastckpt's own ``state`` / ``rank0000r``) also get
             ``"format": "pt"`` unless ``metadata`` sets ``format``, as transformers and peft
             write it (readers such as transformers check it).
+        writers: ranks that write the files together (default 1). A stem that several ranks write
+            (every stem but a rank's own ``rank0000r``, and a ``.safetensors`` stem) is split into at
+            least ``writers`` files of about equal bytes, none under :data:`SPLIT_MIN_BYTES` (16 MiB)
+            unless ``max_shard_bytes`` is smaller: a file system serialises the writes into one
+            file (the inode lock of tmpfs and of ext4's buffered and unwritten-extent writes, a
+            parallel file system's extent locks), so ranks writing separate files at once go
+            faster (measured: ``benchmarks/bench_dist.py --fsdp2`` on ``/dev/shm``, 2 ranks, 256
+            MiB: one file 0.85x ``dcp.save``, two files 1.03-1.07x). Readers see ordinary sharded
+            weights (an index names each tensor's file).
 
     Returns:
         A frozen :class:`SavePlan`; deterministic for equal inputs.
@@ -223,6 +245,8 @@ def plan_save(specs: list[ArraySpec], *, max_shard_bytes: int, chunk_bytes: int,
     """
     if chunk_bytes % HEADER_ALIGN:
         raise ValueError(f"chunk_bytes={chunk_bytes} must be a multiple of {HEADER_ALIGN}")
+    if writers < 1:
+        raise ValueError(f"writers must be a positive int, got {writers!r}")
     groups: dict[str, list[ArraySpec]] = {}
     for s in specs:
         groups.setdefault(s.group, []).append(s)
@@ -232,7 +256,8 @@ def plan_save(specs: list[ArraySpec], *, max_shard_bytes: int, chunk_bytes: int,
     index: dict[str, dict[str, str]] = {}
     stream = 0
     for stem, group in groups.items():
-        shards = [group] if stem.endswith(".safetensors") else _shard(group, max_shard_bytes)
+        shards = [group] if stem.endswith(".safetensors") else _shard(group, _file_bytes(stem, group, max_shard_bytes,
+                                                                                         writers))
         names = shard_file_names(stem, len(shards), peft=peft)
         if not stem.endswith(".safetensors") and (len(names) > 1 or names[0] != f"{stem}.safetensors"):
             index[stem] = {}

@@ -212,7 +212,7 @@ class FastCkptWriter(StorageWriter):
                         tuple(it.tensor_data.chunk.sizes), r)
                   for r, p in enumerate(plans) for it in p.items if it.tensor_data is not None]
         chunks = [c for c in chunks if c.numel or not c.shape]
-        plan = self._plan(info["specs"])
+        plan = self._plan(info["specs"], len(plans))
         check_tiling(plan, chunks)
         if LOCAL.exists(str(self.path)) and not self.opts.overwrite:
             raise CheckpointExistsError(f"{self.path} already exists; pass overwrite=True to replace it atomically")
@@ -226,10 +226,10 @@ class FastCkptWriter(StorageWriter):
             shared.update(keys=keys, specs=info["specs"])
         return [SavePlan(p.items, storage_data=shared, planner_data=p.planner_data, usable=p.usable) for p in plans]
 
-    def _plan(self, specs: list) -> Any:
+    def _plan(self, specs: list, world: int) -> Any:
         io = self.opts.io
         return plan_save(specs_from_list(specs), max_shard_bytes=io.max_shard_bytes, chunk_bytes=io.chunk_bytes,
-                         metadata=self.opts.metadata)
+                         metadata=self.opts.metadata, writers=world)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         """Write this rank's chunks (:mod:`fastckpt.saving.pages`); the coordinator then waits for every
@@ -241,7 +241,7 @@ class FastCkptWriter(StorageWriter):
                                           f"planner ({type(planner).__name__}); pass the same planner throughout")
         self.folder = sd["folder"]
         full = self.plan if self.is_coordinator else self._plan(  # the coordinator planned it already
-            sd["specs"] if keys is not None else spec_list(planner.collected.specs))
+            sd["specs"] if keys is not None else spec_list(planner.collected.specs), sd["world"])
         chunks = [Chunk(k, tuple(o), tuple(s), r) for k, o, s, r in sd["chunks"]]
         store = Coordinator.for_group(None).store
         coord = Coordinator(self.rank, sd["world"], store, "dcp-" + sd["session"],

@@ -51,3 +51,39 @@ def test_weights_files_carry_format_pt_state_files_only_the_given_metadata(tmp_p
         (tmp_path / f.name).write_bytes(f.prefix + b"\0" * f.data_bytes)
     assert read_header(str(tmp_path / "model.safetensors")).metadata == {"format": "pt", "run": "1"}
     assert read_header(str(tmp_path / "state-00001-of-00001.safetensors")).metadata == {"run": "1"}
+
+
+def test_stems_written_by_several_ranks_get_a_file_per_writer():
+    from fastckpt.format.layout import SPLIT_MIN_BYTES
+
+    mib8 = 8 << 20
+    specs = [_spec(f"model/w{i}", "model", mib8) for i in range(8)]  # 64 MiB of weights
+    specs += [_spec(f"opt/s{i}", "state", mib8) for i in range(4)]  # 32 MiB of optimizer state
+    specs += [_spec(f"@rank1/x{i}", "rank00001", mib8) for i in range(4)]  # one rank's own: never split
+    specs.append(_spec("adapter/a", "adapter_model.safetensors", 3 * mib8))  # one named file: never split
+    # (with an adapter beside it, the base keeps indexed names even as one file, as peft lays it out)
+
+    def names(writers, max_shard_bytes=1 << 40):
+        plan = plan_save(specs, max_shard_bytes=max_shard_bytes, chunk_bytes=4096, writers=writers)
+        return [f.name for f in plan.files], plan
+
+    one, _ = names(1)
+    assert one == ["model-00001-of-00001.safetensors", "state-00001-of-00001.safetensors", "rank00001-00001-of-00001.safetensors",
+                   "adapter_model.safetensors"]
+    two, plan = names(2)
+    assert two == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                   "state-00001-of-00002.safetensors", "state-00002-of-00002.safetensors",
+                   "rank00001-00001-of-00001.safetensors", "adapter_model.safetensors"]
+    assert [f.size - f.data_offset for f in plan.files[:2]] == [32 << 20, 32 << 20]
+    # 4 writers: 64 MiB of weights in 4 files of 16 MiB; 32 MiB of state stops at SPLIT_MIN_BYTES per file
+    four, _ = names(4)
+    assert sum(n.startswith("model-") for n in four) == 4
+    assert sum(n.startswith("state-") for n in four) == 32 * MiB // SPLIT_MIN_BYTES == 2
+    # a smaller max_shard_bytes still wins
+    small, _ = names(2, max_shard_bytes=mib8)
+    assert sum(n.startswith("model-") for n in small) == 8
+    with pytest.raises(ValueError, match="writers"):
+        names(0)
+
+
+MiB = 1 << 20

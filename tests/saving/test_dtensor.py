@@ -142,6 +142,49 @@ def rank_blocking_save_from_memory(folder: str, o_direct: bool, change: bool) ->
     return out
 
 
+def _split_state() -> dict:
+    """32 MiB of weights (4 x 8 MiB fp32): two writers get a file each (16 MiB, the split's minimum)."""
+    g = torch.Generator().manual_seed(2)
+    return {"model": {f"l{i}.weight": torch.randn(2048, 1024, generator=g) for i in range(4)}, "step": 1}
+
+
+def rank_save_split(folder: str, dcp_dropin: bool) -> dict:
+    """Save :func:`_split_state` as Shard(0) DTensors (fastckpt.save, or dcp.save with FastCkptWriter)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (2,))
+    state = {"model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in _split_state()["model"].items()},
+             "step": 1}
+    be = _Recording()
+    path = os.path.join(folder, "ck")
+    if dcp_dropin:
+        import torch.distributed.checkpoint as dcp
+        from fastckpt.dcp import FastCkptWriter
+        dcp.save(state, storage_writer=FastCkptWriter(path, io_backend=be))
+    else:
+        fastckpt.save(state, path, timeout_s=60, io_backend=be)
+    return {"files_written": sorted({f for f, _, _ in be.writes})}
+
+
+@pytest.mark.parametrize("dcp_dropin", [False, True])
+def test_two_ranks_write_a_weights_file_each(pool, tmp_path, dcp_dropin):
+    """A stem that both ranks write is split into a file per rank (no two ranks wait on one file's
+    write lock); the files are ordinary sharded weights: safetensors and transformers' index read them."""
+    res = pool.run(rank_save_split, folder=str(tmp_path), dcp_dropin=dcp_dropin, timeout_s=TIMEOUT_S)
+    ck = tmp_path / "ck"
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert sorted(p.name for p in ck.glob("model*.safetensors")) == names
+    for r in (0, 1):  # Shard(0) of every tensor: each rank writes its half of every tensor, in both files
+        assert res[r]["files_written"] == names, res[r]
+    index = json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"]
+    full = _split_state()["model"]
+    assert sorted(set(index.values())) == names and set(index) == set(full)
+    got = _read_all(ck)
+    back = fastckpt.load(ck)
+    for k, v in full.items():
+        assert torch.equal(got[k], v) and torch.equal(back["model"][k], v), k
+
+
 class _FailingBackend(PosixBackend):
     def pwrite(self, fd, data, offset):
         raise OSError(5, "injected EIO")

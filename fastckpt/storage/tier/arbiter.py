@@ -127,8 +127,9 @@ class WritePacer:
     * while a reader of any process waits, the write is held back (2 ms steps);
     * while reads are frequent (one ended within :data:`RECENT_S`), this save keeps at most
       :data:`READ_CAP` writes in flight, so a read that starts queues behind little;
-    * neither happens once the save is at its bound: ``factor`` x the time its bytes so far take
-      at its unhindered rate. The rate is measured while no reader is about; the first save of a
+    * neither happens once the save is at its bound (:meth:`_slack`): part of ``factor - 1``
+      times the time its bytes so far take at its unhindered rate, for its time held back and for
+      its time in all. The rate is measured while no reader is about; the first save of a
       process that finds readers about from its start writes its first :data:`PROBE_S` seconds
       unpaced to measure it, later saves start from the rate of the previous one. Past the bound
       it writes at full speed: it catches up.
@@ -167,11 +168,18 @@ class WritePacer:
         return 0.0
 
     def _slack(self, now: float) -> float:
-        """Seconds the save may still be held back now (<= 0: at its bound)."""
+        """Seconds the save may still be held back now (<= 0: at its bound): with ``T`` the time its
+        bytes so far take at the unhindered rate and ``a = (factor - 1) x AIM``, its time so far
+        stays under ``(1 + a) T`` and the time held back under ``a T`` (AIM: the readers slow the
+        writes too, beyond what is held back; the second bound holds when the writes themselves go
+        faster than the rate measured, e.g. into the page cache)."""
         rate = self.rate()
-        # aim at part of the allowance (AIM): the readers slow the save too, beyond what is held back
-        aim = 1.0 + (self.factor - 1.0) * AIM
-        return aim * self.written / rate - (now - self.t0) if rate else 0.0
+        if not rate:
+            return 0.0
+        allowance = (self.factor - 1.0) * AIM
+        unhindered = self.written / rate
+        held = self.delayed_s + (now - self.hold_t0 if self.holding else 0.0)
+        return min((1.0 + allowance) * unhindered - (now - self.t0), allowance * unhindered - held)
 
     def _enter(self, nbytes: int) -> bool:
         t = self.tier
