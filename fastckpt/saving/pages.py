@@ -243,14 +243,18 @@ def assign_writers(held: list[list[list]]) -> list[Chunk]:
 
 def create_files(plan: SavePlan, folder: str, opts: SaveOptions) -> int:
     """Create (preallocate, except on memory-backed tiers) every file of ``plan`` in ``folder`` and
-    write its header once (the leader of a chunked save); returns the header bytes written."""
+    write its header once (the leader of a chunked save); returns the header bytes written. Only a file
+    without data bytes is fsynced here: the others are fsynced by the ranks that write their data
+    (an fsync covers the whole file, the header written here before any of them starts included),
+    so no fsync stall lands in the save's blocking part."""
     be = get_backend(opts.io.io_backend)
     prealloc = not memory_backed(folder)
     for f in plan.files:
         w = LOCAL.open_write(os.path.join(folder, f.name), f.size, create=True, preallocate=prealloc, backend=be)
         try:
             write_all(be, w.fd, memoryview(f.prefix), 0)
-            w.sync()
+            if f.size == f.data_offset:
+                w.sync()
         finally:
             w.close()
     return sum(len(f.prefix) for f in plan.files)
