@@ -72,9 +72,9 @@ STATE_STEM = "state"
 #: weights group, named as ``save_pretrained`` names it (:func:`shard_file_names`).
 _INTERNAL_STEM = re.compile(r"state|rank\d+")
 
-#: Smallest data bytes per file when a stem that several ranks write is split into one file per
-#: writer (:func:`plan_save` ``writers``): below this, one more file's create and fsync cost more
-#: than two ranks taking turns at one file's write lock.
+#: Smallest data bytes per file when a stem that several ranks write is cut for its writers
+#: (:func:`plan_save` ``writers``): below this, one more file's create and fsync cost more than two
+#: ranks taking turns at one file's write lock.
 SPLIT_MIN_BYTES = 16 << 20
 
 
@@ -204,12 +204,21 @@ def _shard(specs: list[ArraySpec], max_shard_bytes: int) -> list[list[ArraySpec]
     return shards
 
 
-def _file_bytes(stem: str, group: list[ArraySpec], max_shard_bytes: int, writers: int) -> int:
-    """Data bytes per file of ``stem``: ``max_shard_bytes``, lowered so that ``writers`` ranks get a file each."""
-    if writers == 1 or re.fullmatch(r"rank\d+", stem):
-        return max_shard_bytes
-    per_writer = -(-sum(s.nbytes for s in group) // writers)
-    return min(max_shard_bytes, max(per_writer, SPLIT_MIN_BYTES))
+def _split(stem: str, group: list[ArraySpec], max_shard_bytes: int, writers: int) -> list[list[ArraySpec]]:
+    """The files of ``stem``: :func:`_shard` by ``max_shard_bytes``, unless ``writers`` ranks write it and
+    it holds ``k >= 2`` x :data:`SPLIT_MIN_BYTES` (``k`` = ``writers`` or fewer): then ``k`` files of
+    about equal bytes, each tensor in the file its middle byte falls in (whole tensors, in
+    :func:`_shard`'s order; no file left with a small remainder)."""
+    total = sum(s.nbytes for s in group)
+    k = 1 if writers == 1 or re.fullmatch(r"rank\d+", stem) else min(writers, total // SPLIT_MIN_BYTES)
+    if k < 2 or -(-total // k) > max_shard_bytes:
+        return _shard(group, max_shard_bytes)
+    files: list[list[ArraySpec]] = [[] for _ in range(k)]
+    at = 0
+    for s in _shard(group, total)[0]:  # one group, in _shard's order
+        files[min(k - 1, (2 * at + s.nbytes) * k // (2 * total))].append(s)
+        at += s.nbytes
+    return [f for f in files if f]
 
 
 def plan_save(specs: list[ArraySpec], *, max_shard_bytes: int, chunk_bytes: int,
@@ -227,14 +236,16 @@ def plan_save(specs: list[ArraySpec], *, max_shard_bytes: int, chunk_bytes: int,
             ``"format": "pt"`` unless ``metadata`` sets ``format``, as transformers and peft
             write it (readers such as transformers check it).
         writers: ranks that write the files together (default 1). A stem that several ranks write
-            (every stem but a rank's own ``rank0000r``, and a ``.safetensors`` stem) is split into at
-            least ``writers`` files of about equal bytes, none under :data:`SPLIT_MIN_BYTES` (16 MiB)
-            unless ``max_shard_bytes`` is smaller: a file system serialises the writes into one
-            file (the inode lock of tmpfs and of ext4's buffered and unwritten-extent writes, a
-            parallel file system's extent locks), so ranks writing separate files at once go
-            faster (measured: ``benchmarks/bench_dist.py --fsdp2`` on ``/dev/shm``, 2 ranks, 256
-            MiB: one file 0.85x ``dcp.save``, two files 1.03-1.07x). Readers see ordinary sharded
-            weights (an index names each tensor's file).
+            (every stem but a rank's own ``rank0000r``, and a ``.safetensors`` stem) is cut, by whole
+            tensors, at about ``1/k`` of its bytes, ``k`` = ``writers`` or as many
+            :data:`SPLIT_MIN_BYTES` (16 MiB) as it holds if fewer (under 32 MiB: not cut), unless
+            ``max_shard_bytes`` cuts it finer: a file system serialises the writes into one file (the
+            inode lock of tmpfs and of ext4's buffered and unwritten-extent writes, a parallel file
+            system's extent locks), and with ``k`` files the ranks, each starting at another file
+            (:meth:`fastckpt.saving.pages.PageJob.write`), write different files at once (measured:
+            ``benchmarks/bench_dist.py --fsdp2`` on ``/dev/shm``, 2 ranks, 256 MiB: one file 0.85x
+            ``dcp.save``, two files 1.03-1.12x). Readers see ordinary sharded weights (an index names
+            each tensor's file).
 
     Returns:
         A frozen :class:`SavePlan`; deterministic for equal inputs.
@@ -256,8 +267,7 @@ def plan_save(specs: list[ArraySpec], *, max_shard_bytes: int, chunk_bytes: int,
     index: dict[str, dict[str, str]] = {}
     stream = 0
     for stem, group in groups.items():
-        shards = [group] if stem.endswith(".safetensors") else _shard(group, _file_bytes(stem, group, max_shard_bytes,
-                                                                                         writers))
+        shards = [group] if stem.endswith(".safetensors") else _split(stem, group, max_shard_bytes, writers)
         names = shard_file_names(stem, len(shards), peft=peft)
         if not stem.endswith(".safetensors") and (len(names) > 1 or names[0] != f"{stem}.safetensors"):
             index[stem] = {}

@@ -76,9 +76,9 @@ def global_plan(replicated: list[ArraySpec], local_by_rank: list[list[ArraySpec]
                 chunk_bytes: int, metadata: dict[str, str] | None) -> SavePlan:
     """The plan every rank builds alike: replicated files, then each rank's local files.
 
-    Replicated files are laid out as in a one-process save of the replicated state split for
-    ``len(local_by_rank)`` writers (:func:`plan_save` ``writers``: at least a file per rank; file
-    layouts of one stem do not depend on other stems).
+    Replicated files are laid out as in a one-process save of the replicated state cut for
+    ``len(local_by_rank)`` writers (:func:`plan_save` ``writers``: up to a file per rank, none under
+    16 MiB; file layouts of one stem do not depend on other stems).
     """
     specs = list(replicated) + [s for specs in local_by_rank for s in specs]
     return plan_save(specs, max_shard_bytes=max_shard_bytes, chunk_bytes=chunk_bytes, metadata=metadata,

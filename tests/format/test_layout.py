@@ -76,9 +76,19 @@ def test_stems_written_by_several_ranks_get_a_file_per_writer():
                    "rank00001-00001-of-00001.safetensors", "adapter_model.safetensors"]
     assert [f.size - f.data_offset for f in plan.files[:2]] == [32 << 20, 32 << 20]
     # 4 writers: 64 MiB of weights in 4 files of 16 MiB; 32 MiB of state stops at SPLIT_MIN_BYTES per file
-    four, _ = names(4)
+    four, plan = names(4)
     assert sum(n.startswith("model-") for n in four) == 4
     assert sum(n.startswith("state-") for n in four) == 32 * MiB // SPLIT_MIN_BYTES == 2
+    assert all(f.size - f.data_offset >= SPLIT_MIN_BYTES for f in plan.files if not f.name.startswith("rank"))
+    # under 2 x SPLIT_MIN_BYTES a stem is not cut at all (no file under the minimum): 24 MiB, 2 writers
+    small_state = [_spec(f"model/s{i}", "model", mib8) for i in range(3)]
+    plan = plan_save(small_state, max_shard_bytes=1 << 40, chunk_bytes=4096, writers=2)
+    assert [f.name for f in plan.files] == ["model.safetensors"]
+    # 40 MiB in 5 tensors, 2 writers: whole tensors, each in the half its middle byte falls in: 16 + 24 MiB
+    # (a greedy cut at 20 MiB would leave 16 + 16 + 8, a file under the minimum)
+    five = plan_save([_spec(f"model/f{i}", "model", mib8) for i in range(5)], max_shard_bytes=1 << 40,
+                     chunk_bytes=4096, writers=2)
+    assert sorted(f.size - f.data_offset for f in five.files) == [16 * MiB, 24 * MiB]
     # a smaller max_shard_bytes still wins
     small, _ = names(2, max_shard_bytes=mib8)
     assert sum(n.startswith("model-") for n in small) == 8

@@ -168,8 +168,10 @@ def rank_save_split(folder: str, dcp_dropin: bool) -> dict:
 
 @pytest.mark.parametrize("dcp_dropin", [False, True])
 def test_two_ranks_write_a_weights_file_each(pool, tmp_path, dcp_dropin):
-    """A stem that both ranks write is split into a file per rank (no two ranks wait on one file's
-    write lock); the files are ordinary sharded weights: safetensors and transformers' index read them."""
+    """A stem that both ranks write is cut into two files, and the ranks start at different files (so they
+    write different files at once instead of taking turns at one file's write lock: each still writes its
+    half of every tensor, in both files); the files are ordinary sharded weights: safetensors and the
+    index read them."""
     res = pool.run(rank_save_split, folder=str(tmp_path), dcp_dropin=dcp_dropin, timeout_s=TIMEOUT_S)
     ck = tmp_path / "ck"
     names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
