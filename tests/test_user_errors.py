@@ -141,6 +141,18 @@ def test_dcp_load_of_a_missing_path_is_not_found_naming_the_path(tmp_path):
         fastckpt.dcp.load({"model": {"w": torch.zeros(6)}}, empty)
 
 
+def test_model_safetensors_of_sharded_weights_names_the_index_and_the_folder(tmp_path):
+    """``model.safetensors`` asked for where the weights are sharded (a multi-rank save cuts them):
+    the error says so and names what to load instead."""
+    p = fastckpt.save({"model": {f"w{i}": torch.zeros(4) for i in range(2)}}, tmp_path / "ck", max_shard_bytes=16)
+    assert (p / "model.safetensors.index.json").exists()
+    with pytest.raises(CheckpointNotFoundError) as ei:
+        fastckpt.load(p / "model.safetensors")
+    msg = str(ei.value)
+    assert "model.safetensors.index.json" in msg and "sharded" in msg and f"load the folder {p}" in msg, msg
+    assert set(fastckpt.load(p)["model"]) == {"w0", "w1"}
+
+
 # --- a torch.save file where a safetensors file is expected --------------------------------------
 
 class _Tripwire:

@@ -75,6 +75,12 @@ def resolve(path: str | os.PathLike) -> Resolved:
         r.tensors = {n: (os.path.basename(path), t) for n, t in h.tensors.items()}
         return r
     if not LOCAL.isdir(path):
+        index = path + ".index.json" if path.endswith(".safetensors") else None
+        if index is not None and LOCAL.exists(index):  # model.safetensors asked for, weights sharded
+            raise CheckpointNotFoundError(
+                f"{path}: no such file, but {os.path.basename(index)} is there: the weights are sharded "
+                f"(model-0000k-of-0000n.safetensors, e.g. saved by several ranks); load the folder "
+                f"{os.path.dirname(path)} (or a key under it) or the index file instead")
         raise CheckpointNotFoundError(f"{path}: no such checkpoint, folder or safetensors file")
     if LOCAL.exists(os.path.join(path, cm.MANIFEST)):
         return _resolve_fastckpt(path)

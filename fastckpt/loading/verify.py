@@ -15,7 +15,8 @@ from ..storage.model_files import safe_join
 from ..storage.io import get_backend, read_exact
 from ..format.manifest import Manifest
 from ..storage.locate import is_url, store_for
-from ..storage.commit import read_manifest
+from ..storage.commit import MANIFEST, read_manifest
+from ..storage.store import LOCAL
 from ..storage.tier import tier_for
 from ..format.dtypes import itemsize, str_to_dtype
 from .regions import Stored, box_runs
@@ -98,7 +99,9 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
     row-major order); a problem names the key and the chunk's offsets and shape.
 
     Args:
-        path: checkpoint folder with a manifest (or its URL in a store, ``s3://bucket/prefix``).
+        path: checkpoint folder with a manifest (or its URL in a store, ``s3://bucket/prefix``), or one
+            safetensors file of it (its ranges only, against the folder's manifest); a folder or file
+            without a manifest: headers and index validated, a note says there is nothing to compare.
         threads: parallel readers (default :func:`fastckpt.storage.io.default_threads`).
         chunk_bytes: read size in bytes (default 8 MiB); memory use is ``threads * chunk_bytes``.
         progress: called as ``progress(bytes_done, bytes_total)`` (cumulative, in bytes) once before
@@ -133,12 +136,23 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
             return report
         if isinstance(e, UnsafePathError):
             return report  # never read through a name that leaves the folder
+    only = None  # one file of a fastckpt checkpoint: its ranges, checked against the folder's manifest
+    if r.manifest is None and LOCAL.isfile(path) and LOCAL.exists(os.path.join(os.path.dirname(os.path.abspath(path)),
+                                                                               MANIFEST)):
+        only, path = os.path.abspath(path), os.path.dirname(os.path.abspath(path))
+        r = Resolved(path, manifest=read_manifest(path))
     if r.manifest is None:
         report.notes.append(f"{path}: no manifest.json (not a fastckpt checkpoint): every header and index "
                             "was validated, but there are no checksums to compare the bytes against")
         return report
     try:
         jobs = _jobs(path, r.manifest)
+        if only is not None:
+            jobs = [j for j in jobs if os.path.abspath(j[1]) == only]
+            if not jobs:
+                report.notes.append(f"{only}: not a file of the checkpoint {path} (its manifest.json does not "
+                                    "list it): its header was validated, nothing to compare its bytes against")
+                return report
     except (KeyError, TypeError, ValueError, AttributeError) as ex:  # malformed entries (named by resolve)
         if not report.problems:
             report.problems.append(f"{path}: malformed manifest entry: {type(ex).__name__}: {ex}")

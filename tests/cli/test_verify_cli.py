@@ -23,6 +23,23 @@ def test_verify_foreign_file_validates_headers_and_says_so(tmp_path, capsys):
     assert "note:" in capsys.readouterr().out
 
 
+def test_one_file_of_a_checkpoint_is_checked_against_its_folders_manifest(tmp_path, capsys):
+    """A shard file of a fastckpt checkpoint is verified against the manifest beside it (its ranges
+    only), not waved through as a foreign file with nothing to compare."""
+    p = fastckpt.save({"model": {"w": torch.arange(1000.0)}, "opt": {"m": torch.ones(10)}}, tmp_path / "ck")
+    shard = p / "model.safetensors"
+    rep = fastckpt.verify(shard)
+    assert rep.ok and not rep.notes and 4000 <= rep.bytes_checked < 4000 + 8192, rep
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0x01  # a data byte of model/w
+    shard.write_bytes(bytes(raw))
+    rep = fastckpt.verify(shard)
+    assert not rep.ok and "'model/w'" in rep.problems[0], rep
+    assert cli_main(["verify", str(shard)]) == 1
+    assert "FAILED (1 problem)" in capsys.readouterr().out
+    assert fastckpt.verify(p / "state-00001-of-00001.safetensors").ok  # the other file is intact
+
+
 def test_flip_in_header_is_a_named_problem_exit_1(tmp_path, capsys):
     p = fastckpt.save({"model": {"w": torch.arange(64.0)}}, tmp_path / "ck")
     shard = p / "model.safetensors"
