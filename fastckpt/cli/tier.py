@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 
 from ..storage.tier import CLASSES, snapshot
 from ..errors import InvalidArgumentError
@@ -73,13 +74,18 @@ def prometheus_text(s: dict) -> str:
 
 
 def cmd_tier(args: argparse.Namespace) -> int:
-    """Show (or with ``--budget`` set) the tier that ``args.path`` lies on."""
-    if args.budget is not None:
+    """Show (or with ``--budget`` set, or ``--recount`` corrected) the tier that ``args.path`` lies on."""
+    if args.budget is not None or args.recount:
         from ..storage.tier import tier_for
         t = tier_for(args.path)
         if not t.enabled:
-            raise OSError(f"{args.path}: the tier's shared state cannot be created; budget not set")
-        t.set_budget(args.budget)
+            raise OSError(f"{args.path}: the tier's shared state cannot be created; nothing set or recounted")
+        if args.budget is not None:
+            t.set_budget(args.budget)
+        if args.recount:
+            freed = t.recount()
+            print(f"recounted from disk: {freed} bytes of checkpoints and models removed by hand no longer counted",
+                  file=sys.stderr)
         t.leave()
     s = snapshot(args.path)
     if args.json:
@@ -111,5 +117,8 @@ def add_tier_parser(subparsers) -> argparse.ArgumentParser:
     out.add_argument("--prometheus", action="store_true", help="print Prometheus text exposition")
     p.add_argument("--budget", type=parse_bytes, default=None,
                    help="set the tier's shared capacity budget for checkpoints, models and KV (e.g. 2TB; 0: none)")
+    p.add_argument("--recount", action="store_true",
+                   help="lower the stored bytes of checkpoint and model folders to what is on disk (folders "
+                        "removed by hand; a save that would not fit the budget does this first by itself)")
     p.set_defaults(func=cmd_tier)
     return p

@@ -342,6 +342,37 @@ def test_capacity_shared_kv_evicts_for_checkpoint_never_exceeded(tier_dir, tmp_p
     assert not (ck_root / "step-2").exists() and [p.name for p in ck_root.iterdir()] == ["step-1"]
 
 
+def test_checkpoint_removed_by_hand_is_recounted_before_a_save_is_refused(tier_dir, tmp_path):
+    """A checkpoint deleted with rm -r (not by retention or prune) stays counted until the budget is
+    tight: then the tier recounts its folders from disk and the save goes ahead; a tier full for real
+    still refuses, naming the bytes counted from disk."""
+    import shutil
+
+    import torch
+
+    import fastckpt
+    from fastckpt.cli.main import main
+    from fastckpt.errors import TierFullError
+    assert main(["tier", str(tmp_path), "--budget", str(24 * MiB)]) == 0
+    root = tmp_path / "run"
+    big = {"w": torch.zeros(4 * MiB, dtype=torch.int32)}  # 16 MiB
+    fastckpt.save(big, root / "step-1")
+    assert snapshot(str(tmp_path))["classes"]["checkpoints"]["stored_bytes"] >= 16 * MiB
+    shutil.rmtree(root / "step-1")  # by hand: the count still says 16 MiB
+    assert snapshot(str(tmp_path))["classes"]["checkpoints"]["stored_bytes"] >= 16 * MiB
+    fastckpt.save(big, root / "step-2")  # 16 + 16 > 24 MiB on the counts, 16 on disk: recounted, saved
+    stored = snapshot(str(tmp_path))["classes"]["checkpoints"]["stored_bytes"]
+    on_disk = sum(p.stat().st_size for p in (root / "step-2").glob("*.safetensors"))
+    assert stored == on_disk, (stored, on_disk)
+    with pytest.raises(TierFullError, match="counted from disk"):
+        fastckpt.save(big, root / "step-3")  # 16 MiB on disk for real: refused
+    assert not (root / "step-3").exists()
+    assert torch.equal(fastckpt.load(root / "step-2")["w"], big["w"])
+    shutil.rmtree(root / "step-2")  # and `fastckpt tier --recount` does it on demand
+    assert main(["tier", str(tmp_path), "--recount"]) == 0
+    assert snapshot(str(tmp_path))["classes"]["checkpoints"]["stored_bytes"] == 0
+
+
 # ----- faults -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])

@@ -119,6 +119,33 @@ class CheckpointWrites:
             self.claim.settle() if stored else self.claim.release()
 
 
+def on_disk(root: str) -> int:
+    """Bytes of the ``*.safetensors`` files (each inode once) in the non-hidden sub-folders of ``root``
+    and one level below them (a checkpoint's adapter folders): what the tier counts as stored under a
+    checkpoints / models folder (0 if it is gone). Bounded: two levels, whatever else ``root`` holds."""
+    seen: dict[tuple[int, int], int] = {}
+
+    def scan(folder: str, depth: int) -> None:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            return
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    if depth < 2:
+                        scan(e.path, depth + 1)
+                elif depth and e.name.endswith(".safetensors") and e.is_file(follow_symlinks=False):
+                    st = e.stat(follow_symlinks=False)
+                    seen[(st.st_dev, st.st_ino)] = st.st_size
+            except OSError:
+                continue
+    scan(root, 0)
+    return sum(seen.values())
+
+
 class WritePacer:
     """Paces one checkpoint's writes for latency-critical readers, within its bound.
 
@@ -501,20 +528,42 @@ class Tier:
         c = CLASSES.index(cls)
         if c == KV:
             raise ValueError("KV puts reserve through reserve_kv(), which evicts their own chunks first")
-        with self.lock:
-            self._own()
-            with self.state.locked():
-                budget, used, claims = self._totals()
-                if budget:
+        for attempt in range(2):
+            with self.lock:
+                self._own()
+                with self.state.locked():
+                    budget, used, claims = self._totals()
                     others = sum(used) + sum(claims) - used[KV] - claims[KV]
-                    if others + nbytes > budget:
-                        raise self._full(c, nbytes, budget, used, claims,
-                                         "checkpoints and models alone exceed it; KV chunks were not evicted")
-                self.slot.claims[c] += nbytes
-                self.state.write_slot(self.idx, self.slot)
+                    fits = not budget or others + nbytes <= budget
+                    if fits:
+                        self.slot.claims[c] += nbytes
+                        self.state.write_slot(self.idx, self.slot)
+            if fits:
+                break
+            if attempt or not self.recount():  # what the counts say is on disk: a folder removed by hand
+                raise self._full(c, nbytes, budget, used, claims,
+                                 "checkpoints and models alone exceed it, counted from disk; KV chunks were not "
+                                 "evicted")
         if self.over() > 0:
             self._make_room()
         return Claim(self, c, nbytes, root)
+
+    def recount(self) -> int:
+        """Lower the stored bytes of every checkpoints / models folder to what is on disk now (a
+        checkpoint or export removed by hand, not by retention or ``fastckpt prune``, stays counted
+        otherwise); returns the bytes no longer counted. What a folder holds: the
+        ``*.safetensors`` files (each inode once) in its sub-folders but hidden ones (uncommitted
+        saves are counted by their claims); a folder gone holds nothing. Counts are only lowered,
+        never raised (files another tool wrote there were never counted), and by the difference
+        measured, so bytes a commit adds meanwhile stay counted. The walk holds no lock."""
+        before = [(c, path, used) for _, c, path, used, _ in self.state.roots() if c != KV and used > 0]
+        cut = {(c, path): used - on_disk(path) for c, path, used in before}
+        cut = {k: v for k, v in cut.items() if v > 0}
+        if cut:
+            with self.state.locked():
+                for (c, path), d in cut.items():
+                    self.state.set_root(c, path, delta=-d)
+        return sum(cut.values())
 
     def _make_room(self) -> None:
         """Wait (bounded) while KV stores evict for a claim; evict with this process's stores first."""
