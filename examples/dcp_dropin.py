@@ -70,8 +70,9 @@ def main() -> None:
         plain = {}
         for name in files:
             plain.update(load_file(str(Path(args.dir) / name)))
-        print(f"dcp.save -> {args.dir}: {files}; dcp.load restored {len(sd)} model tensors bit-exactly; "
-              f"safetensors reads {len(plain)} tensors, e.g. {sorted(plain)[:2]}")
+        print(f"dcp.save -> {args.dir}: {files}; dcp.load restored {len(sd)} model tensors and the optimizer "
+              f"state bit-exactly; safetensors reads all {len(plain)} tensors (model and optimizer), e.g. "
+              f"{sorted(plain)[:2]}")
     dist.destroy_process_group()
 
 
