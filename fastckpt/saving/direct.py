@@ -4,12 +4,13 @@
 pool: a tensor is cut into pieces of :data:`BOUNCE_BYTES` (page aligned in the file), and the I/O
 threads take the pieces in file order, so every thread writes to the end (one thread per whole
 tensor wrote a large tensor at queue depth 1: a state of 512 + 256 MiB saved in 0.50-0.57 s, in
-pieces 0.43-0.44 s, same run). Where the file takes O_DIRECT writes, each piece is first copied into the thread's
-small page-aligned buffer (a tensor's memory is almost never page aligned, and O_DIRECT needs the
-memory and the file offset aligned) and written O_DIRECT from it; the buffer stays in the CPU cache
-and is faulted in once per thread. Elsewhere (tmpfs, ``o_direct=False``) pieces are written,
-buffered, straight from the tensor's own memory. A large tensor is hashed (xxh3, ~25 GB/s) from its
-own memory by a task of the same pool, queued before its pieces. Tensors under
+pieces 0.43-0.44 s, same run). Where the file takes O_DIRECT writes, each piece is first copied into
+the thread's small page-aligned buffer (a tensor's memory is almost never page aligned, and O_DIRECT
+needs the memory and the file offset aligned), hashed there and written O_DIRECT from it: the
+checksum is of the very bytes written, read while they are in the CPU cache, and the buffer is
+faulted in once per thread. Elsewhere (tmpfs, ``o_direct=False``) pieces are hashed and written,
+buffered, straight from the tensor's own memory. A tensor's pieces update its checksum in order
+(:class:`_InOrder`: a piece waits, briefly, for the one before it). Tensors under
 :data:`DIRECT_MIN_BYTES` go in runs through the thread's buffer (copied, hashed from there, one write
 per run). Nothing is copied into the staging pool: a first save of a process pays no page faults
 of fresh staging memory (on a 2-core VM a copy of 1 GiB into fresh memory, 1.3-1.8 s, takes longer
@@ -60,6 +61,30 @@ def plain_cpu(t: torch.Tensor) -> bool:
             and not t.is_conj() and not t.is_neg() and not t.is_quantized)
 
 
+class _InOrder:
+    """The xxh3-64 of one tensor written in pieces by several threads: each piece waits for the one
+    before it (the pool takes the pieces in order, so that one is being hashed or done), then updates
+    the digest. A failed write elsewhere in the job (``job.first_exc``) ends the wait."""
+
+    def __init__(self) -> None:
+        self.h = xxhash.xxh3_64()
+        self.at = 0  # bytes hashed so far
+        self.cond = threading.Condition()
+
+    def update(self, off: int, data: memoryview, last: bool, job: Any) -> str | None:
+        """Hash ``data`` (the tensor's bytes from ``off``) once every byte before it is; the hex digest
+        after the ``last`` piece, else ``None``."""
+        with self.cond:
+            while self.at != off:
+                if job.first_exc is not None:
+                    raise job.first_exc
+                self.cond.wait(0.05)
+            self.h.update(data)
+            self.at += len(data)
+            self.cond.notify_all()
+            return self.h.hexdigest() if last else None
+
+
 class DirectWrites:
     """The direct-write half of :class:`~fastckpt.saving.job.SaveJob` (see the module docstring)."""
 
@@ -105,11 +130,10 @@ class DirectWrites:
             if not n:
                 continue
             if n >= DIRECT_MIN_BYTES:
-                tasks.append([t, None])  # hash it
-                off = 0
-                while off < n:  # pieces ending on page boundaries of the file
+                seq, off = _InOrder(), 0
+                while off < n:  # pieces ending on page boundaries of the file, hashed in order
                     m = min(n - off, BOUNCE_BYTES - (t.file_offset + off) % ALIGN)
-                    tasks.append([t, off, m])
+                    tasks.append([t, off, m, seq])
                     off += m
                 continue
             if run and (t.file != run[0].file or t.file_offset != end or run_bytes + n > BOUNCE_BYTES):
@@ -124,16 +148,13 @@ class DirectWrites:
                                           for task in tasks]
 
     def _write_task(self, w: Any, task: list) -> None:
-        """One task: ``[tensor, None]`` hashes a large tensor from its memory, ``[tensor, offset, nbytes]``
-        writes a piece of it (:meth:`_write_piece`), a list of small tensors is a run written through the
-        thread's buffer (copied, hashed from there, one write)."""
+        """One task: ``[tensor, offset, nbytes, in order]`` writes a piece of a large tensor
+        (:meth:`_write_piece`), a list of small tensors is a run written through the thread's buffer
+        (copied, hashed from there, one write)."""
         if self.first_exc is not None:
             raise self.first_exc  # a write already failed: do not keep writing
         try:
-            if len(task) == 2 and task[1] is None:
-                self.hashes[task[0].spec.key] = xxhash.xxh3_64(memoryview(self._flat(task[0]).numpy())).hexdigest()
-                return
-            if len(task) == 3 and isinstance(task[1], int):
+            if len(task) == 4 and isinstance(task[3], _InOrder):
                 n = self._write_piece(w, *task)
             else:
                 n = sum(t.spec.nbytes for t in task)
@@ -161,18 +182,23 @@ class DirectWrites:
         """The bytes of planned tensor ``t`` (a :func:`plain_cpu` source) as a flat ``uint8`` view of its memory."""
         return self.direct_sources[t.spec.key].detach().reshape(-1).view(torch.uint8)
 
-    def _write_piece(self, w: Any, t: Any, off: int, m: int) -> int:
-        """Write bytes ``[off, off + m)`` of planned tensor ``t`` at their place in the file; returns ``m``.
-        With an O_DIRECT fd the piece (it ends on a page boundary of the file, or at the tensor's end) is
-        first copied into the thread's page-aligned buffer; without, it is written (buffered) from the
-        tensor's own memory."""
+    def _write_piece(self, w: Any, t: Any, off: int, m: int, seq: "_InOrder") -> int:
+        """Hash, then write bytes ``[off, off + m)`` of planned tensor ``t`` at their place in the file;
+        returns ``m``. With an O_DIRECT fd the piece (it ends on a page boundary of the file, or at the
+        tensor's end) is first copied into the thread's page-aligned buffer and hashed there (the very
+        bytes written, still in the cache); without, it is hashed and written (buffered) from the
+        tensor's own memory. ``seq`` feeds the tensor's checksum its pieces in order."""
         piece = self._flat(t)[off:off + m]
         if w.dfd < 0:
-            self._write_paced(w, memoryview(piece.numpy()), t.file_offset + off)
+            data = memoryview(piece.numpy())
         else:
             buf = self._bounce(m)
             to_host(buf, piece, one_thread=True).wait()
-            self._write_paced(w, memoryview(buf.numpy()), t.file_offset + off)
+            data = memoryview(buf.numpy())
+        digest = seq.update(off, data, off + m == t.spec.nbytes, self)
+        if digest is not None:
+            self.hashes[t.spec.key] = digest
+        self._write_paced(w, data, t.file_offset + off)
         return m
 
     def _write_paced(self, w: Any, data: memoryview, offset: int) -> None:
