@@ -196,17 +196,17 @@ class WritePacer:
 
     def _slack(self, now: float) -> float:
         """Seconds the save may still be held back now (<= 0: at its bound): with ``T`` the time its
-        bytes so far take at the unhindered rate and ``a = (factor - 1) x AIM``, its time so far
-        stays under ``(1 + a) T`` and the time held back under ``a T`` (AIM: the readers slow the
-        writes too, beyond what is held back; the second bound holds when the writes themselves go
-        faster than the rate measured, e.g. into the page cache)."""
+        bytes so far take at the unhindered rate, its time so far stays under
+        ``(1 + (factor - 1) x AIM) T`` (AIM: the readers slow the writes too, beyond what is held
+        back) and the time held back under ``(factor - 1) T`` (a bound of its own for when the writes
+        go faster than the rate measured, e.g. into the page cache)."""
         rate = self.rate()
         if not rate:
             return 0.0
-        allowance = (self.factor - 1.0) * AIM
         unhindered = self.written / rate
         held = self.delayed_s + (now - self.hold_t0 if self.holding else 0.0)
-        return min((1.0 + allowance) * unhindered - (now - self.t0), allowance * unhindered - held)
+        return min((1.0 + (self.factor - 1.0) * AIM) * unhindered - (now - self.t0),
+                   (self.factor - 1.0) * unhindered - held)
 
     def _enter(self, nbytes: int) -> bool:
         t = self.tier
