@@ -4,7 +4,7 @@
 pool: a tensor is cut into pieces of :data:`BOUNCE_BYTES` (page aligned in the file), and the I/O
 threads take the pieces in file order, so every thread writes to the end (one thread per whole
 tensor wrote a large tensor at queue depth 1: a state of 512 + 256 MiB saved in 0.50-0.57 s, in
-pieces 0.43-0.44 s, same run). Where the file takes O_DIRECT writes, each piece is first copied into
+pieces 0.43-0.44 s, in one run; in a later, faster period of the disk both took 0.31-0.37 s). Where the file takes O_DIRECT writes, each piece is first copied into
 the thread's small page-aligned buffer (a tensor's memory is almost never page aligned, and O_DIRECT
 needs the memory and the file offset aligned), hashed there and written O_DIRECT from it: the
 checksum is of the very bytes written, read while they are in the CPU cache, and the buffer is
