@@ -80,7 +80,7 @@ def resolve(path: str | os.PathLike) -> Resolved:
             raise CheckpointNotFoundError(
                 f"{path}: no such file, but {os.path.basename(index)} is there: the weights are sharded "
                 f"(model-0000k-of-0000n.safetensors, e.g. saved by several ranks); load the folder "
-                f"{os.path.dirname(path)} (or a key under it) or the index file instead")
+                f"{os.path.dirname(path)} instead (or one of its shard files)")
         raise CheckpointNotFoundError(f"{path}: no such checkpoint, folder or safetensors file")
     if LOCAL.exists(os.path.join(path, cm.MANIFEST)):
         return _resolve_fastckpt(path)
