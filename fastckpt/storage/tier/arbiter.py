@@ -542,8 +542,8 @@ class Tier:
                 break
             if attempt or not self.recount():  # what the counts say is on disk: a folder removed by hand
                 raise self._full(c, nbytes, budget, used, claims,
-                                 "checkpoints and models alone exceed it, counted from disk; KV chunks were not "
-                                 "evicted")
+                                 "checkpoints and models alone exceed it, counted from disk, so evicting KV "
+                                 "chunks cannot make room")
         if self.over() > 0:
             self._make_room()
         return Claim(self, c, nbytes, root)
