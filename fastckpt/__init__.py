@@ -229,7 +229,7 @@ def save(state: Any, path: str | os.PathLike, *, process_group: Any = None,
                  early_writes=early_writes, defer_frozen=defer_frozen, defer=defer))
 
 
-def reserve(nbytes: int, *, background: bool = True) -> None:
+def reserve(nbytes: int, *, background: bool = True, pinned: bool | None = None) -> None:
     """Pre-allocate and fault in ``nbytes`` of the staging buffer that :func:`async_save` uses.
 
     Call it once before training (e.g. with the model's state size in bytes) so the first
@@ -238,8 +238,10 @@ def reserve(nbytes: int, *, background: bool = True) -> None:
     Args:
         nbytes: bytes to reserve.
         background: do it in a background thread (default ``True``).
+        pinned: page-lock the buffer, as saves of CUDA tensors need (``None``, the default: where
+            a CUDA device is present; see :meth:`fastckpt.saving.saver.Saver.reserve`).
     """
-    _saver().reserve(nbytes, background=background)
+    _saver().reserve(nbytes, background=background, pinned=pinned)
 
 
 def prime_hashes(state: Any, *, weights: dict[str, str] | None = None, background: bool = True) -> int:

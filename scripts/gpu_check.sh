@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check for fastckpt's device loaders (issue 4) and DTensor saves/loads on CUDA (issue 13). One prepared script,
-# no network; each step has a timeout (180 + 200 + 150 + 120 + 300 s worst case); step 5 moves 512 MiB, step 6
-# DT_GIB GiB (default 4; seconds on a GPU).
+# no network; each step has a timeout (180 + 200 + 150 + 120 + 300 + 240 s worst case; the whole script took
+# 137 s on an H200 machine); step 5 moves 512 MiB, step 6 DT_GIB GiB (default 4), step 7 5 x FIRST_GIB GiB.
 # Runs from the source tree through PYTHONPATH with the machine's own Python/torch build:
 #   1. environment: torch/CUDA, pinned memory, kvikio (GDS) status;
 #   2. the CUDA tests of tests/loading/test_device.py and test_device_memory.py (skipped on CPU) if pytest is there;
@@ -13,9 +13,11 @@
 #   5. 2 ranks with a CUDA DTensor state (issue 13): staging to (pinned) host memory, async_save,
 #      load_into bit-exact and its device memory growth against its bound;
 #   6. a multi-GB CUDA DTensor state on a 1-rank mesh (issue 21): save / async_save with the sources
-#      overwritten after the call, loaded back on the host and on the GPU, compared byte for byte.
-# Usage: [DT_GIB=4] bash scripts/gpu_check.sh [GIB]
-# Output: human lines + JSON lines "RESULT {...}", "RESULT_MEM {...}", "RESULT_DIST {...}", "RESULT_DTENSOR {...}".
+#      overwritten after the call, loaded back on the host and on the GPU, compared byte for byte;
+#   7. the first async_save of a fresh process (CPU and CUDA states) against one memory copy.
+# Usage: [DT_GIB=4] [FIRST_GIB=1] [STEPS="1 2 3 4 5 6 7"] bash scripts/gpu_check.sh [GIB]
+# Output: human lines + JSON lines "RESULT {...}", "RESULT_MEM {...}", "RESULT_DIST {...}", "RESULT_DTENSOR {...}",
+# "RESULT_FIRST {...}".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -23,7 +25,10 @@ GIB="${1:-2}"
 PY="${PYTHON:-python3}"
 WORK="$(mktemp -d /tmp/fastckpt-gpu.XXXXXX)"
 trap 'rm -rf "$WORK"' EXIT
+# STEPS: the steps to run (default all, "1 2 3 4 5 6 7"), e.g. STEPS="6 7" within a short lease
+want() { [[ " ${STEPS:-1 2 3 4 5 6 7} " == *" $1 "* ]]; }
 
+if want 1; then
 echo "== environment"
 "$PY" - <<'PY'
 import importlib, torch
@@ -38,7 +43,9 @@ for m in ("safetensors", "xxhash", "pytest", "kvikio"):
 from fastckpt.loading.device import kvikio_usable
 print("kvikio/GDS usable:", kvikio_usable(torch.device("cuda", 0)) if torch.cuda.is_available() else False)
 PY
+fi
 
+if want 2; then
 echo "== CUDA tests"
 if "$PY" -c "import pytest" 2>/dev/null; then
   timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/loading/test_device.py \
@@ -46,7 +53,9 @@ if "$PY" -c "import pytest" 2>/dev/null; then
 else
   echo "pytest missing: skipped"
 fi
+fi
 
+if want 3; then
 echo "== bandwidth into device memory (${GIB} GiB, 2 files)"
 timeout 200 "$PY" - "$WORK" "$GIB" <<'PY' || echo "BANDWIDTH RUN FAILED"
 import json, os, resource, subprocess, sys, time
@@ -99,11 +108,13 @@ except ImportError:
 res["ring_vs_safetensors"] = round(res["ring_GBps"] / res["safetensors_cuda_GBps"], 2) if "safetensors_cuda_GBps" in res else None
 print("RESULT " + json.dumps(res))
 PY
+fi
 
 # ---------------------------------------------------------------------------------------------
 # 4. Device memory bound (issue 15). Separate from the bandwidth run above; it prints
 #    "MEMORY BOUND ok|OVER" per case and one "RESULT_MEM {...}" JSON line; it never stops the script.
 # ---------------------------------------------------------------------------------------------
+if want 4; then
 echo "== peak device memory vs stated bound (R + S converting, R otherwise)"
 MEMDIR="$WORK/mem"; mkdir -p "$MEMDIR"
 timeout 150 "$PY" - "$MEMDIR" <<'PY' || echo "MEMORY CHECK FAILED"
@@ -147,6 +158,7 @@ for name, src, dt, dim, kv in cases:
 res["all_ok"] = ok_all
 print("RESULT_MEM " + json.dumps(res))
 PY
+fi
 
 # ---------------------------------------------------------------------------------------------
 # 5. Distributed (issue 13): 2 ranks (gloo; one GPU each, or both on cuda:0 when there is one),
@@ -161,6 +173,7 @@ PY
 #    Prints "DIST ok|FAIL: ..." lines and one "RESULT_DIST {...}" JSON line; never stops the script.
 #    FASTCKPT_GPU_CHECK_CPU=1 runs the same code on CPU tensors (a dry run of the script's logic).
 # ---------------------------------------------------------------------------------------------
+if want 5; then
 echo "== distributed: DTensor on CUDA staged to host, async_save, load_into device memory bound"
 DISTDIR="$WORK/dist"; mkdir -p "$DISTDIR"
 cat > "$WORK/dist_check.py" <<'PY'
@@ -263,6 +276,7 @@ if __name__ == "__main__":
 PY
 # a file, not stdin: the spawned ranks import the script's functions from it
 timeout 120 "$PY" "$WORK/dist_check.py" "$DISTDIR" || echo "DISTRIBUTED CHECK FAILED"
+fi
 
 # ---------------------------------------------------------------------------------------------
 # 6. Multi-GB CUDA DTensor save compared after load (issue 21, the device-copy layer): one process,
@@ -276,6 +290,7 @@ timeout 120 "$PY" "$WORK/dist_check.py" "$DISTDIR" || echo "DISTRIBUTED CHECK FA
 #    "RESULT_DTENSOR {...}" JSON line; never stops the script. No GPU: skipped (FASTCKPT_GPU_CHECK_CPU=1
 #    runs it on CPU with 64 MiB, a dry run of the logic).
 # ---------------------------------------------------------------------------------------------
+if want 6; then
 echo "== 1-rank CUDA DTensor save of ${DT_GIB:-4} GiB, compared after load"
 DTDIR="$WORK/dt"; mkdir -p "$DTDIR"
 timeout 300 "$PY" - "$DTDIR" "${DT_GIB:-4}" <<'PY' || echo "DTENSOR CHECK FAILED"
@@ -357,3 +372,16 @@ res["all_ok"] = bool(ok_all)
 print("RESULT_DTENSOR " + json.dumps(res))
 dist.destroy_process_group()
 PY
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 7. First async_save of a fresh process on a CUDA machine (issue 21: blocking <= 1.5x one memory
+#    copy): a CPU state against one copy into fresh memory (no page-locked staging for CPU tensors),
+#    a CUDA state against one copy into fresh page-locked memory, and after fastckpt.reserve;
+#    CUDA cases compared byte for byte after the sources were overwritten. "FIRST ok|FAIL" lines,
+#    one "RESULT_FIRST {...}" line (scripts/gpu_first_save.py).
+# ---------------------------------------------------------------------------------------------
+if want 7; then
+echo "== first async_save of a fresh process (${FIRST_GIB:-1} GiB), blocking vs one memory copy"
+timeout 240 "$PY" scripts/gpu_first_save.py --gib "${FIRST_GIB:-1}" --dir "$WORK/first" || echo "FIRST SAVE CHECK FAILED"
+fi

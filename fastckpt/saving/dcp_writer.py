@@ -59,7 +59,7 @@ from ..errors import CheckpointExistsError, UnsupportedPlannerError, Unsupported
 from ..format.dtypes import dtype_to_str
 from ..format.layout import plan_save
 from ..format.tree import flatten, join, unflatten
-from ..storage.memory import host_buffer, pin_if_possible
+from ..storage.memory import host_buffer, needs_pinned, pinned_buffer
 from ..device import to_host
 from ..storage.staging import StagingPool
 from ..storage.store import LOCAL
@@ -380,9 +380,11 @@ class FastCkptStager(AsyncStager):
             t = local(v)
             offs.append(total)
             total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-        if self._buf is None or self._buf.numel() < total:
-            # page-locked when CUDA is present: device -> host copies of CUDA DTensors run at full speed
-            self._buf = pin_if_possible(host_buffer(max(total, 1))[0])
+        pin = needs_pinned(local(v) for v in leaves)
+        if self._buf is None or self._buf.numel() < total or (pin and not self._buf.is_pinned()):
+            # page-locked for CUDA tensors (device -> host copies at full speed), ordinary pages for CPU ones
+            buf = pinned_buffer(max(total, 1)) if pin else None
+            self._buf = (buf or host_buffer(max(total, 1)))[0]
         copies: list[torch.Tensor] = []
         for v, off in zip(leaves, offs):
             t = local(v)

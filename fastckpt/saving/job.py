@@ -22,6 +22,7 @@ import xxhash
 from ..device import DONE, AllOf, Completion, cat_to_host, to_host
 from ..format.layout import SavePlan
 from ..storage.io import ALIGN, FileWriter, default_threads, get_backend, write_all
+from ..storage.memory import needs_pinned
 from ..storage.staging import StagingPool, copy_pieces, copy_runs
 from ..storage.store import LOCAL
 from ..storage.tier import NO_WRITES, tier_for
@@ -218,7 +219,7 @@ class SaveJob(LinkUnchanged, DeferredStaging, DirectWrites):
         need = self._layout(tensors)
         self.streaming = budget is not None and budget < need
         size = max(2, budget // chunk) * chunk if self.streaming else need
-        self.buf, self.view = self.pool.acquire(size)
+        self.buf, self.view = self.pool.acquire(size, needs_pinned(sources.values()))
         self.held = True
         if self.cache is not None:  # frozen parameters: their hashes let the next save link them
             self.idents.update((t.spec.key, dedupe.HashCache.ident(sources[t.spec.key]))

@@ -50,6 +50,7 @@ from ..format.dtypes import itemsize, str_to_dtype
 from ..format.layout import SavePlan
 from ..storage.io import FileWriter, default_threads, get_backend, group_by_bytes, memory_backed, write_all
 from ..device import AllOf, to_host
+from ..storage.memory import needs_pinned
 from ..storage.staging import StagingPool
 from ..storage.store import LOCAL
 from ..storage.tier import tier_for
@@ -344,7 +345,7 @@ class PageJob:
                     pass
             copies = []
         else:
-            self.buf, _ = self.pool.acquire(lay.buffer_bytes)
+            self.buf, _ = self.pool.acquire(lay.buffer_bytes, needs_pinned(flat.values()))
             self.held = True
             copies = [to_host(self.buf[off:off + n], flat[ci][s:s + n]) for ci, s, n, off in lay.copies]
         for dst, items in lay.sends.items():

@@ -65,14 +65,33 @@ def aligned_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:
     return torch.frombuffer(m, dtype=torch.uint8), memoryview(m)
 
 
-def pin_if_possible(t: torch.Tensor) -> torch.Tensor:
-    """Return ``t`` page-locked when a CUDA device is present (faster H2D/D2H), else ``t``."""
-    if torch.cuda.is_available():
-        try:
-            return t.pin_memory()
-        except RuntimeError:
-            return t
-    return t
+def pinned_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview] | None:
+    """``nbytes`` (> 0) of page-locked host memory, or ``None`` where no CUDA device is present.
+
+    Allocated page-locked at once (``torch.empty(..., pin_memory=True)``, torch's pinned host
+    allocator, page aligned), not faulted in as ordinary pages first and then copied by
+    ``Tensor.pin_memory()``. Page-locking costs time (about 0.3-1 s per GiB, done once per buffer)
+    and gains only device <-> host copies, so only buffers that such copies use ask for it: a state
+    of CPU tensors is staged into ordinary pages even on a CUDA machine.
+
+    Returns:
+        ``(tensor, view)``: a 1-D ``torch.uint8`` pinned CPU tensor of ``nbytes`` elements and a
+        writable ``memoryview`` of it; ``None`` without CUDA, or where pinning fails (e.g. the
+        locked-memory limit), so the caller falls back to :func:`host_buffer`.
+    """
+    if not torch.cuda.is_available():
+        return None
+    try:
+        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError:
+        return None
+    return t, memoryview(t.numpy())
+
+
+def needs_pinned(tensors) -> bool:
+    """True when any of ``tensors`` (an iterable of values; non-tensors ignored) is on a CUDA device,
+    the one case where a page-locked staging buffer speeds the copies up."""
+    return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tensors)
 
 
 def bytes_view(t: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Staging: device/host tensors -> one reusable host buffer laid out like the save stream.
 
-The pool keeps its buffer between saves (page-locked when CUDA is present, huge-page
-backed otherwise), so a repeated save copies into memory that is already faulted in.
+The pool keeps its buffer between saves (page-locked when a save stages CUDA tensors, ordinary
+pages otherwise), so a repeated save copies into memory that is already faulted in.
 When the budget (``staging_bytes``) is smaller than the state, the buffer is a ring of
 ``chunk_bytes`` slots: the copier waits only for the oldest slot's write to finish.
 """
@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ..device import to_host
-from .memory import HUGE_MIN_BYTES, host_buffer, pin_if_possible
+from .memory import HUGE_MIN_BYTES, host_buffer, pinned_buffer
 
 
 class StagingPool:
@@ -27,6 +27,7 @@ class StagingPool:
     def __init__(self) -> None:
         self._tensor: torch.Tensor | None = None
         self._view: memoryview | None = None
+        self._pinned = False
         self._busy = threading.Lock()
 
     @property
@@ -34,28 +35,36 @@ class StagingPool:
         """Bytes currently allocated."""
         return 0 if self._tensor is None else self._tensor.numel()
 
-    def acquire(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
-        """Block until the pool is free, then return ``(uint8 tensor, memoryview)`` of >= ``nbytes``."""
+    def acquire(self, nbytes: int, pinned: bool = False) -> tuple[torch.Tensor, memoryview]:
+        """Block until the pool is free, then return ``(uint8 tensor, memoryview)`` of >= ``nbytes``.
+
+        Args:
+            nbytes: bytes the save stages.
+            pinned: the save stages CUDA tensors (see :func:`~fastckpt.storage.memory.needs_pinned`):
+                the buffer is page-locked (:func:`~fastckpt.storage.memory.pinned_buffer`; a buffer
+                of ordinary pages is replaced). ``False`` (default) takes whatever buffer the pool
+                holds, page-locked or not: a CPU state never pays for page-locking.
+        """
         self._busy.acquire()
         try:
-            if self.capacity < nbytes or self._tensor is None:
+            if self._tensor is None or self.capacity < nbytes or (pinned and not self._pinned):
                 self._tensor = self._view = None
                 # at least HUGE_MIN_BYTES: host_buffer is page aligned (mmap) only from that size,
                 # and O_DIRECT writes need page-aligned memory
-                t, v = host_buffer(max(nbytes, HUGE_MIN_BYTES))
-                pinned = pin_if_possible(t)
-                if pinned is not t:
-                    t, v = pinned, memoryview(pinned.numpy())
-                self._tensor, self._view = t, v
+                n = max(nbytes, HUGE_MIN_BYTES)
+                buf = pinned_buffer(n) if pinned else None
+                self._pinned = buf is not None
+                self._tensor, self._view = buf if buf is not None else host_buffer(n)
             return self._tensor, self._view
         except BaseException:
             self._busy.release()
             raise
 
-    def reserve(self, nbytes: int) -> None:
+    def reserve(self, nbytes: int, pinned: bool = False) -> None:
         """Allocate (if needed) and fault in at least ``nbytes`` now, so the first save copies
-        into touched memory (fresh pages fault in at ~0.3-1.3 GB/s on small VMs)."""
-        t, _ = self.acquire(nbytes)
+        into touched memory (fresh pages fault in at ~0.3-1.3 GB/s on small VMs); ``pinned`` as
+        in :meth:`acquire` (page-locked memory is faulted in when it is allocated)."""
+        t, _ = self.acquire(nbytes, pinned)
         try:
             page = 4096
             t[::page].zero_()  # one write per page faults every page in

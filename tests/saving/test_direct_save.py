@@ -63,9 +63,9 @@ def acquired(monkeypatch):
     got: list[int] = []
     real = StagingPool.acquire
 
-    def acquire(self, nbytes):
+    def acquire(self, nbytes, *a, **kw):
         got.append(nbytes)
-        return real(self, nbytes)
+        return real(self, nbytes, *a, **kw)
     monkeypatch.setattr(StagingPool, "acquire", acquire)
     return got
 
