@@ -212,6 +212,44 @@ class Coordinator:
         return Session(self, f"fastckpt/{self.group_key}/{name}/", timeout_s)
 
 
+def is_file_store(store: Any) -> bool:
+    """True when ``store`` (under any :class:`GuardedStore` / ``PrefixStore``) is a ``FileStore``
+    (``init_method="file://..."``)."""
+    inner = store.store if isinstance(store, GuardedStore) else store
+    for _ in range(8):
+        nxt = getattr(inner, "underlying_store", None)
+        if nxt is None:
+            break
+        inner = nxt
+    return type(inner).__name__ == "FileStore"
+
+
+#: Seconds between two looks at a ``FileStore`` while waiting for keys: the first, then doubling up to
+#: the second. A ``FileStore``'s own ``wait`` looks every 10 ms: a key set 3 ms after the wait began was
+#: seen 6.9 ms later at the median (one process waiting, another setting; 20 tries), 1.6 ms polled so.
+FILE_STORE_POLL_S = (0.0002, 0.001)
+
+
+def store_wait(store: Any, keys: list[str], timeout: timedelta, polled: bool) -> None:
+    """``store.wait(keys, timeout)``; with ``polled`` (a ``FileStore``, see :func:`is_file_store`) by
+    ``store.check`` every :data:`FILE_STORE_POLL_S` instead of the store's own 10 ms polling.
+
+    Raises:
+        TimeoutError: (polled) the keys are not all there after ``timeout``; the store's own
+            timeout error otherwise. Connection errors pass through as the store raises them.
+    """
+    if not polled:
+        store.wait(keys, timeout)
+        return
+    end = time.monotonic() + timeout.total_seconds()
+    pause, most = FILE_STORE_POLL_S
+    while not store.check(keys):
+        if time.monotonic() >= end:
+            raise TimeoutError(f"keys {keys} not set within {timeout.total_seconds():g} s")
+        time.sleep(pause)
+        pause = min(2 * pause, most)
+
+
 class Session:
     """Store keys of one operation: JSON values published and awaited by rank.
 
@@ -228,6 +266,7 @@ class Session:
         self._published: set[str] = set()  # keys this rank set
         self.incomplete = False  # an all_gather ended with ranks missing (see abandon)
         self.deadline = time.monotonic() + self.timeout_s
+        self._polled = coord.store is not None and is_file_store(coord.store)
         if coord.store is not None:
             t0 = float(coord.store.compare_set(prefix + "t0", "", repr(time.time())).decode())
             self.deadline = time.monotonic() + max(0.0, t0 + self.timeout_s - time.time())
@@ -295,7 +334,7 @@ class Session:
         while True:
             left = self.deadline - time.monotonic()
             try:
-                store.wait(full, timedelta(seconds=min(5.0, max(0.01, left))))
+                store_wait(store, full, timedelta(seconds=min(5.0, max(0.01, left))), self._polled)
                 return
             except StoreUnreachableError:
                 raise
@@ -322,8 +361,8 @@ class Session:
             if not missing or stop(got) or time.monotonic() >= self.deadline:
                 return got, missing
             try:
-                store.wait([self.prefix + k for k in missing],
-                           timedelta(seconds=min(0.2, max(0.01, self.deadline - time.monotonic()))))
+                store_wait(store, [self.prefix + k for k in missing],
+                           timedelta(seconds=min(0.2, max(0.01, self.deadline - time.monotonic()))), self._polled)
             except StoreUnreachableError:
                 raise
             except Exception:  # timeout of this slice: look again

@@ -167,6 +167,21 @@ class SourceChangedError(SaveFailedError):
     checkpoints are untouched."""
 
 
+class PeerFailedError(SaveFailedError):
+    """This rank's part of a multi-rank save stopped because another rank failed first (e.g. it
+    told this rank, instead of sending the bytes this rank was waiting for, that its call failed).
+    The save fails on every rank with :class:`DistributedSaveError`, whose ``failures`` name the
+    rank that failed first with its own error.
+
+    Attributes:
+        rank: the rank that failed first (its rank in the save's group).
+    """
+
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
+
+
 class UnsafePathError(FastCkptError, ValueError):
     """A file name taken from an index or manifest leaves the checkpoint folder."""
 

@@ -32,7 +32,7 @@ import xxhash
 
 from ..coordination import Coordinator, PathClaim, Session
 from ..errors import (DistributedSaveError, FastCkptError, FolderNotWritableError,
-                      InsufficientSpaceError, NotAFolderError)
+                      InsufficientSpaceError, NotAFolderError, PeerFailedError)
 from ..format.layout import SavePlan
 from ..storage.store import LOCAL, Store, strategy
 from .collect import Collected
@@ -319,10 +319,26 @@ def finish_ranks(sv: InFlight, report: dict, own: BaseException | None) -> None:
     fut.bytes_linked = outcome.get("bytes_linked", 0)
     fut.bytes_by_rank = {int(r): b for r, b in outcome.get("bytes_by_rank", {}).items()}
 
+def failed_report(exc: BaseException) -> dict:
+    """The report of a rank whose part of a multi-rank save failed with ``exc``; a failure caused by
+    another rank's (:class:`~fastckpt.errors.PeerFailedError`) names that rank as ``peer``."""
+    report = {"ok": False, "error": fmt(exc)}
+    if isinstance(exc, PeerFailedError):
+        report["peer"] = exc.rank
+    return report
+
+
+def _first_failure_in(got: dict[str, dict]) -> bool:
+    """True once ``got`` (store key -> report) holds a failure of its own: a failed report that names
+    no ``peer``, or whose peer's report is there too (the failures then name the rank that failed first)."""
+    return any(not v["ok"] and (v.get("peer") is None or f"done/{v['peer']}" in got) for v in got.values())
+
+
 def _wait_reports(sv: InFlight, ranks: list[int], what: str) -> tuple[dict[int, dict], dict[int, str]]:
-    """The ranks' reports; stops at the first failed one (the save fails at once, not when the
-    slowest rank is done) or at the deadline (missing ranks are failures)."""
-    got, missing = sv.sess.wait_until([f"done/{r}" for r in ranks], lambda g: any(not v["ok"] for v in g.values()))
+    """The ranks' reports; stops at the first failure of its own (the save fails at once, not when
+    the slowest rank is done; a rank failing because another did waits for that rank's report) or at
+    the deadline (missing ranks are failures)."""
+    got, missing = sv.sess.wait_until([f"done/{r}" for r in ranks], _first_failure_in)
     reports = {int(k.rsplit("/", 1)[1]): v for k, v in got.items()}
     if any(not v["ok"] for v in reports.values()):
         return reports, {}

@@ -50,6 +50,7 @@ from ..format.dtypes import itemsize, str_to_dtype
 from ..format.layout import SavePlan
 from ..storage.io import FileWriter, default_threads, get_backend, group_by_bytes, memory_backed, write_all
 from ..device import AllOf, to_host
+from ..errors import PeerFailedError
 from ..storage.memory import needs_pinned
 from ..storage.staging import StagingPool
 from ..storage.store import LOCAL
@@ -384,7 +385,7 @@ class PageJob:
         for src, items in sorted(lay.recvs.items()):
             data = self.sess.wait_bytes(f"edge/{src}/{self.rank}", f"waiting for rank {src}'s edge bytes")
             if data[:1] != _OK:
-                raise RuntimeError(f"rank {src} failed before handing over its edge bytes: {data[1:].decode()}")
+                raise PeerFailedError(f"rank {src} failed before handing over its edge bytes: {data[1:].decode()}", src)
             mv, pos = memoryview(data)[1:], 0
             for off, n in items:
                 received.append((off, mv[pos:pos + n]))

@@ -60,7 +60,7 @@ from .collect import Collected, collect
 from .dtensor import (check_state, has_dtensor, leads_dtensor_save, mesh_coordinator, mesh_ranks, placement_of,
                       refuse_local_dtensors, with_stand_ins)
 from .pages import PageJob, assign_writers, check_tiling, create_files
-from .committer import (InFlight, commit_single, create_folder, finish_ranks, fmt, rank_report,
+from .committer import (InFlight, commit_single, create_folder, failed_report, finish_ranks, fmt, rank_report,
                         remove_uncommitted)
 from .future import SaveFuture
 from .job import Part, SaveJob
@@ -619,7 +619,7 @@ class Saver:
                     raise own
                 commit_single(sv, report)
             else:
-                finish_ranks(sv, report or {"ok": False, "error": fmt(own)}, own)
+                finish_ranks(sv, report or failed_report(own), own)
         except BaseException as e:
             exc = e
             if sv.part.leader:
