@@ -133,7 +133,8 @@ def async_save(state: Any, path: str | os.PathLike, *, process_group: Any = None
         A :class:`SaveFuture`; ``result()`` returns the path once durable and committed.
 
     Raises:
-        CheckpointExistsError: ``path`` exists and ``overwrite`` is false.
+        CheckpointExistsError: ``path`` exists and ``overwrite`` is false, or ``path`` is not a
+            checkpoint or an empty folder (``overwrite`` never deletes other files).
         UnsupportedValueError / UnsupportedDtypeError: a value cannot be stored (names its key
             path; e.g. a DTensor with a ``Partial()`` placement, a tensor subclass); raised before
             any file is created.

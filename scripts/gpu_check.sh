@@ -16,6 +16,7 @@
 #      overwritten after the call, loaded back on the host and on the GPU, compared byte for byte;
 #   7. the first async_save of a fresh process (CPU and CUDA states) against one memory copy.
 # Usage: [DT_GIB=4] [FIRST_GIB=1] [STEPS="1 2 3 4 5 6 7"] bash scripts/gpu_check.sh [GIB]
+# Exit status: 1 when any step failed, else 0 (a summary line says which).
 # Output: human lines + JSON lines "RESULT {...}", "RESULT_MEM {...}", "RESULT_DIST {...}", "RESULT_DTENSOR {...}",
 # "RESULT_FIRST {...}".
 set -euo pipefail
@@ -24,7 +25,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 GIB="${1:-2}"
 PY="${PYTHON:-python3}"
 WORK="$(mktemp -d /tmp/fastckpt-gpu.XXXXXX)"
-trap 'rm -rf "$WORK"' EXIT
+LOG="$(mktemp /tmp/fastckpt-gpu-log.XXXXXX)"
+trap 'rm -rf "$WORK" "$LOG"' EXIT
+exec > >(tee "$LOG") 2>&1  # the summary at the end reads every step's lines from here
 # STEPS: the steps to run (default all, "1 2 3 4 5 6 7"), e.g. STEPS="6 7" within a short lease
 want() { [[ " ${STEPS:-1 2 3 4 5 6 7} " == *" $1 "* ]]; }
 
@@ -385,3 +388,14 @@ if want 7; then
 echo "== first async_save of a fresh process (${FIRST_GIB:-1} GiB), blocking vs one memory copy"
 timeout 240 "$PY" scripts/gpu_first_save.py --gib "${FIRST_GIB:-1}" --dir "$WORK/first" || echo "FIRST SAVE CHECK FAILED"
 fi
+
+# ---------------------------------------------------------------------------------------------
+# Summary: exit 1 when any step failed (the steps above never stop the script), 0 otherwise.
+# ---------------------------------------------------------------------------------------------
+sleep 0.2  # let tee catch up
+bad="$(grep -E "FAILED|^MEMORY BOUND OVER|^(DIST|DTENSOR|FIRST) FAIL" "$LOG" || true)"
+if [ -n "$bad" ]; then
+  echo "== gpu_check: failed:"; echo "$bad" | sed 's/^/   /'
+  exit 1
+fi
+echo "== gpu_check: every step run passed (steps: ${STEPS:-1 2 3 4 5 6 7})"

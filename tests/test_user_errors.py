@@ -378,3 +378,35 @@ def test_store_dying_while_a_rank_waits_fails_at_once_not_at_the_timeout(tmp_pat
     assert "rank 0" in out["msg"] and "multi-rank save" in out["msg"] and "127.0.0.1:" in out["msg"], out
     assert out["s"] < 30, out  # timeout_s=40: it did not wait the deadline out
     assert os.listdir(tmp_path) == []
+
+
+def test_overwrite_replaces_only_a_checkpoint_or_an_empty_folder(tmp_path):
+    """``overwrite=True`` never deletes other files: a plain file or a folder of someone else's files
+    is refused, typed, naming the path and what to do (a fresh-user trial lost ``notes.txt``)."""
+    import torch
+
+    import fastckpt
+    from fastckpt.errors import CheckpointExistsError
+    st = {"w": torch.arange(4.0)}
+    (tmp_path / "plain.bin").write_bytes(b"keep me")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    for name in ("plain.bin", "mine"):
+        for save in (fastckpt.save, lambda s, p, **kw: fastckpt.async_save(s, p, **kw).result()):
+            with pytest.raises(CheckpointExistsError, match="not a fastckpt checkpoint.*another path"):
+                save(st, tmp_path / name, overwrite=True)
+    assert (tmp_path / "plain.bin").read_bytes() == b"keep me"
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "plain.bin"]  # no hidden leftovers
+    (tmp_path / "empty").mkdir()
+    fastckpt.save(st, tmp_path / "empty", overwrite=True)
+    fastckpt.save({"w": torch.arange(5.0)}, tmp_path / "empty", overwrite=True)  # a checkpoint: replaced
+    assert torch.equal(fastckpt.load(tmp_path / "empty")["w"], torch.arange(5.0))
+
+
+def test_reserve_checks_its_size_at_the_call():
+    import fastckpt
+    from fastckpt.errors import InvalidArgumentError
+    for bad in (-5, "16MiB", 1.5, True):
+        with pytest.raises(InvalidArgumentError, match="nbytes must be an int >= 0"):
+            fastckpt.reserve(bad)

@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastckpt", description="Fast, safe checkpoint and weight I/O.",
                                 epilog=f"{_FOUND}. {SIZE_UNITS_HELP}.")
     p.add_argument("--version", action="version", version=f"fastckpt {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
     ls = sub.add_parser("ls", help="list committed checkpoints under a root, and what was skipped",
                         description=f"List the committed checkpoints of a run root with their sizes "
                                     f"(decimal units: 1 MB = 10^6 bytes), and what was skipped and why. "
@@ -169,8 +169,12 @@ _PREFIX_HELP = "only step folders named PREFIX<N> (default: step-, checkpoint- a
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``fastckpt`` console script; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    """Entry point of the ``fastckpt`` console script; returns the exit code (2: no command or a bad one)."""
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # bare `fastckpt`: the commands, not argparse's "required"
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except BrokenPipeError:  # `fastckpt ls ROOT | head`: the reader left; not an error of the command

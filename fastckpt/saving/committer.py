@@ -31,10 +31,13 @@ from typing import Any, Iterable
 import xxhash
 
 from ..coordination import Coordinator, PathClaim, Session
-from ..errors import (DistributedSaveError, FastCkptError, FolderNotWritableError,
+from ..errors import (CheckpointExistsError, DistributedSaveError, FastCkptError, FolderNotWritableError,
                       InsufficientSpaceError, NotAFolderError, PeerFailedError)
 from ..format.layout import SavePlan
+from ..storage.commit import is_committed
+from ..storage.retention import freed_shard_bytes
 from ..storage.store import LOCAL, Store, strategy
+from ..storage.tier import tier_for
 from .collect import Collected
 from .future import SaveFuture
 from .job import Part, SaveJob
@@ -233,8 +236,15 @@ def dist_section(plan: SavePlan, units: dict[int, tuple[int, ...]], reports: dic
 
 def commit_folder(folder: str, path: Path, opts: SaveOptions) -> None:
     """The commit of ``folder`` (its manifest written) as ``path``, by the save's strategy
-    (:mod:`fastckpt.storage.store`: rename into place, or nothing more for a marker)."""
-    strategy(opts.commit).finish(LOCAL, folder, str(path), overwrite=opts.overwrite)
+    (:mod:`fastckpt.storage.store`: rename into place, or nothing more for a marker). A checkpoint
+    it replaces (``overwrite``) gives the shard bytes its removal frees back to the tier's count,
+    as retention does (else every overwrite of ``last`` added to the stored bytes)."""
+    p = str(path)
+    replaced = freed_shard_bytes(p) if opts.overwrite and LOCAL.isdir(p) else 0
+    strategy(opts.commit).finish(LOCAL, folder, p, overwrite=opts.overwrite)
+    if replaced:
+        parent = LOCAL.parent(LOCAL.normalize(p))
+        tier_for(parent).add_stored("checkpoints", parent, -replaced)
 
 
 def remove_uncommitted(folder: str | None, opts: SaveOptions) -> None:
@@ -318,6 +328,29 @@ def finish_ranks(sv: InFlight, report: dict, own: BaseException | None) -> None:
     fut.bytes_written = outcome.get("bytes_total", 0)
     fut.bytes_linked = outcome.get("bytes_linked", 0)
     fut.bytes_by_rank = {int(r): b for r, b in outcome.get("bytes_by_rank", {}).items()}
+
+def check_target(path: Any, overwrite: bool, store: Store = LOCAL) -> None:
+    """Refuse a save into an existing ``path`` unless ``overwrite`` is set and ``path`` is something a
+    save may replace: a committed fastckpt checkpoint or an empty folder. ``overwrite=True`` never
+    removes other files (a file, or a folder of someone else's files would be deleted by the swap).
+
+    Raises:
+        CheckpointExistsError: ``path`` exists and ``overwrite`` is false, or it is not replaceable
+            (names what is there and how to proceed).
+    """
+    p = str(path)
+    if not store.lexists(p):
+        return
+    if not overwrite:
+        raise CheckpointExistsError(f"{p} already exists; pass overwrite=True to replace it atomically")
+    if store.isdir(p) and (not store.listdir(p) or is_committed(p, None if store is LOCAL else store)):
+        return
+    what = "a folder" if store.isdir(p) else "a file"
+    raise CheckpointExistsError(
+        f"{p} exists and is {what} that is not a fastckpt checkpoint (no valid manifest.json): overwrite=True "
+        "replaces only a committed checkpoint or an empty folder, never other files. Remove it yourself if it "
+        "may go, or save to another path")
+
 
 def failed_report(exc: BaseException) -> dict:
     """The report of a rank whose part of a multi-rank save failed with ``exc``; a failure caused by

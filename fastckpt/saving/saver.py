@@ -60,7 +60,7 @@ from .collect import Collected, collect
 from .dtensor import (check_state, has_dtensor, leads_dtensor_save, mesh_coordinator, mesh_ranks, placement_of,
                       refuse_local_dtensors, with_stand_ins)
 from .pages import PageJob, assign_writers, check_tiling, create_files
-from .committer import (InFlight, commit_single, create_folder, failed_report, finish_ranks, fmt, rank_report,
+from .committer import (InFlight, check_target, commit_single, create_folder, failed_report, finish_ranks, fmt, rank_report,
                         remove_uncommitted)
 from .future import SaveFuture
 from .job import Part, SaveJob
@@ -228,7 +228,13 @@ class Saver:
                 about 0.3-1 s per GiB, once). ``None`` (default): where a CUDA device is present.
                 A save of CPU tensors uses a page-locked buffer as it is; a save of CUDA tensors
                 replaces one of ordinary pages.
+
+        Raises:
+            InvalidArgumentError: ``nbytes`` is not an ``int`` >= 0 (at the call, also with ``background``).
         """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidArgumentError(f"reserve: nbytes must be an int >= 0 (bytes of staging memory, e.g. the "
+                                       f"state's size), got {type(nbytes).__name__} {nbytes!r:.80}")
         import torch
         pin = torch.cuda.is_available() if pinned is None else bool(pinned)
         if background:
@@ -390,6 +396,8 @@ class Saver:
                         " (if every rank saves this checkpoint together, pass process_group= on every rank)")
                 raise CheckpointExistsError(f"{sv.path} already exists; pass overwrite=True to replace it "
                                             f"atomically{hint}")
+            if not strategy(opts.commit).per_node or coord.rank == 0:
+                check_target(sv.path, opts.overwrite)
             if sv.single:
                 sv.claim = PathClaim(sv.path)
                 sv.claim.acquire()
@@ -440,8 +448,7 @@ class Saver:
         loc_specs: list = []
         try:
             route.check(opts)
-            if LOCAL_STORE.exists(str(sv.path)) and not opts.overwrite:
-                raise CheckpointExistsError(f"{sv.path} already exists; pass overwrite=True to replace it atomically")
+            check_target(sv.path, opts.overwrite)
             split = split_state(state, opts.local_keys) if has_split(state, opts.local_keys) else None
             if split is not None:
                 refuse_local_dtensors(split.local)

@@ -300,7 +300,7 @@ def select_victims_in_order(order: Sequence[int], keep: int, protect: Iterable[i
     return victims
 
 
-def _freed_shard_bytes(folder: str) -> int:
+def freed_shard_bytes(folder: str) -> int:
     """Bytes of the ``*.safetensors`` files under ``folder`` that deleting it frees: those with no other
     hard link (a ``link_from`` save shares unchanged files). What a save claims on the tier arbiter is the
     same: its shard files, not the ones it linked, not its small JSON files. 0 for an object store."""
@@ -347,7 +347,7 @@ def delete_checkpoint(path: str | os.PathLike, store: Store | None = None) -> bo
     doomed = store.retire(store.normalize(path), DOOMED_SUFFIX)
     if doomed is None:
         return False
-    size = _freed_shard_bytes(doomed)
+    size = freed_shard_bytes(doomed)
     store.remove(doomed)
     if size:  # the tier's capacity budget (a local tier: an object store's folder walks to 0 bytes)
         tier_for(store.parent(store.normalize(path))).add_stored("checkpoints", store.parent(store.normalize(path)), -size)

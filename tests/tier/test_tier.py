@@ -531,3 +531,36 @@ def test_a_missing_state_folder_is_created(tmp_path, monkeypatch):
         fastckpt.save({"x": torch.arange(10)}, str(tmp_path / "ck"))
         assert tier_for(str(tmp_path)).enabled
     assert d.is_dir() and any(d.iterdir())
+
+
+def test_overwriting_a_checkpoint_keeps_the_count_equal_to_the_shard_bytes_on_disk(tier_dir, tmp_path):
+    """``overwrite=True`` (Lightning's ``last``) five times: the count is one checkpoint, not five
+    (a fresh-user trial saw 4.2 -> 21.0 MB with 4.2 MB on disk)."""
+    import torch
+
+    import fastckpt
+    for i in range(5):
+        fastckpt.save({"w": torch.full((100_000,), float(i))}, tmp_path / "last", overwrite=True)
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "last").glob("*.safetensors"))
+    stored = snapshot(str(tmp_path))["classes"]["checkpoints"]["stored_bytes"]
+    assert stored == on_disk, (stored, on_disk)
+
+
+def test_recount_counts_a_nested_run_folder_once(tier_dir, tmp_path):
+    """Checkpoints saved under ``ckpt/`` and under ``ckpt/run/``: two counted folders, one nested; a
+    recount must not count ``run``'s files in ``ckpt`` too (the trial saw 12.6 MB for 8.4 MB on disk)."""
+    import shutil
+
+    import torch
+
+    import fastckpt
+    from fastckpt.storage.tier import tier_for
+    big = {"w": torch.zeros(1 << 20, dtype=torch.int32)}  # 4 MiB
+    fastckpt.save(big, tmp_path / "ckpt" / "a")
+    fastckpt.save(big, tmp_path / "ckpt" / "b")
+    fastckpt.save(big, tmp_path / "ckpt" / "run" / "step-1")
+    shutil.rmtree(tmp_path / "ckpt" / "b")  # by hand: ckpt/ must drop to one checkpoint
+    tier_for(str(tmp_path)).recount()
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "ckpt").rglob("*.safetensors"))
+    stored = snapshot(str(tmp_path))["classes"]["checkpoints"]["stored_bytes"]
+    assert stored == on_disk, (stored, on_disk)

@@ -119,10 +119,11 @@ class CheckpointWrites:
             self.claim.settle() if stored else self.claim.release()
 
 
-def on_disk(root: str) -> int:
+def on_disk(root: str, skip: frozenset = frozenset()) -> int:
     """Bytes of the ``*.safetensors`` files (each inode once) in the non-hidden sub-folders of ``root``
     and one level below them (a checkpoint's adapter folders): what the tier counts as stored under a
-    checkpoints / models folder (0 if it is gone). Bounded: two levels, whatever else ``root`` holds."""
+    checkpoints / models folder (0 if it is gone). Bounded: two levels, whatever else ``root`` holds.
+    Folders in ``skip`` (absolute paths: other counted folders nested in ``root``) are not entered."""
     seen: dict[tuple[int, int], int] = {}
 
     def scan(folder: str, depth: int) -> None:
@@ -135,7 +136,7 @@ def on_disk(root: str) -> int:
                 continue
             try:
                 if e.is_dir(follow_symlinks=False):
-                    if depth < 2:
+                    if depth < 2 and e.path not in skip:
                         scan(e.path, depth + 1)
                 elif depth and e.name.endswith(".safetensors") and e.is_file(follow_symlinks=False):
                     st = e.stat(follow_symlinks=False)
@@ -555,9 +556,15 @@ class Tier:
         ``*.safetensors`` files (each inode once) in its sub-folders but hidden ones (uncommitted
         saves are counted by their claims); a folder gone holds nothing. Counts are only lowered,
         never raised (files another tool wrote there were never counted), and by the difference
-        measured, so bytes a commit adds meanwhile stay counted. The walk holds no lock."""
+        measured, so bytes a commit adds meanwhile stay counted. A counted folder nested in another
+        (``run/`` under ``ckpt/``) is counted in itself only. The walk holds no lock."""
         before = [(c, path, used) for _, c, path, used, _ in self.state.roots() if c != KV and used > 0]
-        cut = {(c, path): used - on_disk(path) for c, path, used in before}
+        roots = {os.path.abspath(path) for _, _, path, _, _ in self.state.roots()}
+
+        def nested(path: str) -> frozenset:  # other counted folders under path: counted there, not here
+            top = os.path.abspath(path) + os.sep
+            return frozenset(r for r in roots if r.startswith(top))
+        cut = {(c, path): used - on_disk(path, nested(path)) for c, path, used in before}
         cut = {k: v for k, v in cut.items() if v > 0}
         if cut:
             with self.state.locked():
