@@ -402,6 +402,12 @@ def test_overwrite_replaces_only_a_checkpoint_or_an_empty_folder(tmp_path):
     fastckpt.save(st, tmp_path / "empty", overwrite=True)
     fastckpt.save({"w": torch.arange(5.0)}, tmp_path / "empty", overwrite=True)  # a checkpoint: replaced
     assert torch.equal(fastckpt.load(tmp_path / "empty")["w"], torch.arange(5.0))
+    crashed = tmp_path / "crashed"  # an uncommitted commit="marker" save: state.json, files, no manifest
+    crashed.mkdir()
+    (crashed / "state.json").write_text("{}")
+    (crashed / "model.safetensors").write_bytes(b"\0" * 64)
+    fastckpt.save(st, crashed, overwrite=True, commit="marker")  # replaced, as MarkerCommit documents
+    assert torch.equal(fastckpt.load(crashed)["w"], st["w"])
 
 
 def test_reserve_checks_its_size_at_the_call():

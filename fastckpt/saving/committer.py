@@ -34,7 +34,7 @@ from ..coordination import Coordinator, PathClaim, Session
 from ..errors import (CheckpointExistsError, DistributedSaveError, FastCkptError, FolderNotWritableError,
                       InsufficientSpaceError, NotAFolderError, PeerFailedError)
 from ..format.layout import SavePlan
-from ..storage.commit import is_committed
+from ..storage.commit import STATE_JSON, is_committed
 from ..storage.retention import freed_shard_bytes
 from ..storage.store import LOCAL, Store, strategy
 from ..storage.tier import tier_for
@@ -331,7 +331,8 @@ def finish_ranks(sv: InFlight, report: dict, own: BaseException | None) -> None:
 
 def check_target(path: Any, overwrite: bool, store: Store = LOCAL) -> None:
     """Refuse a save into an existing ``path`` unless ``overwrite`` is set and ``path`` is something a
-    save may replace: a committed fastckpt checkpoint or an empty folder. ``overwrite=True`` never
+    save may replace: a committed fastckpt checkpoint, the folder of an uncommitted ``commit="marker"``
+    save (its ``state.json`` marker, no manifest yet) or an empty folder. ``overwrite=True`` never
     removes other files (a file, or a folder of someone else's files would be deleted by the swap).
 
     Raises:
@@ -343,7 +344,8 @@ def check_target(path: Any, overwrite: bool, store: Store = LOCAL) -> None:
         return
     if not overwrite:
         raise CheckpointExistsError(f"{p} already exists; pass overwrite=True to replace it atomically")
-    if store.isdir(p) and (not store.listdir(p) or is_committed(p, None if store is LOCAL else store)):
+    if store.isdir(p) and (not store.listdir(p) or store.exists(store.join(p, STATE_JSON))
+                           or is_committed(p, None if store is LOCAL else store)):
         return
     what = "a folder" if store.isdir(p) else "a file"
     raise CheckpointExistsError(
