@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import CheckpointExistsError
 from ..storage.commit import MANIFEST, TMP_MARK
 from ..storage.retention import CheckpointScan, scan_checkpoints
 from ..storage.locate import store_for
@@ -25,6 +26,31 @@ from ..storage.store import LOCAL, Store
 PREFIXES = ("step-", "checkpoint-", "checkpoint_")
 #: Sub-folder of accelerate's ``project_dir`` that holds its ``checkpoint_N`` folders.
 RUNS_SUBDIR = "checkpoints"
+
+def check_export_target(to: str, overwrite: bool) -> None:
+    """Refuse ``fastckpt load --to`` / a consolidation into an existing ``to`` unless ``--overwrite`` was
+    given and ``to`` is what an export may replace: an empty folder, or a model folder (``config.json``,
+    ``*.safetensors`` or a ``manifest.json`` in it). ``--overwrite`` never removes other files.
+
+    Raises:
+        CheckpointExistsError: ``to`` exists without ``--overwrite``, or holds something else (names
+            what is there and what to do).
+    """
+    if not LOCAL.lexists(to):
+        return
+    if not overwrite:
+        raise CheckpointExistsError(f"{to} exists; choose another --to or pass --overwrite")
+    if LOCAL.isdir(to):
+        names = LOCAL.listdir(to)
+        if not names or any(n in ("config.json", MANIFEST) or n.endswith(".safetensors") for n in names):
+            return
+        raise CheckpointExistsError(
+            f"{to} is a folder of other files ({len(names)} entries, e.g. {sorted(names)[0]!r}), not a model folder "
+            "(no config.json, *.safetensors or manifest.json): --overwrite replaces only a model folder or an empty "
+            "folder, never other files. Remove it yourself if it may go, or choose another --to")
+    raise CheckpointExistsError(f"{to} is a file, not a folder: --overwrite replaces only a model folder or an empty "
+                                "folder. Remove it yourself if it may go, or choose another --to")
+
 
 def positive_int(text: str) -> int:
     """argparse type of a count option (``--threads``, ``--keep``): an int >= 1."""

@@ -20,11 +20,11 @@ import os
 import sys
 from typing import Callable
 
-from ..errors import CheckpointExistsError
 from ..format.dtypes import dtype_to_str
 from ..loading.zero import consolidate
 from ..saving.export import plan_shards, write_shards
 from ..storage.store import LOCAL, strategy
+from .common import check_export_target
 
 #: The consolidated folder is built in a hidden folder and renamed into place.
 _COMMIT = strategy("rename")
@@ -71,15 +71,15 @@ def export_zero(tag_dir: str, to: str, args: argparse.Namespace, meta_patterns: 
             nothing at ``to``.
 
     Raises:
-        CheckpointExistsError: ``to`` exists and ``--overwrite`` was not given.
+        CheckpointExistsError: ``to`` exists and ``--overwrite`` was not given, or ``to`` is not a model
+            folder or an empty folder (:func:`~fastckpt.cli.common.check_export_target`).
         IncompleteTagError, CorruptCheckpointError, ChecksumMismatchError: from the checkpoint
             (nothing at ``to``).
         NotServableError: from ``gate`` (nothing at ``to``).
     """
     config = getattr(args, "config", None)
     check_to_zero(to, tag_dir, config)
-    if LOCAL.lexists(to) and not args.overwrite:
-        raise CheckpointExistsError(f"{to} exists; choose another --to or pass --overwrite")
+    check_export_target(to, args.overwrite)
     sd, info = consolidate(tag_dir)
     print(f"source: DeepSpeed ZeRO-{info.stage} tag {tag_dir} ({info.world_size} ranks, {len(sd)} tensors, "
           f"{'fp32 master weights' if info.stage else 'module weights'})", file=sys.stderr)

@@ -55,7 +55,7 @@ import sys
 from pathlib import Path
 import warnings
 
-from ..errors import CheckpointExistsError, CorruptCheckpointError, FastCkptError, NotServableError
+from ..errors import CorruptCheckpointError, FastCkptError, NotServableError
 from ..loading.source import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Source, adapter_base_dir, file_checks,
                               resolve_source)
 from ..saving.committer import folder_error
@@ -69,7 +69,7 @@ _COMMIT = strategy("rename")
 from ..loading.servable import check_servable
 from ..loading.zero import find_zero_tag
 from . import lora
-from .common import parse_bytes, positive_int, progress_bar
+from .common import check_export_target, parse_bytes, positive_int, progress_bar
 from .consolidate import export_zero
 #: Small files copied next to the weights when present (config, generation and tokenizer files).
 META_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -318,11 +318,11 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
 
     Raises:
         ChecksumMismatchError / CorruptCheckpointError: a source byte is damaged (nothing at ``to``).
-        CheckpointExistsError: ``to`` exists and ``--overwrite`` was not given.
+        CheckpointExistsError: ``to`` exists and ``--overwrite`` was not given, or ``to`` is not a model
+            folder or an empty folder (:func:`~fastckpt.cli.common.check_export_target`).
         OSError: naming ``to`` (not the temporary folder) when it cannot be written.
     """
-    if LOCAL.lexists(to) and not args.overwrite:
-        raise CheckpointExistsError(f"{to} exists; choose another --to or pass --overwrite")
+    check_export_target(to, args.overwrite)
     checked = _Checked()
     try:
         LOCAL.makedirs(os.path.dirname(to) or ".")
@@ -529,7 +529,8 @@ def add_load_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--base", default=None, help="base model folder when SOURCE is an adapter-only folder")
     p.add_argument("--config", default=None, help="HF folder whose config.json / tokenizer files are used (over the "
                    "checkpoint's): one the model's save_pretrained wrote")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --to folder atomically")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --to folder atomically: a model folder "
+                   "(config.json, *.safetensors or manifest.json in it) or an empty one, never a folder of other files")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_load)
     return p

@@ -195,3 +195,21 @@ def test_existing_to_without_overwrite_is_one_line_error(hf_folder, tmp_path, ca
     assert rc == 2 and cmd == ""
     want = f"fastckpt load: error: {out} exists; choose another --to or pass --overwrite"
     assert _run.err.strip().splitlines()[-1] == want
+
+
+def test_overwrite_replaces_a_model_folder_but_never_other_files(hf_folder, tmp_path, capsys):
+    """``--overwrite`` replaces an earlier export (a model folder) or an empty folder; a folder of other
+    files, or a file, is refused and left as it was (the same fault as ``save(overwrite=True)`` had)."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    rc, _ = _run(capsys, hf_folder[0], "--to", mine, "--overwrite")
+    assert rc == 2 and "not a model folder" in _run.err and "choose another --to" in _run.err
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    (tmp_path / "file").write_text("keep me")
+    rc, _ = _run(capsys, hf_folder[0], "--to", tmp_path / "file", "--overwrite")
+    assert rc == 2 and "is a file" in _run.err and (tmp_path / "file").read_text() == "keep me"
+    out = tmp_path / "out"
+    assert _run(capsys, hf_folder[0], "--to", out)[0] == 0
+    assert _run(capsys, hf_folder[0], "--to", out, "--overwrite")[0] == 0  # an earlier export: replaced
+    assert (out / "config.json").exists()
