@@ -96,13 +96,20 @@ _KINDS = {"save": "a multi-rank save (process_group=)", "dtensor-call": "a DTens
           "common": "a multi-rank load", "plain": "a plain save (no process_group=) claiming its path"}
 
 
-def _store_address(store: Any) -> str:
-    """``host:port`` of a TCPStore (under any PrefixStores), a FileStore's file, else the type's name."""
+def innermost_store(store: Any) -> Any:
+    """The store under any :class:`GuardedStore` / ``PrefixStore`` wrappers of ``store``."""
+    store = store.store if isinstance(store, GuardedStore) else store
     for _ in range(8):
         inner = getattr(store, "underlying_store", None)
         if inner is None:
             break
         store = inner
+    return store
+
+
+def _store_address(store: Any) -> str:
+    """``host:port`` of a TCPStore (under any PrefixStores), a FileStore's file, else the type's name."""
+    store = innermost_store(store)
     host, port = getattr(store, "host", None), getattr(store, "port", None)
     if host is not None and port is not None:
         return f"{host}:{port}"
@@ -215,13 +222,7 @@ class Coordinator:
 def is_file_store(store: Any) -> bool:
     """True when ``store`` (under any :class:`GuardedStore` / ``PrefixStore``) is a ``FileStore``
     (``init_method="file://..."``)."""
-    inner = store.store if isinstance(store, GuardedStore) else store
-    for _ in range(8):
-        nxt = getattr(inner, "underlying_store", None)
-        if nxt is None:
-            break
-        inner = nxt
-    return type(inner).__name__ == "FileStore"
+    return type(innermost_store(store)).__name__ == "FileStore"
 
 
 #: Seconds between two looks at a ``FileStore`` while waiting for keys: the first, then doubling up to

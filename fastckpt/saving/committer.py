@@ -34,7 +34,7 @@ from ..coordination import Coordinator, PathClaim, Session
 from ..errors import (CheckpointExistsError, DistributedSaveError, FastCkptError, FolderNotWritableError,
                       InsufficientSpaceError, NotAFolderError, PeerFailedError)
 from ..format.layout import SavePlan
-from ..storage.commit import STATE_JSON, is_committed
+from ..storage.commit import MANIFEST, STATE_JSON
 from ..storage.retention import freed_shard_bytes
 from ..storage.store import LOCAL, Store, strategy
 from ..storage.tier import tier_for
@@ -329,11 +329,15 @@ def finish_ranks(sv: InFlight, report: dict, own: BaseException | None) -> None:
     fut.bytes_linked = outcome.get("bytes_linked", 0)
     fut.bytes_by_rank = {int(r): b for r, b in outcome.get("bytes_by_rank", {}).items()}
 
-def check_target(path: Any, overwrite: bool, store: Store = LOCAL) -> None:
+def check_target(path: Any, overwrite: bool, store: Store = LOCAL, hint: str = "") -> None:
     """Refuse a save into an existing ``path`` unless ``overwrite`` is set and ``path`` is something a
-    save may replace: a committed fastckpt checkpoint, the folder of an uncommitted ``commit="marker"``
-    save (its ``state.json`` marker, no manifest yet) or an empty folder. ``overwrite=True`` never
-    removes other files (a file, or a folder of someone else's files would be deleted by the swap).
+    save may replace: a fastckpt checkpoint (its ``manifest.json``), the folder of an uncommitted
+    ``commit="marker"`` save (its ``state.json`` marker, no manifest yet) or an empty folder.
+    ``overwrite=True`` never removes other files (a file, or a folder of someone else's files would be
+    deleted by the swap). Only names are looked at (nothing parsed in the caller's blocking time).
+
+    Args:
+        hint: appended to the "already exists" message (e.g. what a multi-rank save must pass).
 
     Raises:
         CheckpointExistsError: ``path`` exists and ``overwrite`` is false, or it is not replaceable
@@ -343,14 +347,15 @@ def check_target(path: Any, overwrite: bool, store: Store = LOCAL) -> None:
     if not store.lexists(p):
         return
     if not overwrite:
-        raise CheckpointExistsError(f"{p} already exists; pass overwrite=True to replace it atomically")
-    if store.isdir(p) and (not store.listdir(p) or store.exists(store.join(p, STATE_JSON))
-                           or is_committed(p, None if store is LOCAL else store)):
-        return
+        raise CheckpointExistsError(f"{p} already exists; pass overwrite=True to replace it atomically{hint}")
+    if store.isdir(p):
+        names = store.listdir(p)
+        if not names or MANIFEST in names or STATE_JSON in names:
+            return
     what = "a folder" if store.isdir(p) else "a file"
     raise CheckpointExistsError(
-        f"{p} exists and is {what} that is not a fastckpt checkpoint (no valid manifest.json): overwrite=True "
-        "replaces only a committed checkpoint or an empty folder, never other files. Remove it yourself if it "
+        f"{p} exists and is {what} that is not a fastckpt checkpoint (no manifest.json): overwrite=True "
+        "replaces only a checkpoint or an empty folder, never other files. Remove it yourself if it "
         "may go, or save to another path")
 
 

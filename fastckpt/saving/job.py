@@ -22,7 +22,6 @@ import xxhash
 from ..device import DONE, AllOf, Completion, cat_to_host, to_host
 from ..format.layout import SavePlan
 from ..storage.io import ALIGN, FileWriter, default_threads, get_backend, write_all
-from ..storage.memory import needs_pinned
 from ..storage.staging import StagingPool, copy_pieces, copy_runs
 from ..storage.store import LOCAL
 from ..storage.tier import NO_WRITES, tier_for
@@ -219,12 +218,13 @@ class SaveJob(LinkUnchanged, DeferredStaging, DirectWrites):
         need = self._layout(tensors)
         self.streaming = budget is not None and budget < need
         size = max(2, budget // chunk) * chunk if self.streaming else need
-        self.buf, self.view = self.pool.acquire(size, needs_pinned(sources.values()))
+        devices = {v.device.type for v in sources.values() if getattr(v, "device", None) is not None}
+        self.buf, self.view = self.pool.acquire(size, "cuda" in devices)  # page-locked for CUDA sources only
         self.held = True
         if self.cache is not None:  # frozen parameters: their hashes let the next save link them
             self.idents.update((t.spec.key, dedupe.HashCache.ident(sources[t.spec.key]))
                                for t in tensors if t.spec.key in frozen)
-        host = all(getattr(v, "device", None) is None or v.device.type == "cpu" for v in sources.values())
+        host = devices <= {"cpu"}
         if host and not self.streaming and (self.cons.defer is not None
                                             or (self.cache is not None and self.cons.defer_frozen)):
             self._defer(tensors, sources, frozen, trainable)

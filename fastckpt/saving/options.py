@@ -114,8 +114,8 @@ class SaveOptions:
     """All options of :func:`fastckpt.save` / :func:`fastckpt.async_save` (keyword-only there).
 
     Args:
-        overwrite: replace an existing ``path`` atomically (default ``False``: refuse). Only a committed
-            fastckpt checkpoint or an empty folder is replaced; any other file or folder is refused
+        overwrite: replace an existing ``path`` atomically (default ``False``: refuse). Only a fastckpt
+            checkpoint folder (committed, or an unfinished ``commit="marker"`` save) or an empty folder is replaced; any other file or folder is refused
             with :class:`~fastckpt.errors.CheckpointExistsError` (nothing is deleted).
         weights: top-level state key -> HF file stem (default ``{"model": "model"}``). Tensors
             directly under that key are written with their own names as

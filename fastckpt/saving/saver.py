@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ..coordination import LOCAL, Coordinator, PathClaim, forget_session, group_timeout_s, numbered_session, path_tag
-from ..errors import CheckpointExistsError, DistributedSaveError, InvalidArgumentError
+from ..errors import DistributedSaveError, InvalidArgumentError
 from ..format.layout import SavePlan, plan_save
 from ..format.stateful import to_state_dicts
 from ..storage.staging import StagingPool
@@ -391,13 +391,11 @@ class Saver:
         """Step 1: validate, collect and plan; multi-rank: agree on the global plan."""
         opts, coord, exc, values = sv.opts, sv.coord, None, {}
         try:
-            if LOCAL_STORE.exists(str(sv.path)) and not opts.overwrite and (not strategy(opts.commit).per_node or coord.rank == 0):
-                hint = ("" if not sv.single or PathClaim(sv.path).store is None else
-                        " (if every rank saves this checkpoint together, pass process_group= on every rank)")
-                raise CheckpointExistsError(f"{sv.path} already exists; pass overwrite=True to replace it "
-                                            f"atomically{hint}")
             if not strategy(opts.commit).per_node or coord.rank == 0:
-                check_target(sv.path, opts.overwrite)
+                hint = ("" if opts.overwrite or not sv.single or not LOCAL_STORE.lexists(str(sv.path))
+                        or PathClaim(sv.path).store is None else
+                        " (if every rank saves this checkpoint together, pass process_group= on every rank)")
+                check_target(sv.path, opts.overwrite, hint=hint)
             if sv.single:
                 sv.claim = PathClaim(sv.path)
                 sv.claim.acquire()
