@@ -201,7 +201,7 @@ class KVFileStore(KVFolderIndex):
                 h.fd_direct = self._be.open_read(path, o_direct=True)
             except OSError:
                 h.fd_direct = -1  # file system without O_DIRECT (tmpfs): buffered reads
-        self._tier.begin_read()  # a get is latency-critical: checkpoint writes are paced until close_chunk
+        self._tier.begin_read(kv=True)  # a get is latency-critical: checkpoint writes are paced until close_chunk
         return h
 
     def _parse(self, fd: int, name: str, path: str) -> ChunkHandle:
@@ -251,7 +251,7 @@ class KVFileStore(KVFolderIndex):
     def close_chunk(self, h: ChunkHandle) -> None:
         """Close the descriptors of ``h``."""
         if h.fd >= 0:
-            self._tier.end_read(h.nbytes)
+            self._tier.end_read(h.nbytes, kv=True)
         for fd in (h.fd, h.fd_direct):
             if fd >= 0:
                 self._be.close(fd)

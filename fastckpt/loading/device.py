@@ -38,7 +38,7 @@ import xxhash
 
 from ..format.dtypes import str_to_dtype
 from ..errors import ChecksumMismatchError, KeysNotFoundError
-from ..storage.tier import tier_for
+from ..storage.tier import NullTier, tier_for
 from ..storage.io import PosixBackend, get_backend, readv_exact
 from .resolve import Resolved, resolve
 from ..storage.io import default_threads
@@ -108,7 +108,10 @@ class _Ring:
         self.threads = max(1, min(threads, n_slots))
 
     def run(self, pieces: list[Piece], dests: list[torch.Tensor],
-            hashers: dict[int, "xxhash.xxh3_64"], convs: list[_Conv | None] | None = None) -> None:
+            hashers: dict[int, "xxhash.xxh3_64"], convs: list[_Conv | None] | None = None, pacer=None) -> None:
+        """Read ``pieces`` into the slots and copy them on into ``dests``; ``pacer``: the tier's
+        :class:`~fastckpt.storage.tier.LoadPacer` each read runs inside (KV gets go first), or None."""
+        pacer = pacer or NullTier._Pacer()
         self.convs = convs or [None] * len(dests)
         n = len(self.slots)
         fds: dict[str, int] = {}
@@ -125,8 +128,8 @@ class _Ring:
                         self._consume(*pending.popleft(), dests, hashers)
                     self.engine.wait(s)
                     mv = self.slots[s][1][:p.nbytes]
-                    pending.append((p, s, ex.submit(readv_exact, self.be, fds[p.file], [mv], p.offset,
-                                                    path=p.file, what=f"piece @{p.offset}")))
+                    pending.append((p, s, ex.submit(_paced_read, pacer, self.be, fds[p.file], mv, p.offset,
+                                                    p.file)))
                 while pending:
                     self._consume(*pending.popleft(), dests, hashers)
             self.engine.finish()
@@ -145,6 +148,12 @@ class _Ring:
                 h.update(slot_mv[c.src_off:c.src_off + c.nbytes])
             _apply(self.engine, c, dests[c.dest], slot_t, self.convs[c.dest])
         self.engine.record(s)
+
+
+def _paced_read(pacer, be: PosixBackend, fd: int, mv: memoryview, offset: int, path: str) -> None:
+    """One piece's read into its slot, inside the tier's load pacing."""
+    with pacer.read(mv.nbytes):
+        readv_exact(be, fd, [mv], offset, path=path, what=f"piece @{offset}")
 
 
 def _kvikio_read(targets: list[Target], dests: list[torch.Tensor], idx: list[int], chunk: int) -> None:
@@ -236,8 +245,9 @@ def load_tensors(r: Resolved, keys: Iterable[str], device: str | torch.device, *
         converting = [p.nbytes for p in pieces if any(convs[c.dest] is not None for c in p.copies)]
         if converting:
             engine.reserve(max(converting))
-        with tier_for(r.root).reading(sum(p.nbytes for p in pieces)):  # a latency-critical read on the tier
-            ring.run(pieces, dests, hashers, convs)
+        tier = tier_for(r.root)
+        with tier.reading(sum(p.nbytes for p in pieces)):  # a latency-critical read on the tier; KV gets go first
+            ring.run(pieces, dests, hashers, convs, pacer=tier.loader())
     for i, h in hashers.items():
         if want[i] is not None and h.hexdigest() != want[i]:
             t = targets[i]

@@ -146,6 +146,11 @@ def _direct_requests(dests: list[_Dest], chunk: int) -> list[tuple]:
     return reqs
 
 
+def _direct_nbytes(req: tuple) -> int:
+    """Bytes one :func:`_direct_requests` entry reads (for the tier's load pacing)."""
+    return req[3] - req[2] if req[0] == "big" else sum(d.info.nbytes for d in req[1])
+
+
 class _DirectReader:
     """Executes :func:`_direct_requests` entries: first a no-I/O read of what the page cache holds
     (``RWF_NOWAIT``, so a warm file costs a memory copy, not a disk read), then O_DIRECT for the rest;
@@ -252,16 +257,22 @@ def read_tensors(r: Resolved, keys: Iterable[str], *, threads: int | None = None
             fname, info = r.tensors[k]
             path = r.file_path(fname)
             dests.append(_alloc(k, path, info, r.headers[fname].data_offset, direct and path in dfds))
-        with tier_for(r.root).reading(sum(d.view.nbytes for d in dests)), \
+        tier = tier_for(r.root)
+        pacer = tier.loader()  # KV gets on the tier go first, within the load's bound
+
+        def paced(nbytes: int, fn, *args, **kw) -> None:
+            with pacer.read(nbytes):
+                fn(*args, **kw)
+        with tier.reading(sum(d.view.nbytes for d in dests)), \
                 ThreadPoolExecutor(threads or default_read_threads(), thread_name_prefix="fastckpt-read") as ex:
             if direct:
                 reader = _DirectReader(be, fds, dfds, chunk)
-                futs = [ex.submit(reader, q) for q in _direct_requests(
+                futs = [ex.submit(paced, _direct_nbytes(q), reader, q) for q in _direct_requests(
                     [d for d in dests if d.file in dfds], chunk)]
                 rest = [d for d in dests if d.file not in dfds]
             else:
                 futs, rest = [], dests
-            futs += [ex.submit(readv_exact, be, fds[f], bufs, off, path=f, what=w)
+            futs += [ex.submit(paced, sum(b.nbytes for b in bufs), readv_exact, be, fds[f], bufs, off, path=f, what=w)
                      for f, off, bufs, w in _requests(rest, chunk)]
             for fu in futs:
                 fu.result()

@@ -564,3 +564,69 @@ def test_recount_counts_a_nested_run_folder_once(tier_dir, tmp_path):
     on_disk = sum(p.stat().st_size for p in (tmp_path / "ckpt").rglob("*.safetensors"))
     stored = snapshot(str(tmp_path))["classes"]["checkpoints"]["stored_bytes"]
     assert stored == on_disk, (stored, on_disk)
+
+
+# ----- weight loads yield to KV gets ------------------------------------------------------------
+
+def _hold_kv_get(path: str, ready, stop) -> None:
+    """A KV get that lasts until ``stop`` (a get that waits on a slow tier)."""
+    t = tier_for(path)
+    with t.reading(kv=True):
+        ready.set()
+        stop.wait(120)
+
+
+@pytest.mark.parametrize("kv", [True, False])
+def test_load_reads_yield_to_another_process_kv_get_within_their_bound(tier_dir, tmp_path, kv):
+    """A KV get in another process holds a weight load's reads back, never beyond the load's bound
+    (stalled at most (factor - 1) x its time reading, plus the grace); another load (a
+    latency-critical read that is not a KV get) does not."""
+    from fastckpt.storage.tier.arbiter import LOAD_GRACE_S
+    ready, stop = SPAWN.Event(), SPAWN.Event()
+    other = _start(_hold_kv_get if kv else _hold_read, str(tmp_path), ready, stop)
+    try:
+        assert ready.wait(120)
+        p = tier_for(str(tmp_path)).loader()
+        t0 = time.monotonic()
+        for _ in range(40):
+            with p.read(MiB):
+                time.sleep(0.01)  # "reading"
+        el = time.monotonic() - t0
+        p.close()
+    finally:
+        stop.set()
+        _join_all(other)
+    if kv:
+        assert p.waits >= 1 and p.delayed_s > 0.01, (p.waits, p.delayed_s)
+        assert p.delayed_s <= 0.3 * (el - p.delayed_s + LOAD_GRACE_S) + 0.01, (p.delayed_s, el)
+    else:
+        assert p.waits == 0 and p.delayed_s == 0, (p.waits, p.delayed_s)
+
+
+def test_load_reads_run_inside_the_tier_load_pacer(tier_dir, tmp_path, monkeypatch):
+    """``fastckpt.load`` (threads of buffered reads) and the device ring (``load_tensors``, which
+    streams to CUDA / NPU through the same ring it runs here for ``"cpu"``) read every byte of the
+    checkpoint inside :meth:`LoadPacer.read`, so KV gets on the tier can go first."""
+    import torch
+
+    import fastckpt
+    from fastckpt.storage.tier import LoadPacer
+    seen = []
+    orig = LoadPacer.read
+
+    def spy(self, nbytes):
+        seen.append(nbytes)
+        return orig(self, nbytes)
+    monkeypatch.setattr(LoadPacer, "read", spy)
+    sd = {"a": torch.arange(3 * MiB, dtype=torch.int32), "b": torch.ones(5, 7), "c": torch.zeros(0)}
+    path = str(tmp_path / "ck")
+    fastckpt.save(sd, path)
+    back = fastckpt.load(path)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    assert sum(seen) == sum(v.nbytes for v in sd.values()), seen
+    from fastckpt.loading.device import load_tensors
+    from fastckpt.loading.resolve import resolve
+    seen.clear()
+    ring = load_tensors(resolve(path), list(sd), "cpu", slot_bytes=MiB, ring_bytes=4 * MiB)
+    assert all(torch.equal(ring[k], sd[k]) for k in sd)
+    assert sum(seen) >= sum(v.nbytes for v in sd.values()) and len(seen) >= 12, seen

@@ -14,8 +14,8 @@ It sits below ``storage`` in the layers: saving, loading and the KV store call i
 only :mod:`fastckpt.errors`.
 """
 
-from .arbiter import NO_WRITES, BackgroundPacer, CheckpointWrites, Claim, NullTier, Tier, WritePacer, tier_for
+from .arbiter import NO_WRITES, BackgroundPacer, CheckpointWrites, Claim, LoadPacer, NullTier, Tier, WritePacer, tier_for
 from .report import snapshot
 from .shared import CLASSES
 
-__all__ = ["NO_WRITES", "CheckpointWrites", "BackgroundPacer", "Claim", "NullTier", "Tier", "WritePacer", "tier_for", "snapshot", "CLASSES"]
+__all__ = ["NO_WRITES", "CheckpointWrites", "BackgroundPacer", "Claim", "LoadPacer", "NullTier", "Tier", "WritePacer", "tier_for", "snapshot", "CLASSES"]

@@ -48,6 +48,9 @@ STEP_S = 0.002
 RECENT_S = 0.25
 #: Writes one save keeps in flight while reads are frequent.
 READ_CAP = 1
+#: Time a weight load may be stalled for KV gets before it has read for long, seconds (x
+#: ``factor - 1``: 30 ms at the default, about one 16 MiB get).
+LOAD_GRACE_S = 0.1
 #: Share of a save's allowance (``factor - 1``) the pacer uses; the rest is for the slowdown the
 #: reads themselves cause.
 AIM = 0.5
@@ -286,6 +289,91 @@ class WritePacer:
             self.tier._bump(writers=-1)
 
 
+class LoadPacer:
+    """Paces one weight load's reads for KV gets, within its bound (:meth:`Tier.loader`).
+
+    A KV get is the serving side's time to first token; a weight load is latency-critical too
+    (checkpoint writes yield to both), but a get goes first. Before each read of the load
+    (:meth:`read`, a context around it), while a KV get of any process runs, the read is held back
+    (2 ms steps); the load's reads already in flight go on, so the device stays busy with the
+    load while the get's requests pass the queue. The load is slowed only while it has nothing in
+    flight and a read held (*stalled*); the stalled time is bounded by ``factor - 1`` times its
+    time not stalled plus :data:`LOAD_GRACE_S` (``factor`` default 1.3): past it, the load reads
+    at full speed. No rate needs to be known, so a process's first load is paced from its first
+    read; the grace lets a short load wait out a get already running.
+
+    Measured on the reference VM (mq-deadline, 8 MiB readahead): a 16 MiB KV get that starts
+    during a cold 1 GiB load waited 0.3-0.5 s behind the load's sequential stream (the
+    scheduler's read expiry) and takes 30-80 ms with this pacing; the load 1.0 s either way
+    (docs/TIER.md).
+
+    Thread-safe: the reader threads of one load share it. Attributes: ``delayed_s`` (wall
+    seconds the load was stalled), ``waits`` (reads held), ``nread`` (bytes).
+    """
+
+    def __init__(self, tier: "Tier", factor: float):
+        self.tier, self.factor = tier, factor
+        self.t0 = 0.0
+        self.delayed_s = 0.0
+        self.waits = 0
+        self.nread = 0
+        self.inflight = 0
+        self.holding = 0  # reads held now
+        self.stall_t0 = 0.0  # since when the load is stalled (reads held, none in flight); 0: not
+        self.cond = threading.Condition()
+
+    def _mark(self, now: float) -> None:
+        """Start or end the stalled interval after a change of ``holding`` / ``inflight``."""
+        stalled = self.holding > 0 and self.inflight == 0
+        if stalled and not self.stall_t0:
+            self.stall_t0 = now
+        elif not stalled and self.stall_t0:
+            self.delayed_s += now - self.stall_t0
+            self.stall_t0 = 0.0
+
+    def _slack(self, now: float) -> float:
+        """Seconds the load may still be stalled now (<= 0: at its bound)."""
+        stalled = self.delayed_s + (now - self.stall_t0 if self.stall_t0 else 0.0)
+        return (self.factor - 1.0) * (now - self.t0 - stalled + LOAD_GRACE_S) - stalled
+
+    def _enter(self, nbytes: int) -> None:
+        kv, _ = self.tier.kv_state()
+        with self.cond:
+            now = time.monotonic()
+            if not self.t0:
+                self.t0 = now
+            self.nread += nbytes
+            if kv and self._slack(now) > 0:
+                self.waits += 1
+                self.holding += 1
+                self._mark(now)
+                while kv and self._slack(now) > 0:
+                    self.cond.wait(min(STEP_S, max(self._slack(now), 0.0005)))
+                    now = time.monotonic()
+                    kv, _ = self.tier.kv_state()
+                self.holding -= 1
+            self.inflight += 1
+            self._mark(now)
+
+    def _exit(self) -> None:
+        with self.cond:
+            self.inflight -= 1
+            self._mark(time.monotonic())
+            self.cond.notify_all()
+
+    @contextmanager
+    def read(self, nbytes: int) -> Iterator[None]:
+        """Around one read of ``nbytes`` of the load: held back first while KV gets run (see the class doc)."""
+        self._enter(nbytes)
+        try:
+            yield
+        finally:
+            self._exit()
+
+    def close(self) -> None:
+        """The load's reads are done (nothing to release; for symmetry with the other pacers)."""
+
+
 class BackgroundPacer:
     """Lets background work yield to readers and checkpoint writers (see :meth:`Tier.background`)."""
 
@@ -441,29 +529,42 @@ class Tier:
         return any(s.readers or s.writers for _, s in self.state.live())
 
     @contextmanager
-    def reading(self, nbytes: int = 0) -> Iterator[None]:
-        """A latency-critical read (KV get, weight load): checkpoint writes are paced while it runs."""
-        self.begin_read()
+    def reading(self, nbytes: int = 0, kv: bool = False) -> Iterator[None]:
+        """A latency-critical read: checkpoint writes are paced while it runs; with ``kv`` (a KV
+        get) weight loads are paced too (:class:`LoadPacer`)."""
+        self.begin_read(kv)
         try:
             yield
         finally:
-            self.end_read(nbytes)
+            self.end_read(nbytes, kv)
 
-    def begin_read(self) -> None:
-        """Start a latency-critical read (pair with :meth:`end_read`; :meth:`reading` does both)."""
-        self._bump(readers=1)
+    def begin_read(self, kv: bool = False) -> None:
+        """Start a latency-critical read, a KV get if ``kv`` (pair with :meth:`end_read`; :meth:`reading` does both)."""
+        self._bump(readers=1, kv_readers=int(kv))
 
-    def end_read(self, nbytes: int = 0) -> None:
-        """End a read started by :meth:`begin_read`, which read ``nbytes``."""
+    def end_read(self, nbytes: int = 0, kv: bool = False) -> None:
+        """End a read started by :meth:`begin_read` (same ``kv``), which read ``nbytes``."""
         with self.lock:
-            self._own().last_read_ns = time.time_ns()
-            self._bump(readers=-1)
+            s = self._own()
+            s.last_read_ns = time.time_ns()
+            if kv:
+                s.last_kv_ns = s.last_read_ns
+            self._bump(readers=-1, kv_readers=-int(kv))
         if nbytes:
             self.note(read=nbytes)
+
+    def kv_state(self) -> tuple[int, int]:
+        """``(KV gets running now, time.time_ns() when the last one ended)`` over the tier's live processes."""
+        live = self.state.live()
+        return sum(s.kv_readers for _, s in live), max((s.last_kv_ns for _, s in live), default=0)
 
     def writer(self) -> WritePacer:
         """A pacer for one checkpoint's writes; call its ``close`` when the writes are done."""
         return WritePacer(self, self.factor)
+
+    def loader(self) -> "LoadPacer":
+        """A pacer for one weight load's reads (:class:`LoadPacer`); call its ``close`` when they are done."""
+        return LoadPacer(self, self.factor)
 
     def checkpoint(self, folder: str, nbytes: int, cls: str = "checkpoints") -> CheckpointWrites:
         """Claim ``nbytes`` for a save into ``folder`` (stored under its parent) and pace its writes.
@@ -675,16 +776,25 @@ class NullTier:
         def close(self) -> None:
             """Nothing to close."""
 
+        @contextmanager
+        def read(self, nbytes: int = 0) -> Iterator[None]:
+            """No pacing."""
+            yield
+
     @contextmanager
-    def reading(self, nbytes: int = 0) -> Iterator[None]:
+    def reading(self, nbytes: int = 0, kv: bool = False) -> Iterator[None]:
         """No announcement."""
         yield
 
-    def begin_read(self) -> None:
+    def begin_read(self, kv: bool = False) -> None:
         """No announcement."""
 
-    def end_read(self, nbytes: int = 0) -> None:
+    def end_read(self, nbytes: int = 0, kv: bool = False) -> None:
         """No announcement."""
+
+    def loader(self) -> "NullTier._Pacer":
+        """A pacer that never waits."""
+        return NullTier._Pacer()
 
     def checkpoint(self, folder: str, nbytes: int, cls: str = "checkpoints") -> CheckpointWrites:
         """Writes that are neither claimed nor paced."""

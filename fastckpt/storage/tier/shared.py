@@ -2,7 +2,7 @@
 
 Layout (little-endian, fixed size :data:`STATE_BYTES`)::
 
-    header   magic "FCKTIER1", version, slot count, budget bytes (0: none), created (unix ns)
+    header   magic "FCKTIER2", version, slot count, budget bytes (0: none), created (unix ns)
     roots    ROOTS x (path hash, class, used bytes, updated unix ns, path)   what is stored, per folder
     slots    SLOTS x one participant: pid, host, process start, heartbeat, claims per class,
              active reads / writes / background jobs, byte counters, recent rates, pacing counters
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 #: Storage classes sharing one capacity budget, in the order KV yields to the others.
 CLASSES = ("checkpoints", "models", "kv")
-MAGIC = b"FCKTIER1"
-VERSION = 1
+MAGIC = b"FCKTIER2"  # 2: KV readers counted apart (kv_readers, last_kv_ns)
+VERSION = 2
 ROOTS = 64
 SLOTS = 128
 #: A participant whose heartbeat is older than this no longer counts, in seconds.
@@ -49,7 +49,7 @@ RATE_WINDOW_S = 1.0
 
 _HDR = struct.Struct("<8sIIQQ")
 _ROOT = struct.Struct("<QIIQQ216s")  # hash, class, pad, used, updated ns, path (utf-8, truncated)
-_SLOT = struct.Struct("<IIQQQ3QIIIIQQddQQQQQQQI4x")
+_SLOT = struct.Struct("<IIQQQ3QIIIIQQddQQQQQQQQII")
 assert _SLOT.size % 4 == 0  # slots() reads every pid through a 4-byte view
 _HDR_OFF = 0
 _ROOTS_OFF = 4096
@@ -73,7 +73,8 @@ class Slot:
         win_t0_ns / win_read / win_write: the current window. paced_ns: time checkpoint writes
         were held back for readers. pace_waits: how many times. bg_waited_ns: time background
         work yielded. last_read_ns: when the last latency-critical read ended (``time.time_ns()``).
-        pacing: 1 while a write is held back now.
+        last_kv_ns: when the last KV get ended. pacing: 1 while a write is held back now.
+        kv_readers: the KV gets among ``readers`` (weight loads yield to them).
     """
 
     pid: int = 0
@@ -97,7 +98,9 @@ class Slot:
     pace_waits: int = 0
     bg_waited_ns: int = 0
     last_read_ns: int = 0
+    last_kv_ns: int = 0
     pacing: int = 0
+    kv_readers: int = 0
 
     def pack(self) -> bytes:
         """The slot's bytes."""
@@ -105,7 +108,7 @@ class Slot:
                           self.readers, self.writers, self.background, self.evictor, self.read_bytes,
                           self.write_bytes, self.read_bps, self.write_bps, self.win_t0_ns, self.win_read,
                           self.win_write, self.paced_ns, self.pace_waits, self.bg_waited_ns, self.last_read_ns,
-                          self.pacing)
+                          self.last_kv_ns, self.pacing, self.kv_readers)
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> "Slot":
