@@ -2,7 +2,7 @@
 
 Per class (checkpoints, models, KV) the bytes stored, claimed by writes in flight and allowed
 under the shared budget; the recent read and write bandwidth of the tier's processes; readers
-waiting; whether checkpoint writes are being paced. ``--json`` prints the same as one JSON
+waiting (and the KV gets among them); whether checkpoint writes are being paced. ``--json`` prints the same as one JSON
 object, ``--prometheus`` as Prometheus text exposition (needs ``prometheus-client``: the
 ``metrics`` extra). ``--budget SIZE`` (bytes or e.g. ``2TB``) sets the tier's shared capacity budget (0: none).
 Reading joins nothing: the command itself never counts as a participant.
@@ -32,7 +32,7 @@ def _text(s: dict) -> str:
         lines.append(f"{c:<12} {human_bytes(v['stored_bytes']):>10} {human_bytes(v['claimed_bytes']):>10} "
                      f"{allowed:>10}")
     lines.append(f"bandwidth (last second): read {human_bytes(s['read_bps'])}/s, write {human_bytes(s['write_bps'])}/s")
-    lines.append(f"waiting readers: {s['waiting_readers']}; checkpoint writers: {s['writers']}; "
+    lines.append(f"waiting readers: {s['waiting_readers']} (KV gets: {s['kv_gets']}); checkpoint writers: {s['writers']}; "
                  f"background jobs: {s['background']}")
     lines.append(f"pacing: {'in effect' if s['pacing'] else 'not now'} ({s['paced_s']:.2f} s held back in "
                  f"{s['pace_waits']} waits by the live processes)")
@@ -63,6 +63,7 @@ def prometheus_text(s: dict) -> str:
     for name, key, doc in (("read_bytes_per_second", "read_bps", "Recent read bandwidth of the tier's processes"),
                            ("write_bytes_per_second", "write_bps", "Recent write bandwidth of the tier's processes"),
                            ("waiting_readers", "waiting_readers", "Latency-critical reads running now"),
+                           ("kv_gets", "kv_gets", "KV gets running now (weight loads yield to them)"),
                            ("writers", "writers", "Checkpoint saves writing now"),
                            ("background_jobs", "background", "Background jobs (verify, copies) running now"),
                            ("pacing", "pacing", "1 while checkpoint writes are held back for readers"),

@@ -445,7 +445,7 @@ def test_cli_text_json_prometheus(tier_dir, tmp_path, capsys):
     assert main(["tier", str(tmp_path), "--budget", "1GiB"]) == 0
     c = t.claim("models", 5 * MiB, str(tmp_path / "m"))
     t.publish("kv", str(tmp_path / "kv"), 7 * MiB)
-    with t.reading():
+    with t.reading(), t.reading(kv=True):
         capsys.readouterr()
         assert main(["tier", str(tmp_path), "--json"]) == 0
         js = json.loads(capsys.readouterr().out)
@@ -454,16 +454,17 @@ def test_cli_text_json_prometheus(tier_dir, tmp_path, capsys):
         assert main(["tier", str(tmp_path), "--prometheus"]) == 0
         prom = capsys.readouterr().out
     c.settle()
-    assert js["budget_bytes"] == 1 << 30 and js["waiting_readers"] == 1
+    assert js["budget_bytes"] == 1 << 30 and js["waiting_readers"] == 2 and js["kv_gets"] == 1
     assert js["classes"]["models"]["claimed_bytes"] == 5 * MiB and js["classes"]["kv"]["stored_bytes"] == 7 * MiB
     assert js["classes"]["checkpoints"]["allowed_bytes"] == (1 << 30) - 5 * MiB  # KV would be evicted for it
     assert js["classes"]["kv"]["allowed_bytes"] == (1 << 30) - 5 * MiB
-    for word in ("checkpoints", "models", "kv", "waiting readers: 1", "pacing", "bandwidth"):
+    for word in ("checkpoints", "models", "kv", "waiting readers: 2 (KV gets: 1)", "pacing", "bandwidth"):
         assert word in text
     fams = {f.name: f for f in text_string_to_metric_families(prom)}
     stored = {s.labels["class"]: s.value for s in fams["fastckpt_tier_stored_bytes"].samples}
     assert stored["kv"] == 7 * MiB
-    assert [s.value for s in fams["fastckpt_tier_waiting_readers"].samples] == [1.0]
+    assert [s.value for s in fams["fastckpt_tier_waiting_readers"].samples] == [2.0]
+    assert [s.value for s in fams["fastckpt_tier_kv_gets"].samples] == [1.0]
     assert snapshot(str(tmp_path))["classes"]["models"]["stored_bytes"] == 5 * MiB
 
 

@@ -14,10 +14,12 @@ def snapshot(path: str | os.PathLike = ".") -> dict:
     Returns:
         ``{"tier", "state", "found", "budget_bytes", "classes": {cls: {"stored_bytes",
         "claimed_bytes", "allowed_bytes"}}, "roots": [...], "read_bps", "write_bps",
-        "waiting_readers", "writers", "background", "pacing", "paced_s", "pace_waits",
+        "waiting_readers", "kv_gets", "writers", "background", "pacing", "paced_s", "pace_waits",
         "participants": [...], "fs_free_bytes", "fs_total_bytes"}``. ``allowed_bytes`` is what
         the class may hold at most now (the budget less what the classes it cannot evict hold;
         None without a budget). Rates are bytes per second over the last second.
+        ``waiting_readers`` counts latency-critical reads running now, ``kv_gets`` the KV gets
+        among them (weight loads hold their next reads while one runs).
     """
     name = tier_name(path)
     sp = state_path(name)
@@ -25,7 +27,7 @@ def snapshot(path: str | os.PathLike = ".") -> dict:
     out: dict = {"tier": name, "state": sp, "found": False, "budget_bytes": 0,
                  "fs_free_bytes": st.f_bavail * st.f_frsize, "fs_total_bytes": st.f_blocks * st.f_frsize,
                  "classes": {c: {"stored_bytes": 0, "claimed_bytes": 0, "allowed_bytes": None} for c in CLASSES},
-                 "roots": [], "read_bps": 0.0, "write_bps": 0.0, "waiting_readers": 0, "writers": 0,
+                 "roots": [], "read_bps": 0.0, "write_bps": 0.0, "waiting_readers": 0, "kv_gets": 0, "writers": 0,
                  "background": 0, "pacing": False, "paced_s": 0.0, "pace_waits": 0, "participants": []}
     try:
         state = SharedState(sp, writable=False)
@@ -44,13 +46,14 @@ def snapshot(path: str | os.PathLike = ".") -> dict:
             out["read_bps"] += s.read_bps if fresh else 0.0
             out["write_bps"] += s.write_bps if fresh else 0.0
             out["waiting_readers"] += s.readers
+            out["kv_gets"] += s.kv_readers
             out["writers"] += s.writers
             out["background"] += s.background
             out["pacing"] = out["pacing"] or bool(s.pacing)
             out["paced_s"] += s.paced_ns / 1e9
             out["pace_waits"] += s.pace_waits
             out["participants"].append({
-                "pid": s.pid, "readers": s.readers, "writers": s.writers, "background": s.background,
+                "pid": s.pid, "readers": s.readers, "kv_gets": s.kv_readers, "writers": s.writers, "background": s.background,
                 "kv_evictor": bool(s.evictor), "claimed_bytes": dict(zip(CLASSES, s.claims)),
                 "read_bytes": s.read_bytes, "write_bytes": s.write_bytes, "paced_s": s.paced_ns / 1e9,
                 "pace_waits": s.pace_waits, "background_waited_s": s.bg_waited_ns / 1e9})
