@@ -631,3 +631,24 @@ def test_load_reads_run_inside_the_tier_load_pacer(tier_dir, tmp_path, monkeypat
     ring = load_tensors(resolve(path), list(sd), "cpu", slot_bytes=MiB, ring_bytes=4 * MiB)
     assert all(torch.equal(ring[k], sd[k]) for k in sd)
     assert sum(seen) >= sum(v.nbytes for v in sd.values()) and len(seen) >= 12, seen
+
+
+def test_tier_off_saves_and_loads_through_the_null_pacers(tmp_path, monkeypatch):
+    """``FASTCKPT_TIER=off``: no shared state is created, and a save, a load and a ring load go
+    through the null pacers (same bytes back)."""
+    import torch
+
+    import fastckpt
+    from fastckpt.loading.device import load_tensors
+    from fastckpt.loading.resolve import resolve
+    from fastckpt.storage.tier import NullTier
+    state_dir = tmp_path / "tier-state"
+    monkeypatch.setenv("FASTCKPT_TIER_DIR", str(state_dir))
+    monkeypatch.setenv("FASTCKPT_TIER", "off")
+    assert isinstance(tier_for(str(tmp_path)), NullTier)
+    sd = {"a": torch.arange(MiB, dtype=torch.int32), "b": torch.randn(3, 5)}
+    fastckpt.save(sd, str(tmp_path / "ck"))
+    back = fastckpt.load(str(tmp_path / "ck"))
+    ring = load_tensors(resolve(str(tmp_path / "ck")), list(sd), "cpu")
+    assert all(torch.equal(back[k], sd[k]) and torch.equal(ring[k], sd[k]) for k in sd)
+    assert not state_dir.exists() or not any(state_dir.iterdir())
