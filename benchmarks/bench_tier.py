@@ -218,8 +218,9 @@ def summary(runs: list[dict]) -> list[str]:
         c = statistics.median([r["ckpt_kv_s"] / r["ckpt_idle_s"] for r in mine])
         lo = statistics.median([r["load_kv_s"] / r["load_idle_s"] for r in mine])
         ok = lambda x, t: "met" if x <= t else "NOT MET"  # noqa: E731
+        few = v["kv_flush_n"] < 20  # a p99 of a handful of gets is its maximum: too few to judge
         out.append(f"arbiter {m}: KV p99 during flush / idle = {f:.2f}x ({v['kv_flush_n']} and {v['kv_idle_n']} gets; "
-                   f"target <= 1.5x: {ok(f, 1.5)}); "
+                   f"target <= 1.5x: {'too few gets to judge (more --rounds)' if few else ok(f, 1.5)}); "
                    f"checkpoint under KV / idle = {c:.2f}x (<= 1.3x: {ok(c, 1.3)}, {v['ckpt_paced_s']:.2f} s "
                    f"paced); load under KV / idle = {lo:.2f}x (<= 1.3x: {ok(lo, 1.3)})")
     return out
@@ -227,7 +228,8 @@ def summary(runs: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", required=True, help="a folder on the tier under test (emptied of our files after)")
+    p.add_argument("--dir", required=True, help="a folder on the tier under test; the checkpoints written there are removed, the model, "
+                        "the KV chunks and the tier state stay for the next run (remove the folder when done)")
     p.add_argument("--ckpt-gib", type=float, default=2.0, help="checkpoint size, GiB (default 2)")
     p.add_argument("--model-gib", type=float, default=1.0, help="model to load, GiB (default 1)")
     p.add_argument("--kv-chunk-mib", type=int, default=16, help="KV chunk size, MiB (default 16)")

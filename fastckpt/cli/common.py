@@ -90,16 +90,20 @@ def parse_bytes(text: str) -> int:
     (``KiB``, ``MiB``, ``GiB``, ``TiB``) powers of 1024; case is ignored.
 
     Raises:
-        argparse.ArgumentTypeError: not a byte size (argparse prints it as a usage error).
+        argparse.ArgumentTypeError: not a byte size, negative, or 2**63 bytes or more (argparse
+            prints it as a usage error).
     """
     units = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
              "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
     t = text.strip().lower()
     num = t.rstrip("kmgtib")
     try:
-        return int(float(num) * units[t[len(num):]])
-    except (KeyError, ValueError):
+        n = int(float(num) * units[t[len(num):]])
+    except (KeyError, ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4096, 512MiB, 5GB)") from None
+    if not 0 <= n < 1 << 63:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (a size is >= 0 and < 2**63 bytes)")
+    return n
 
 
 def human_bytes(n: float) -> str:

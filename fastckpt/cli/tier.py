@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 
@@ -75,7 +76,18 @@ def prometheus_text(s: dict) -> str:
 
 
 def cmd_tier(args: argparse.Namespace) -> int:
-    """Show (or with ``--budget`` set, or ``--recount`` corrected) the tier that ``args.path`` lies on."""
+    """Show (or with ``--budget`` set, or ``--recount`` corrected) the tier that ``args.path`` lies on.
+
+    Raises:
+        InvalidArgumentError: ``args.path`` does not exist (a mistyped path would show another tier).
+    """
+    if not os.path.exists(args.path):
+        raise InvalidArgumentError(f"{args.path}: no such file or folder; `fastckpt tier PATH` shows the tier an "
+                                   "existing path lies on (e.g. the folder your checkpoints, models or KV chunks "
+                                   "are written to)")
+    if os.environ.get("FASTCKPT_TIER", "").strip().lower() in ("off", "0", "none", "false"):
+        print("note: FASTCKPT_TIER=off in this environment: processes started with it are neither arbitrated nor "
+              "counted; shown is the tier's shared state as the other processes see it", file=sys.stderr)
     if args.budget is not None or args.recount:
         from ..storage.tier import tier_for
         t = tier_for(args.path)

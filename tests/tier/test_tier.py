@@ -364,8 +364,9 @@ def test_checkpoint_removed_by_hand_is_recounted_before_a_save_is_refused(tier_d
     stored = snapshot(str(tmp_path))["classes"]["checkpoints"]["stored_bytes"]
     on_disk = sum(p.stat().st_size for p in (root / "step-2").glob("*.safetensors"))
     assert stored == on_disk, (stored, on_disk)
-    with pytest.raises(TierFullError, match="counted from disk"):
+    with pytest.raises(TierFullError, match="counted from disk") as err:
         fastckpt.save(big, root / "step-3")  # 16 MiB on disk for real: refused
+    assert f"writing under {root}" in str(err.value)  # names where the refused save was going
     assert not (root / "step-3").exists()
     assert torch.equal(fastckpt.load(root / "step-2")["w"], big["w"])
     shutil.rmtree(root / "step-2")  # and `fastckpt tier --recount` does it on demand
@@ -652,3 +653,26 @@ def test_tier_off_saves_and_loads_through_the_null_pacers(tmp_path, monkeypatch)
     ring = load_tensors(resolve(str(tmp_path / "ck")), list(sd), "cpu")
     assert all(torch.equal(back[k], sd[k]) and torch.equal(ring[k], sd[k]) for k in sd)
     assert not state_dir.exists() or not any(state_dir.iterdir())
+
+
+def test_cli_refuses_a_negative_budget_and_a_missing_path_and_says_when_off(tier_dir, tmp_path, capsys, monkeypatch):
+    """``--budget -5`` is a usage error (it crashed with ``struct.error``), ``Tier.set_budget`` refuses
+    it typed, a mistyped path is an error naming it (it showed another tier's figures), and with
+    ``FASTCKPT_TIER=off`` the report says so on stderr; the budget set before stays."""
+    from fastckpt.cli.main import main
+    from fastckpt.errors import InvalidArgumentError
+    assert main(["tier", str(tmp_path), "--budget", "1GiB"]) == 0
+    with pytest.raises(SystemExit) as e:
+        main(["tier", str(tmp_path), "--budget", "-5"])
+    assert e.value.code == 2
+    assert "not a byte size: '-5'" in capsys.readouterr().err
+    with pytest.raises(InvalidArgumentError, match="budget -1"):
+        tier_for(str(tmp_path)).set_budget(-1)
+    missing = tmp_path / "no-such-folder"
+    assert main(["tier", str(missing)]) == 2
+    assert f"{missing}: no such file or folder" in capsys.readouterr().err
+    assert snapshot(str(tmp_path))["budget_bytes"] == 1 << 30
+    monkeypatch.setenv("FASTCKPT_TIER", "off")
+    assert main(["tier", str(tmp_path), "--json"]) == 0
+    out = capsys.readouterr()
+    assert "FASTCKPT_TIER=off in this environment" in out.err and json.loads(out.out)["budget_bytes"] == 1 << 30

@@ -34,7 +34,7 @@ import warnings
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from ...errors import TierFullError
+from ...errors import InvalidArgumentError, TierFullError
 from .shared import CLASSES, HEARTBEAT_S, RATE_WINDOW_S, SharedState, Slot, state_path, tier_name
 
 logger = logging.getLogger(__name__)
@@ -585,7 +585,14 @@ class Tier:
 
     # ----- capacity ----------------------------------------------------------------------
     def set_budget(self, nbytes: int) -> None:
-        """Set the tier's shared capacity budget in bytes (0: none) for every process."""
+        """Set the tier's shared capacity budget in bytes (0: none) for every process.
+
+        Raises:
+            InvalidArgumentError: ``nbytes`` is not an int in ``[0, 2**63)``.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes < 1 << 63:
+            raise InvalidArgumentError(f"tier {self.name}: budget {nbytes!r} is not a byte count >= 0 "
+                                       "(0: no budget; e.g. 2000000000000 or, on the command line, 2TB)")
         with self.state.locked():
             self.state.set_budget(nbytes)
 
@@ -602,10 +609,12 @@ class Tier:
         budget, used, claims = self._totals()
         return max(0, sum(used) + sum(claims) - budget) if budget else 0
 
-    def _full(self, cls: int, need: int, budget: int, used: list[int], claims: list[int], why: str) -> TierFullError:
+    def _full(self, cls: int, need: int, budget: int, used: list[int], claims: list[int], why: str,
+              root: str = "") -> TierFullError:
         parts = ", ".join(f"{c} {used[i]} stored + {claims[i]} claimed" for i, c in enumerate(CLASSES))
+        where = f" (writing under {root})" if root else ""
         return TierFullError(
-            f"tier {self.name}: {need} more bytes of {CLASSES[cls]} do not fit its budget of {budget} bytes "
+            f"tier {self.name}: {need} more bytes of {CLASSES[cls]}{where} do not fit its budget of {budget} bytes "
             f"({parts}; {why}); raise the budget (`fastckpt tier PATH --budget BYTES` or "
             "FASTCKPT_TIER_BUDGET_BYTES), prune checkpoints or remove exported models",
             cls=CLASSES[cls], need=need, budget=budget, used=dict(zip(CLASSES, used)),
@@ -645,7 +654,7 @@ class Tier:
             if attempt or not self.recount():  # what the counts say is on disk: a folder removed by hand
                 raise self._full(c, nbytes, budget, used, claims,
                                  "checkpoints and models alone exceed it, counted from disk, so evicting KV "
-                                 "chunks cannot make room")
+                                 "chunks cannot make room", root=root)
         if self.over() > 0:
             self._make_room()
         return Claim(self, c, nbytes, root)
