@@ -4,7 +4,8 @@ Public parts (see :mod:`.arbiter` for the rules, :mod:`.state` for the shared st
 
 * :func:`tier_for` (this process's membership of the tier a path lies on: :class:`Tier`, or
   :class:`NullTier` where there is no arbitration), with :meth:`Tier.reading` (a
-  latency-critical read), :meth:`Tier.writer` (a checkpoint's :class:`WritePacer`),
+  latency-critical read; ``kv=True``: a KV get), :meth:`Tier.writer` (a checkpoint's
+  :class:`WritePacer`), :meth:`Tier.loader` (a weight load's :class:`LoadPacer`),
   :meth:`Tier.background` (a :class:`BackgroundPacer`), :meth:`Tier.claim` /
   :meth:`Tier.reserve_kv` (capacity, a :class:`Claim`), :meth:`Tier.publish` /
   :meth:`Tier.add_stored` (stored bytes per folder) and :meth:`Tier.add_evictor`;

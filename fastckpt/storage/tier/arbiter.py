@@ -4,8 +4,9 @@ Every process that saves, loads or serves KV chunks on a tier joins its shared s
 (:mod:`.state`) on first use, with no configuration, and then:
 
 * **Bandwidth.** A latency-critical read (a KV get, a weight load) runs inside
-  :meth:`Tier.reading`, which counts it as a waiting reader for every process. Each write of a
-  checkpoint runs inside :meth:`WritePacer.write`: while any reader waits the write is held back,
+  :meth:`Tier.reading`, which counts it as a waiting reader for every process; each read
+  request of a weight load runs inside its :class:`LoadPacer` (:meth:`Tier.loader`), which holds
+  it while a KV get runs (bounded). Each write of a checkpoint runs inside :meth:`WritePacer.write`: while any reader waits the write is held back,
   while reads are frequent the save keeps one write in flight, both only until the save reaches
   ``factor`` x its unhindered time (``factor`` default 1.3, ``$FASTCKPT_TIER_FACTOR``; see
   :class:`WritePacer`); when no reader is about it writes at full speed (it catches up).
@@ -304,8 +305,8 @@ class LoadPacer:
 
     Measured on the reference VM (mq-deadline, 8 MiB readahead): a 16 MiB KV get that starts
     during a cold 1 GiB load waited 0.3-0.5 s behind the load's sequential stream (the
-    scheduler's read expiry) and takes 30-80 ms with this pacing; the load 1.0 s either way
-    (docs/TIER.md).
+    scheduler's read expiry); with this pacing the gets' p99 during the load is 75-126 ms, the
+    load no slower (``benchmarks/bench_tier.py``, docs/TIER.md).
 
     Thread-safe: the reader threads of one load share it. Attributes: ``delayed_s`` (wall
     seconds the load was stalled), ``waits`` (reads held), ``nread`` (bytes).
