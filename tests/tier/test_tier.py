@@ -600,7 +600,7 @@ def test_load_reads_yield_to_another_process_kv_get_within_their_bound(tier_dir,
         _join_all(other)
     if kv:
         assert p.waits >= 1 and p.delayed_s > 0.01, (p.waits, p.delayed_s)
-        assert p.delayed_s <= 0.3 * (el - p.delayed_s + LOAD_GRACE_S) + 0.01, (p.delayed_s, el)
+        assert p.delayed_s <= 0.3 * (el - p.delayed_s + LOAD_GRACE_S) + 0.03, (p.delayed_s, el)  # one late wake-up
     else:
         assert p.waits == 0 and p.delayed_s == 0, (p.waits, p.delayed_s)
 
