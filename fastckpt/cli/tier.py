@@ -16,6 +16,7 @@ import os
 import re
 import sys
 
+from ..storage.store import LOCAL
 from ..storage.tier import CLASSES, snapshot
 from ..errors import InvalidArgumentError
 from .common import human_bytes, parse_bytes
@@ -81,7 +82,7 @@ def cmd_tier(args: argparse.Namespace) -> int:
     Raises:
         InvalidArgumentError: ``args.path`` does not exist (a mistyped path would show another tier).
     """
-    if not os.path.exists(args.path):
+    if not LOCAL.exists(args.path):
         raise InvalidArgumentError(f"{args.path}: no such file or folder; `fastckpt tier PATH` shows the tier an "
                                    "existing path lies on (e.g. the folder your checkpoints, models or KV chunks "
                                    "are written to)")
