@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 
 from ..storage.store import LOCAL
 from ..storage.tier import CLASSES, snapshot
+from ..storage.tier.shared import arbitration_off
 from ..errors import InvalidArgumentError
 from .common import human_bytes, parse_bytes
 
@@ -86,7 +86,7 @@ def cmd_tier(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"{args.path}: no such file or folder; `fastckpt tier PATH` shows the tier an "
                                    "existing path lies on (e.g. the folder your checkpoints, models or KV chunks "
                                    "are written to)")
-    if os.environ.get("FASTCKPT_TIER", "").strip().lower() in ("off", "0", "none", "false"):
+    if arbitration_off():
         print("note: FASTCKPT_TIER=off in this environment: processes started with it are neither arbitrated nor "
               "counted; shown is the tier's shared state as the other processes see it", file=sys.stderr)
     if args.budget is not None or args.recount:

@@ -128,8 +128,8 @@ class _Ring:
                         self._consume(*pending.popleft(), dests, hashers)
                     self.engine.wait(s)
                     mv = self.slots[s][1][:p.nbytes]
-                    pending.append((p, s, ex.submit(_paced_read, pacer, self.be, fds[p.file], mv, p.offset,
-                                                    p.file)))
+                    pending.append((p, s, ex.submit(pacer.run, p.nbytes, readv_exact, self.be, fds[p.file], [mv],
+                                                    p.offset, path=p.file, what=f"piece @{p.offset}")))
                 while pending:
                     self._consume(*pending.popleft(), dests, hashers)
             self.engine.finish()
@@ -148,12 +148,6 @@ class _Ring:
                 h.update(slot_mv[c.src_off:c.src_off + c.nbytes])
             _apply(self.engine, c, dests[c.dest], slot_t, self.convs[c.dest])
         self.engine.record(s)
-
-
-def _paced_read(pacer, be: PosixBackend, fd: int, mv: memoryview, offset: int, path: str) -> None:
-    """One piece's read into its slot, inside the tier's load pacing."""
-    with pacer.read(mv.nbytes):
-        readv_exact(be, fd, [mv], offset, path=path, what=f"piece @{offset}")
 
 
 def _kvikio_read(targets: list[Target], dests: list[torch.Tensor], idx: list[int], chunk: int) -> None:

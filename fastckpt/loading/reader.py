@@ -259,20 +259,16 @@ def read_tensors(r: Resolved, keys: Iterable[str], *, threads: int | None = None
             dests.append(_alloc(k, path, info, r.headers[fname].data_offset, direct and path in dfds))
         tier = tier_for(r.root)
         pacer = tier.loader()  # KV gets on the tier go first, within the load's bound
-
-        def paced(nbytes: int, fn, *args, **kw) -> None:
-            with pacer.read(nbytes):
-                fn(*args, **kw)
         with tier.reading(sum(d.view.nbytes for d in dests)), \
                 ThreadPoolExecutor(threads or default_read_threads(), thread_name_prefix="fastckpt-read") as ex:
             if direct:
                 reader = _DirectReader(be, fds, dfds, chunk)
-                futs = [ex.submit(paced, _direct_nbytes(q), reader, q) for q in _direct_requests(
+                futs = [ex.submit(pacer.run, _direct_nbytes(q), reader, q) for q in _direct_requests(
                     [d for d in dests if d.file in dfds], chunk)]
                 rest = [d for d in dests if d.file not in dfds]
             else:
                 futs, rest = [], dests
-            futs += [ex.submit(paced, sum(b.nbytes for b in bufs), readv_exact, be, fds[f], bufs, off, path=f, what=w)
+            futs += [ex.submit(pacer.run, sum(b.nbytes for b in bufs), readv_exact, be, fds[f], bufs, off, path=f, what=w)
                      for f, off, bufs, w in _requests(rest, chunk)]
             for fu in futs:
                 fu.result()

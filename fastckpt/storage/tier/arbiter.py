@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from ...errors import InvalidArgumentError, TierFullError
-from .shared import CLASSES, HEARTBEAT_S, RATE_WINDOW_S, SharedState, Slot, state_path, tier_name
+from .shared import CLASSES, HEARTBEAT_S, RATE_WINDOW_S, SharedState, Slot, arbitration_off, state_path, tier_name
 
 logger = logging.getLogger(__name__)
 
@@ -370,6 +370,11 @@ class LoadPacer:
             yield
         finally:
             self._exit()
+
+    def run(self, nbytes: int, fn: Callable, *args, **kw) -> None:
+        """``fn(*args, **kw)``, a read of ``nbytes``, inside :meth:`read` (what a reader thread runs)."""
+        with self.read(nbytes):
+            fn(*args, **kw)
 
     def close(self) -> None:
         """The load's reads are done (nothing to release; for symmetry with the other pacers)."""
@@ -791,6 +796,10 @@ class NullTier:
             """No pacing."""
             yield
 
+        def run(self, nbytes: int, fn: Callable, *args, **kw) -> None:
+            """``fn(*args, **kw)``, unpaced."""
+            fn(*args, **kw)
+
     @contextmanager
     def reading(self, nbytes: int = 0, kv: bool = False) -> Iterator[None]:
         """No announcement."""
@@ -863,7 +872,7 @@ def tier_for(path: str | os.PathLike) -> Tier | NullTier:
     ``$FASTCKPT_TIER_DIR`` (default ``/dev/shm``). A state that cannot be created gives
     :class:`NullTier` (no arbitration) and one warning per process and state file; never an error.
     """
-    if os.environ.get("FASTCKPT_TIER", "").strip().lower() in ("off", "0", "none", "false"):
+    if arbitration_off():
         return NULL
     try:
         name = tier_name(path)

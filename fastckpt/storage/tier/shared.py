@@ -153,11 +153,16 @@ def alive(s: Slot, now_ns: int | None = None, strict: bool = False) -> bool:
     return True
 
 
+def arbitration_off() -> bool:
+    """True when ``$FASTCKPT_TIER`` switches arbitration off (``off``, ``0``, ``none`` or ``false``)."""
+    return os.environ.get("FASTCKPT_TIER", "").strip().lower() in ("off", "0", "none", "false")
+
+
 def tier_name(path: str | os.PathLike) -> str:
     """The name of the tier ``path`` lies on: ``$FASTCKPT_TIER`` if set, else ``dev-MAJOR-MINOR``
     of the nearest existing folder of ``path``."""
     env = os.environ.get("FASTCKPT_TIER", "").strip()
-    if env and env.lower() not in ("off", "0", "none"):
+    if env and not arbitration_off():
         return re.sub(r"[^A-Za-z0-9_.-]", "_", env)[:64]
     p = os.path.abspath(os.fspath(path))
     while True:
