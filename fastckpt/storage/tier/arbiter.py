@@ -338,7 +338,7 @@ class LoadPacer:
         return (self.factor - 1.0) * (now - self.t0 - stalled + LOAD_GRACE_S) - stalled
 
     def _enter(self, nbytes: int) -> None:
-        kv, _ = self.tier.kv_state()
+        kv = self.tier.state.kv_gets()
         with self.cond:
             now = time.monotonic()
             if not self.t0:
@@ -351,7 +351,7 @@ class LoadPacer:
                 while kv and self._slack(now) > 0:
                     self.cond.wait(min(STEP_S, max(self._slack(now), 0.0005)))
                     now = time.monotonic()
-                    kv, _ = self.tier.kv_state()
+                    kv = self.tier.state.kv_gets()
                 self.holding -= 1
             self.inflight += 1
             self._mark(now)
@@ -551,18 +551,10 @@ class Tier:
     def end_read(self, nbytes: int = 0, kv: bool = False) -> None:
         """End a read started by :meth:`begin_read` (same ``kv``), which read ``nbytes``."""
         with self.lock:
-            s = self._own()
-            s.last_read_ns = time.time_ns()
-            if kv:
-                s.last_kv_ns = s.last_read_ns
+            self._own().last_read_ns = time.time_ns()
             self._bump(readers=-1, kv_readers=-int(kv))
         if nbytes:
             self.note(read=nbytes)
-
-    def kv_state(self) -> tuple[int, int]:
-        """``(KV gets running now, time.time_ns() when the last one ended)`` over the tier's live processes."""
-        live = self.state.live()
-        return sum(s.kv_readers for _, s in live), max((s.last_kv_ns for _, s in live), default=0)
 
     def writer(self) -> WritePacer:
         """A pacer for one checkpoint's writes; call its ``close`` when the writes are done."""

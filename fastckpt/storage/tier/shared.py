@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 #: Storage classes sharing one capacity budget, in the order KV yields to the others.
 CLASSES = ("checkpoints", "models", "kv")
-MAGIC = b"FCKTIER2"  # 2: KV readers counted apart (kv_readers, last_kv_ns)
+MAGIC = b"FCKTIER2"  # 2: KV gets counted apart (kv_readers)
 VERSION = 2
 ROOTS = 64
 SLOTS = 128
@@ -49,7 +49,8 @@ RATE_WINDOW_S = 1.0
 
 _HDR = struct.Struct("<8sIIQQ")
 _ROOT = struct.Struct("<QIIQQ216s")  # hash, class, pad, used, updated ns, path (utf-8, truncated)
-_SLOT = struct.Struct("<IIQQQ3QIIIIQQddQQQQQQQQII")
+_SLOT = struct.Struct("<IIQQQ3QIIIIQQddQQQQQQQII")
+_KV_WORD = _SLOT.size // 4 - 1  # kv_readers, the slot's last 4-byte word (SharedState.kv_gets reads it alone)
 assert _SLOT.size % 4 == 0  # slots() reads every pid through a 4-byte view
 _HDR_OFF = 0
 _ROOTS_OFF = 4096
@@ -73,7 +74,7 @@ class Slot:
         win_t0_ns / win_read / win_write: the current window. paced_ns: time checkpoint writes
         were held back for readers. pace_waits: how many times. bg_waited_ns: time background
         work yielded. last_read_ns: when the last latency-critical read ended (``time.time_ns()``).
-        last_kv_ns: when the last KV get ended. pacing: 1 while a write is held back now.
+        pacing: 1 while a write is held back now.
         kv_readers: the KV gets among ``readers`` (weight loads yield to them).
     """
 
@@ -98,7 +99,6 @@ class Slot:
     pace_waits: int = 0
     bg_waited_ns: int = 0
     last_read_ns: int = 0
-    last_kv_ns: int = 0
     pacing: int = 0
     kv_readers: int = 0
 
@@ -108,7 +108,7 @@ class Slot:
                           self.readers, self.writers, self.background, self.evictor, self.read_bytes,
                           self.write_bytes, self.read_bps, self.write_bps, self.win_t0_ns, self.win_read,
                           self.win_write, self.paced_ns, self.pace_waits, self.bg_waited_ns, self.last_read_ns,
-                          self.last_kv_ns, self.pacing, self.kv_readers)
+                          self.pacing, self.kv_readers)
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> "Slot":
@@ -279,6 +279,21 @@ class SharedState:
         finally:
             region.release()
         return [(i, self.slot(i)) for i in used]
+
+    def kv_gets(self) -> int:
+        """KV gets running now over the live slots. Cheap when none runs (a weight load asks before
+        every read request): one 4-byte word per slot is read; only slots with a get are unpacked."""
+        region = memoryview(self.mm)[_SLOTS_OFF:_SLOTS_OFF + SLOTS * _SLOT.size]
+        try:
+            words = region.cast("I")[_KV_WORD::_SLOT.size // 4]
+            busy = [i for i, n in enumerate(words.tolist()) if n]
+            words.release()
+        finally:
+            region.release()
+        if not busy:
+            return 0
+        now_ns = time.time_ns()
+        return sum(s.kv_readers for s in map(self.slot, busy) if alive(s, now_ns))
 
     def live(self, now_ns: int | None = None) -> list[tuple[int, Slot]]:
         """The slots whose owners count now (:func:`alive`)."""
