@@ -608,18 +608,18 @@ def test_load_reads_yield_to_another_process_kv_get_within_their_bound(tier_dir,
 def test_load_reads_run_inside_the_tier_load_pacer(tier_dir, tmp_path, monkeypatch):
     """``fastckpt.load`` (threads of buffered reads) and the device ring (``load_tensors``, which
     streams to CUDA / NPU through the same ring it runs here for ``"cpu"``) read every byte of the
-    checkpoint inside :meth:`LoadPacer.read`, so KV gets on the tier can go first."""
+    checkpoint inside the load pacer (:meth:`LoadPacer.run`), so KV gets on the tier can go first."""
     import torch
 
     import fastckpt
     from fastckpt.storage.tier import LoadPacer
     seen = []
-    orig = LoadPacer.read
+    orig = LoadPacer._enter  # every paced read request passes here (LoadPacer.read and .run)
 
     def spy(self, nbytes):
         seen.append(nbytes)
         return orig(self, nbytes)
-    monkeypatch.setattr(LoadPacer, "read", spy)
+    monkeypatch.setattr(LoadPacer, "_enter", spy)
     sd = {"a": torch.arange(3 * MiB, dtype=torch.int32), "b": torch.ones(5, 7), "c": torch.zeros(0)}
     path = str(tmp_path / "ck")
     fastckpt.save(sd, path)

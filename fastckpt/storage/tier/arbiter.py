@@ -308,8 +308,13 @@ class LoadPacer:
     scheduler's read expiry); with this pacing the gets' p99 during the load is 75-126 ms, the
     load no slower (``benchmarks/bench_tier.py``, docs/TIER.md).
 
+    While no KV get runs, a read costs one word per slot of the shared state and no lock: its
+    ``inflight`` is not counted, so a later hold may count the load as stalled while such reads
+    are still in flight (the bound is then reached sooner, never later).
+
     Thread-safe: the reader threads of one load share it. Attributes: ``delayed_s`` (wall
-    seconds the load was stalled), ``waits`` (reads held), ``nread`` (bytes).
+    seconds the load was stalled), ``waits`` (reads held), ``nread`` (bytes of the reads that
+    were paced).
     """
 
     def __init__(self, tier: "Tier", factor: float):
@@ -337,8 +342,12 @@ class LoadPacer:
         stalled = self.delayed_s + (now - self.stall_t0 if self.stall_t0 else 0.0)
         return (self.factor - 1.0) * (now - self.t0 - stalled + LOAD_GRACE_S) - stalled
 
-    def _enter(self, nbytes: int) -> None:
+    def _enter(self, nbytes: int) -> bool:
+        """Before a read; False: no KV get runs and none of this load's reads is held, so the read
+        goes at once without bookkeeping (the common case: one word per slot read, no lock)."""
         kv = self.tier.state.kv_gets()
+        if not kv and not self.holding:
+            return False
         with self.cond:
             now = time.monotonic()
             if not self.t0:
@@ -355,6 +364,7 @@ class LoadPacer:
                 self.holding -= 1
             self.inflight += 1
             self._mark(now)
+        return True
 
     def _exit(self) -> None:
         with self.cond:
@@ -365,16 +375,21 @@ class LoadPacer:
     @contextmanager
     def read(self, nbytes: int) -> Iterator[None]:
         """Around one read of ``nbytes`` of the load: held back first while KV gets run (see the class doc)."""
-        self._enter(nbytes)
+        counted = self._enter(nbytes)
         try:
             yield
         finally:
-            self._exit()
+            if counted:
+                self._exit()
 
     def run(self, nbytes: int, fn: Callable, *args, **kw) -> None:
-        """``fn(*args, **kw)``, a read of ``nbytes``, inside :meth:`read` (what a reader thread runs)."""
-        with self.read(nbytes):
+        """``fn(*args, **kw)``, a read of ``nbytes``, paced as :meth:`read` paces it (what a reader thread runs)."""
+        counted = self._enter(nbytes)
+        try:
             fn(*args, **kw)
+        finally:
+            if counted:
+                self._exit()
 
     def close(self) -> None:
         """The load's reads are done (nothing to release; for symmetry with the other pacers)."""
