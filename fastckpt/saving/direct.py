@@ -203,7 +203,7 @@ class DirectWrites:
 
     def _write_paced(self, w: Any, data: memoryview, offset: int) -> None:
         """Write ``data`` at byte ``offset`` of ``w``, paced by the tier arbiter (readers first, bounded)."""
-        with self.tier.write(len(data), w.fd):
+        with self.tier.write(len(data)):
             w.write(data, offset)
 
     def _bounce(self, n: int) -> torch.Tensor:

@@ -201,7 +201,7 @@ class SaveJob(LinkUnchanged, DeferredStaging, DirectWrites):
             raise self.first_exc  # a write already failed: do not keep writing
         u = self.plan.units[i]
         try:
-            with self.tier.write(u.nbytes, self.writers[u.file_index].fd):  # the tier: readers first (bounded)
+            with self.tier.write(u.nbytes):  # the tier: readers first (bounded)
                 self.writers[u.file_index].write(self.view[slot_off:slot_off + u.nbytes], u.file_offset)
             self.bytes_written += u.nbytes
         except BaseException as e:

@@ -439,7 +439,7 @@ class PageJob:
 
             def run(task: list) -> None:
                 for fi, x, mv, n in task:
-                    with tier.write(n, writers[fi].fd):  # the tier: readers first (bounded)
+                    with tier.write(n):  # the tier: readers first (bounded)
                         writers[fi].write(mv, x)
             with ThreadPoolExecutor(self.opts.io.threads or default_threads(), thread_name_prefix="fastckpt-io") as ex:
                 futs = [ex.submit(run, t) for t in tasks]

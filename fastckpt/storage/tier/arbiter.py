@@ -112,9 +112,9 @@ class CheckpointWrites:
         """Before writing ``nbytes``: see :meth:`WritePacer.pace`."""
         self.pacer.pace(nbytes)
 
-    def write(self, nbytes: int, fd: int = -1):
-        """A context around one write of ``nbytes`` into ``fd``: see :meth:`WritePacer.write`."""
-        return self.pacer.write(nbytes, fd)
+    def write(self, nbytes: int):
+        """A context around one write of ``nbytes``: see :meth:`WritePacer.write`."""
+        return self.pacer.write(nbytes)
 
     def done(self, stored: bool) -> None:
         """The writes ended (idempotent): settle the claim if ``stored``, else release it."""
@@ -184,7 +184,6 @@ class WritePacer:
         self.last = 0.0  # time of the previous write's start, and whether readers were about since
         self.last_free = False
         self.free_mark = 0
-        self.flushing = False
         self.holding = 0  # writes of this save held now, since hold_t0
         self.hold_t0 = 0.0
         self.closed = False
@@ -213,7 +212,7 @@ class WritePacer:
         return min((1.0 + (self.factor - 1.0) * AIM) * unhindered - (now - self.t0),
                    (self.factor - 1.0) * unhindered - held)
 
-    def _enter(self, nbytes: int) -> bool:
+    def _enter(self, nbytes: int) -> None:
         t = self.tier
         t.note(write=nbytes)
         now_ns = time.time_ns()
@@ -230,7 +229,6 @@ class WritePacer:
                 self.free_bytes += self.done - self.free_mark
             self.last, self.last_free, self.free_mark = now, free, self.done
             self.written += nbytes
-            self.flushing = not free and self.tier.flush_paced
             if not free:
                 start = now
                 while True:
@@ -254,7 +252,6 @@ class WritePacer:
                         self.delayed_s += held
                         t._bump(pacing=-1, paced_ns=int(held * 1e9), pace_waits=1)
             self.inflight += 1
-            return self.flushing and self._slack(now) > 0
 
     def _exit(self, nbytes: int) -> None:
         with self.cond:
@@ -263,15 +260,16 @@ class WritePacer:
             self.cond.notify()
 
     @contextmanager
-    def write(self, nbytes: int, fd: int = -1) -> Iterator[None]:
-        """Around one write of ``nbytes`` into file descriptor ``fd``: held back first when readers
-        wait (see the class doc). While paced, the write is also flushed (``fdatasync``) before the
-        next one starts, so a device's write-back cache does not bury the reads at the final fsync."""
-        flush = self._enter(nbytes)
+    def write(self, nbytes: int) -> Iterator[None]:
+        """Around one write of ``nbytes``: held back first when readers wait (see the class doc).
+
+        The write is not flushed on its own: an ``fdatasync`` after each paced write (to keep a
+        device's write-back cache from burying reads at the final fsync) was measured to hurt the
+        reads it meant to help (KV get p99 during a flush 1.61x idle with it, 1.10x without, and the
+        save 1.44x its idle time instead of 1.22x; ``benchmarks/bench_tier.py``, docs/TIER.md)."""
+        self._enter(nbytes)
         try:
             yield
-            if flush and fd >= 0:
-                os.fdatasync(fd)
         finally:
             self._exit(nbytes)
 
@@ -440,7 +438,6 @@ class Tier:
         self.factor = _env_float("FASTCKPT_TIER_FACTOR", DEFAULT_FACTOR)
         self.evict_wait_s = _env_float("FASTCKPT_TIER_EVICT_WAIT_S", EVICT_WAIT_S)
         self.probe_s = _env_float("FASTCKPT_TIER_PROBE_S", PROBE_S)
-        self.flush_paced = os.environ.get("FASTCKPT_TIER_FLUSH", "1") != "0"
         self.lock = threading.RLock()
         self.evictors: list[Callable[[int], int]] = []
         self.write_rate = 0.0  # unhindered write rate of this process's last save, bytes/s (0: unknown)
@@ -791,7 +788,7 @@ class NullTier:
             """No pacing."""
 
         @contextmanager
-        def write(self, nbytes: int = 0, fd: int = -1) -> Iterator[None]:
+        def write(self, nbytes: int = 0) -> Iterator[None]:
             """No pacing."""
             yield
 
