@@ -2,7 +2,8 @@
 
 :func:`fastckpt.save` waits for the whole save, so it needs no snapshot of the state in the staging
 pool: a tensor is cut into pieces of :data:`BOUNCE_BYTES` (page aligned in the file), and the I/O
-threads take the pieces in file order, so every thread writes to the end (one thread per whole
+threads take the pieces in file order, so every thread writes to the end, at most
+:func:`direct_lanes` of them at once (the CPUs + 1: each piece is copied and hashed first; one thread per whole
 tensor wrote a large tensor at queue depth 1: a state of 512 + 256 MiB saved in 0.50-0.57 s, in
 pieces 0.43-0.44 s, in one run; in a later, faster period of the disk both took 0.31-0.37 s). Where the file takes O_DIRECT writes, each piece is first copied into
 the thread's small page-aligned buffer (a tensor's memory is almost never page aligned, and O_DIRECT
@@ -27,6 +28,7 @@ pool, hashes and ``first_exc``); the saver chooses it through :meth:`DirectWrite
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -36,13 +38,27 @@ import xxhash
 
 from ..device import AllOf, to_host
 from ..errors import SourceChangedError
-from ..storage.io import ALIGN
+from ..storage.io import ALIGN, default_threads
 
 #: Tensors from this size on are written from their own memory; smaller ones through the thread's buffer.
 DIRECT_MIN_BYTES = 64 << 10
 #: Bytes of each I/O thread's page-aligned buffer (O_DIRECT writes; runs of small tensors), and of the
 #: pieces a large tensor is written in.
 BOUNCE_BYTES = 4 << 20
+
+
+def direct_lanes(threads: int) -> int:
+    """How many of a job's ``threads`` I/O threads write directly at once: at most the CPUs this
+    process may run on + 1. Each direct write first copies its piece into a buffer and hashes it
+    on the CPU, so more lanes than CPUs only contend for them (and the GIL) and issue the writes
+    later. Measured on a 2-core VM (``fastckpt.save`` of a 1.07 GB state, a fresh process each,
+    7-8 rotated runs): 8 threads 0.81-0.82 s, 3 lanes 0.72-0.75 s, and 8 threads with at most 3
+    writes in flight 0.83 s: the CPUs, not the device's queue depth."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(threads, cpus + 1))
 
 
 def changed_in_place(what: str, was: int, now: int, folder: str) -> SourceChangedError:
@@ -144,8 +160,19 @@ class DirectWrites:
             end = t.file_offset + n
         if run:
             tasks.append(run)
-        self.direct_futs: list[Future] = [self.exec.submit(self._write_task, self.writers[where[task[0].file]], task)
-                                          for task in tasks]
+        todo = iter([(self.writers[where[task[0].file]], task) for task in tasks])
+        take = threading.Lock()
+
+        def lane() -> None:  # takes the tasks in file order until none is left or a write failed
+            while True:
+                with take:
+                    nxt = next(todo, None)
+                if nxt is None:
+                    return
+                self._write_task(*nxt)
+
+        lanes = min(len(tasks), direct_lanes(self.io.threads or default_threads()))
+        self.direct_futs: list[Future] = [self.exec.submit(lane) for _ in range(lanes)]
 
     def _write_task(self, w: Any, task: list) -> None:
         """One task: ``[tensor, offset, nbytes, in order]`` writes a piece of a large tensor

@@ -40,7 +40,9 @@ class IOTuning:
     Attributes:
         max_shard_bytes: data bytes per shard file (default 5e9, as HF).
         chunk_bytes: bytes per write request (default 8 MiB; a multiple of 4096).
-        threads: parallel I/O threads per rank (default :func:`fastckpt.storage.io.default_threads`).
+        threads: parallel I/O threads per rank (default :func:`fastckpt.storage.io.default_threads`);
+            a blocking save written from the tensors' memory runs at most the CPUs + 1 of them at once
+            (:func:`fastckpt.saving.direct.direct_lanes`).
         staging_bytes: staging memory budget per rank in bytes (default: this rank's part of the
             state, so the caller is released after one memory copy); smaller budgets stream
             through a ring of ``chunk_bytes`` slots while the caller waits.

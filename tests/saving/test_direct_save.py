@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -161,3 +162,31 @@ def test_failed_direct_write_leaves_nothing(tmp_path, acquired):
     assert e.value.errno == 28
     assert acquired == []  # it was the direct route
     assert os.listdir(tmp_path) == []
+
+
+def test_direct_writes_run_in_at_most_cpus_plus_one_lanes(tmp_path, monkeypatch, acquired):
+    """With 16 I/O threads on a machine of C CPUs, no more than C + 1 direct writes (copy, hash,
+    write) run at once, every piece is written (bytes equal the state's) and nothing is staged."""
+    monkeypatch.setattr(direct.os, "sched_getaffinity", lambda pid: {0}, raising=False)  # one CPU: 2 lanes
+    assert direct.direct_lanes(16) == 2 and direct.direct_lanes(1) == 1
+    running, peak, calls = [0], [0], [0]
+    real = direct.DirectWrites._write_task
+
+    def task(self, w, t):
+        running[0] += 1  # under the GIL: the increments of several threads do not interleave
+        peak[0] = max(peak[0], running[0])
+        calls[0] += 1
+        try:
+            time.sleep(0.01)  # long enough for the other lanes to start if they were free to
+            return real(self, w, t)
+        finally:
+            running[0] -= 1
+    monkeypatch.setattr(direct.DirectWrites, "_write_task", task)
+    g = torch.Generator().manual_seed(9)
+    state = {"model": {f"w{i}": torch.randn(600_000, generator=g) for i in range(6)}}  # 2.4 MB each: 1 piece
+    fastckpt.save(state, tmp_path / "a", threads=16)
+    assert acquired == []
+    assert calls[0] >= 6 and peak[0] == 2
+    back = fastckpt.load(tmp_path / "a")
+    for k, v in state["model"].items():
+        assert _raw(back["model"][k]) == _raw(v), k
