@@ -1,4 +1,4 @@
-"""One tier, three workloads side by side: KV gets, a checkpoint flush, a weight load (issue 22).
+"""One tier, three workloads side by side: KV gets, a checkpoint flush, a weight load.
 
 The design's shapes scaled to this machine: a serving process reads 16 MiB KV chunks (a 29.8K-token
 session's 7.15 GB of KV is ~450 such chunks; here a working set of 32) from the project's KV store,

@@ -16,7 +16,7 @@ import re
 import sys
 
 from ..storage.store import LOCAL
-from ..storage.tier import CLASSES, snapshot
+from ..storage.tier import CLASSES, overcounted, snapshot
 from ..storage.tier.shared import arbitration_off
 from ..errors import InvalidArgumentError
 from .common import human_bytes, parse_bytes
@@ -33,6 +33,11 @@ def _text(s: dict) -> str:
         allowed = "-" if v["allowed_bytes"] is None else human_bytes(v["allowed_bytes"])
         lines.append(f"{c:<12} {human_bytes(v['stored_bytes']):>10} {human_bytes(v['claimed_bytes']):>10} "
                      f"{allowed:>10}")
+    over = overcounted([(CLASSES.index(r["class"]), r["path"], r["stored_bytes"]) for r in s["roots"]
+                        if r["class"] in CLASSES])
+    if over:
+        lines.append(f"note: {human_bytes(sum(over.values()))} counted in {len(over)} folder(s) are no longer on disk "
+                     "(deleted by hand?): `fastckpt tier PATH --recount` lowers the counts to what is on disk")
     lines.append(f"bandwidth (last second): read {human_bytes(s['read_bps'])}/s, write {human_bytes(s['write_bps'])}/s")
     lines.append(f"waiting readers: {s['waiting_readers']} (KV gets: {s['kv_gets']}); checkpoint writers: {s['writers']}; "
                  f"background jobs: {s['background']}")

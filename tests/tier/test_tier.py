@@ -342,7 +342,7 @@ def test_capacity_shared_kv_evicts_for_checkpoint_never_exceeded(tier_dir, tmp_p
     assert not (ck_root / "step-2").exists() and [p.name for p in ck_root.iterdir()] == ["step-1"]
 
 
-def test_checkpoint_removed_by_hand_is_recounted_before_a_save_is_refused(tier_dir, tmp_path):
+def test_checkpoint_removed_by_hand_is_recounted_before_a_save_is_refused(tier_dir, tmp_path, capsys):
     """A checkpoint deleted with rm -r (not by retention or prune) stays counted until the budget is
     tight: then the tier recounts its folders from disk and the save goes ahead; a tier full for real
     still refuses, naming the bytes counted from disk."""
@@ -370,8 +370,13 @@ def test_checkpoint_removed_by_hand_is_recounted_before_a_save_is_refused(tier_d
     assert not (root / "step-3").exists()
     assert torch.equal(fastckpt.load(root / "step-2")["w"], big["w"])
     shutil.rmtree(root / "step-2")  # and `fastckpt tier --recount` does it on demand
+    capsys.readouterr()
+    assert main(["tier", str(tmp_path)]) == 0  # the report says so first
+    assert "16.8 MB counted in 1 folder(s) are no longer on disk" in capsys.readouterr().out
     assert main(["tier", str(tmp_path), "--recount"]) == 0
     assert snapshot(str(tmp_path))["classes"]["checkpoints"]["stored_bytes"] == 0
+    assert main(["tier", str(tmp_path)]) == 0
+    assert "no longer on disk" not in capsys.readouterr().out
 
 
 # ----- faults -----------------------------------------------------------------------------------

@@ -123,6 +123,20 @@ class CheckpointWrites:
             self.claim.settle() if stored else self.claim.release()
 
 
+def overcounted(roots: list[tuple[int, str, int]]) -> dict[tuple[int, str], int]:
+    """``{(class, folder): bytes}`` counted beyond what the folder holds on disk now (:func:`on_disk`),
+    for the checkpoints / models folders among ``roots`` (``(class index, folder, counted bytes)``, as
+    the tier's state records them) that are over; a counted folder nested in another (``run/`` under
+    ``ckpt/``) is measured in itself only. What :meth:`Tier.recount` removes; walks the folders."""
+    paths = {os.path.abspath(path) for _, path, _ in roots}
+
+    def nested(path: str) -> frozenset:  # other counted folders under path: counted there, not here
+        top = os.path.abspath(path) + os.sep
+        return frozenset(r for r in paths if r.startswith(top))
+    cut = {(c, path): used - on_disk(path, nested(path)) for c, path, used in roots if c != KV and used > 0}
+    return {k: v for k, v in cut.items() if v > 0}
+
+
 def on_disk(root: str, skip: frozenset = frozenset()) -> int:
     """Bytes of the ``*.safetensors`` files (each inode once) in the non-hidden sub-folders of ``root``
     and one level below them (a checkpoint's adapter folders): what the tier counts as stored under a
@@ -678,14 +692,7 @@ class Tier:
         never raised (files another tool wrote there were never counted), and by the difference
         measured, so bytes a commit adds meanwhile stay counted. A counted folder nested in another
         (``run/`` under ``ckpt/``) is counted in itself only. The walk holds no lock."""
-        before = [(c, path, used) for _, c, path, used, _ in self.state.roots() if c != KV and used > 0]
-        roots = {os.path.abspath(path) for _, _, path, _, _ in self.state.roots()}
-
-        def nested(path: str) -> frozenset:  # other counted folders under path: counted there, not here
-            top = os.path.abspath(path) + os.sep
-            return frozenset(r for r in roots if r.startswith(top))
-        cut = {(c, path): used - on_disk(path, nested(path)) for c, path, used in before}
-        cut = {k: v for k, v in cut.items() if v > 0}
+        cut = overcounted([(c, path, used) for _, c, path, used, _ in self.state.roots()])
         if cut:
             with self.state.locked():
                 for (c, path), d in cut.items():

@@ -13,7 +13,8 @@ def snapshot(path: str | os.PathLike = ".") -> dict:
 
     Returns:
         ``{"tier", "state", "found", "budget_bytes", "classes": {cls: {"stored_bytes",
-        "claimed_bytes", "allowed_bytes"}}, "roots": [...], "read_bps", "write_bps",
+        "claimed_bytes", "allowed_bytes"}}, "roots": [{"class", "path", "stored_bytes"}],
+        "read_bps", "write_bps",
         "waiting_readers", "kv_gets", "writers", "background", "pacing", "paced_s", "pace_waits",
         "participants": [...], "fs_free_bytes", "fs_total_bytes"}``. ``allowed_bytes`` is what
         the class may hold at most now (the budget less what the classes it cannot evict hold;
