@@ -22,7 +22,9 @@ from ..errors import InvalidArgumentError
 from .common import human_bytes, parse_bytes
 
 
-def _text(s: dict) -> str:
+def _text(s: dict, recounted: bool = False) -> str:
+    """The snapshot ``s`` as text; unless ``recounted`` (the counts were just lowered to what is on
+    disk), the counted folders are walked once to say how much of their count is no longer there."""
     found = "" if s["found"] else ": none yet, no process joined"
     budget = (human_bytes(s["budget_bytes"]) if s["budget_bytes"]
               else f"none (the file system: {human_bytes(s['fs_free_bytes'])} free)")
@@ -33,8 +35,8 @@ def _text(s: dict) -> str:
         allowed = "-" if v["allowed_bytes"] is None else human_bytes(v["allowed_bytes"])
         lines.append(f"{c:<12} {human_bytes(v['stored_bytes']):>10} {human_bytes(v['claimed_bytes']):>10} "
                      f"{allowed:>10}")
-    over = overcounted([(CLASSES.index(r["class"]), r["path"], r["stored_bytes"]) for r in s["roots"]
-                        if r["class"] in CLASSES])
+    over = {} if recounted else overcounted([(CLASSES.index(r["class"]), r["path"], r["stored_bytes"])
+                                             for r in s["roots"] if r["class"] in CLASSES])
     if over:
         lines.append(f"note: {human_bytes(sum(over.values()))} counted in {len(over)} folder(s) are no longer on disk "
                      "(deleted by hand?): `fastckpt tier PATH --recount` lowers the counts to what is on disk")
@@ -117,7 +119,7 @@ def cmd_tier(args: argparse.Namespace) -> int:
                                        "pip install 'fastckpt-io[metrics]' (or prometheus-client)") from None
         print(text, end="")
     else:
-        print(_text(s))
+        print(_text(s, recounted=args.recount))
     return 0
 
 

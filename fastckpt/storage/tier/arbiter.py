@@ -395,13 +395,9 @@ class LoadPacer:
                 self._exit()
 
     def run(self, nbytes: int, fn: Callable, *args, **kw) -> None:
-        """``fn(*args, **kw)``, a read of ``nbytes``, paced as :meth:`read` paces it (what a reader thread runs)."""
-        counted = self._enter(nbytes)
-        try:
+        """``fn(*args, **kw)``, a read of ``nbytes``, inside :meth:`read` (what a reader thread runs)."""
+        with self.read(nbytes):
             fn(*args, **kw)
-        finally:
-            if counted:
-                self._exit()
 
     def close(self) -> None:
         """The load's reads are done (nothing to release; for symmetry with the other pacers)."""
