@@ -24,8 +24,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     """List committed steps with sizes, and what was skipped and why (every layout, see find_runs)."""
     runs = find_runs(args.root, args.prefix)
     if not runs:
-        print(not_found_message(args.root, args.prefix))
-        return 2
+        raise CheckpointNotFoundError(not_found_message(args.root, args.prefix))
     shown: set[tuple[Path, str]] = set()
     for run in runs:
         print(f"{run.describe()}:")

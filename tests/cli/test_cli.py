@@ -42,7 +42,8 @@ def test_ls(tmp_path, capsys):
     assert "latest committed: 3" in out and "skipped" not in out
     assert all(str(mgr.path(s)) in out for s in (1, 2, 3))
     assert main(["ls", str(tmp_path / "empty")]) == 2
-    assert "no checkpoints" in capsys.readouterr().out
+    io = capsys.readouterr()
+    assert io.out == "" and io.err.startswith("fastckpt ls: error: ") and "no checkpoints" in io.err
 
 
 def test_verify_ok_and_flipped_byte(tmp_path, capsys):

@@ -98,7 +98,9 @@ def test_nothing_found_says_what_and_where(tmp_path, capsys):
     plain.mkdir()
     (plain / "notes.txt").write_text("x")
     assert main(["ls", str(plain)]) == 2
-    out = capsys.readouterr().out
+    io = capsys.readouterr()
+    out = io.err
+    assert io.out == "" and out.startswith("fastckpt ls: error: ")
     for pat in PATTERNS:
         assert pat in out
     assert str(plain) in out and str(plain / "checkpoints") in out and "no checkpoints" in out
@@ -107,9 +109,9 @@ def test_nothing_found_says_what_and_where(tmp_path, capsys):
     assert "nothing to load" not in err
     assert all(p in err for p in PATTERNS) and str(plain) in err
     assert main(["ls", str(plain), "--prefix", "ckpt-"]) == 2
-    assert "ckpt-N" in capsys.readouterr().out
+    assert "ckpt-N" in capsys.readouterr().err
     assert main(["ls", str(tmp_path / "missing")]) == 2
-    assert "no such file or folder" in capsys.readouterr().out
+    assert "no such file or folder" in capsys.readouterr().err
 
 
 def test_uncommitted_only_run_root_says_what_was_skipped(tmp_path, capsys):
