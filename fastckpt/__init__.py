@@ -269,4 +269,15 @@ __all__ = ["save", "async_save", "load", "load_into", "LoadIntoReport", "wait", 
            "VerifyReport", "errors", "FastCkptError", "DistributedSaveError", "RankValuesDifferError", "SaveConflictError",
            "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError", "HeaderError",
            "ChecksumMismatchError", "UnsupportedValueError", "UnsupportedDtypeError", "InsufficientSpaceError"]
-__all__ += ["check_servable", "ServableReport", "save_route", "SaveRoute"]
+__all__ += ["check_servable", "ServableReport", "save_route", "SaveRoute", "PosixBackend", "DEFAULT_CHUNK_BYTES",
+            "DEFAULT_MAX_SHARD_BYTES"]
+
+#: The layers, importable as ``fastckpt.<name>`` (listed by ``dir(fastckpt)`` beside ``__all__`` once imported).
+_LAYERS = ("format", "device", "storage", "saving", "loading", "kv", "coordination", "manager", "cli", "integrations")
+
+
+def __dir__() -> list[str]:
+    """The public names (``__all__``), ``__version__`` and the layers imported so far: not the helpers
+    this module imports for its signatures (``os``, ``Path``, ``Any``...), which stay importable for
+    ``typing.get_type_hints``."""
+    return sorted({*__all__, "__version__", *(n for n in _LAYERS if n in globals())})
