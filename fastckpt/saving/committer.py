@@ -96,8 +96,13 @@ def _names_the_folder_asked_for(fn):
 
 
 def check_space(folder: Path, need: int, store: Store = LOCAL) -> None:
-    """Raise :class:`InsufficientSpaceError` when ``folder``'s file system has fewer than ``need`` bytes free."""
-    free = store.free_bytes(str(folder))
+    """Raise :class:`InsufficientSpaceError` when ``folder``'s file system has fewer than ``need`` bytes
+    free. ``folder`` need not exist yet: its nearest existing parent is measured (so a refused save
+    creates no folders)."""
+    probe = folder
+    while not store.exists(str(probe)) and probe.parent != probe:
+        probe = probe.parent
+    free = store.free_bytes(str(probe))
     if free < need:
         raise InsufficientSpaceError(
             f"{folder}: {free} bytes free, the checkpoint needs {need} bytes; free space or save elsewhere")
@@ -120,8 +125,8 @@ def create_folder(path: Path, opts: SaveOptions, need_bytes: int, names: Iterabl
         NotAFolderError: a parent of ``path`` is a file.
     """
     store = LOCAL
+    check_space(path.parent, need_bytes + opts.io.min_free_bytes, store)  # before any folder is made
     store.makedirs(str(path.parent))
-    check_space(path.parent, need_bytes + opts.io.min_free_bytes, store)
     # sub-folders are fsynced by fastckpt.saving.metadata.write_side_files before the manifest
     return strategy(opts.commit).begin(store, str(path), overwrite=opts.overwrite,
                                        subfolders=[*names, *(opts.extra_files or ())])

@@ -85,6 +85,10 @@ def test_insufficient_space_refused_before_any_file(small_tier):
     with pytest.raises(fastckpt.InsufficientSpaceError):
         mgr.save(200, make_state(200, scale=8), **SAVE_OPTS)
     _assert_intact(root, mgr, 100, before)
+    deep = os.path.join(small_tier, "other", "run", "step-1")  # parents that do not exist yet
+    with pytest.raises(fastckpt.InsufficientSpaceError, match="other/run"):
+        fastckpt.save(make_state(300, scale=8), deep)
+    assert not os.path.exists(os.path.join(small_tier, "other")), "a refused save must create no folder"
 
 
 @pytest.mark.parametrize("method,nth,err", [
