@@ -8,7 +8,9 @@ unpickled and no ``.metadata`` file is needed:
 
 * :meth:`FastCkptReader.read_metadata` builds DCP's ``Metadata`` from the manifest
   (``TensorStorageMetadata``: one chunk per full tensor; non-tensor values: ``BytesStorageMetadata``, whose values stay in ``Metadata.storage_data``
-  as the JSON values of ``state.json``; ``planner_data``: DCP's ``flatten_state_dict`` mapping of
+  as the JSON values of ``state.json``: a value DCP takes whole that holds tensors, such as a tuple
+  ``(1.5, tensor)`` (DCP's flattening stops at tuples and pickles them), is read from the checkpoint
+  when it is set, tensors included; ``planner_data``: DCP's ``flatten_state_dict`` mapping of
   the saved state; ``storage_meta``: from ``dcp_metadata.json`` when the writer left one, whose
   fqns, dtypes and sizes the rebuilt metadata is checked against).
 * Non-tensor (BYTE_IO) reads: DCP's default planner would ``torch.load(weights_only=False)`` the
@@ -51,7 +53,7 @@ from ..format.tree import join
 from ..storage.io import PosixBackend, get_backend
 from ..storage.store import LOCAL
 from .into import Files, byte_view, read_box, verify_region
-from .reader import READ_CHUNK_BYTES, default_read_threads
+from .reader import READ_CHUNK_BYTES, default_read_threads, load
 from .regions import Stored, intersect
 from .stored import CheckpointIndex, Leaf, TensorDesc, open_index
 
@@ -64,11 +66,62 @@ class FastCkptStorageData:
         values: DCP fqn -> non-tensor value (JSON values of ``state.json``, never pickled).
         chunks: ``(fqn, chunk offsets)`` -> the stored tensor or piece holding that chunk.
         descs: fqn -> the checkpoint's :class:`~fastckpt.loading.stored.TensorDesc`.
+        root: the checkpoint's folder (where a :class:`StoredSubtree` value is read from).
     """
 
     values: dict[str, Any] = field(default_factory=dict)
     chunks: dict[tuple[str, tuple[int, ...]], Stored] = field(default_factory=dict)
     descs: dict[str, TensorDesc] = field(default_factory=dict)
+    root: str = ""
+
+    def value(self, fqn: str) -> Any:
+        """A fresh copy of the non-tensor value of ``fqn``; a :class:`StoredSubtree` is read from
+        :attr:`root` (its tensors included, checksums verified)."""
+        v = self.values[fqn]
+        if isinstance(v, StoredSubtree):
+            return v.read(self.root)
+        return copy.deepcopy(v)
+
+
+@dataclass(frozen=True)
+class StoredSubtree:
+    """A value DCP takes whole (a terminal of its ``flatten_state_dict``: a tuple, or anything in
+    one) that holds stored tensors: its key path ``path`` in the checkpoint, read when the value is
+    set (:meth:`FastCkptStorageData.value`). Plain data, so DCP's broadcast of the metadata to
+    other ranks carries it."""
+
+    path: str
+
+    def read(self, root: str) -> Any:
+        """The subtree at :attr:`path` of the checkpoint at ``root``, as :func:`fastckpt.load` returns it."""
+        v: Any = load(root, keys=[self.path])
+        for seg in _segments(v, self.path):
+            v = v[seg]
+        return v
+
+
+def _segments(tree: Any, path: str) -> list:
+    """The keys / indices leading to key path ``path`` in ``tree`` (``"t/1"`` -> ``["t", 1]``)."""
+    out, node = [], tree
+    for raw in path.split("/"):
+        seg = next((k for k in (node.keys() if isinstance(node, dict) else range(len(node))) if join("", k) == raw),
+                   None)
+        if seg is None:
+            raise CorruptCheckpointError(f"key path {path!r}: {raw!r} not found while reading it back")
+        out.append(seg)
+        node = node[seg]
+    return out
+
+
+def _holds_marked(v: Any, marks: dict[int, str]) -> bool:
+    """True when ``v`` (a value DCP takes whole) holds one of the marked stand-ins of stored tensors."""
+    if isinstance(v, torch.Tensor):
+        return id(v) in marks
+    if isinstance(v, dict):
+        return any(_holds_marked(x, marks) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_holds_marked(x, marks) for x in v)
+    return False
 
 
 def _marked(v: Any, path: str, marks: dict[int, str]) -> Any:
@@ -98,7 +151,7 @@ def build_metadata(idx: CheckpointIndex) -> Metadata:
         raise DCPPlannerError(f"{idx.resolved.root}: the saved state is a {type(tree).__name__}, not a dict; "
                               "DCP loads dict states only")
     flat, mappings = flatten_state_dict(tree)
-    sd = FastCkptStorageData()
+    sd = FastCkptStorageData(root=idx.resolved.root)
     md: dict[str, Any] = {}
     for fqn, v in flat.items():
         if isinstance(v, torch.Tensor) and id(v) in marks:
@@ -110,8 +163,11 @@ def build_metadata(idx: CheckpointIndex) -> Metadata:
             sd.descs[fqn] = desc
             md[fqn] = TensorStorageMetadata(TensorProperties(dtype=str_to_dtype(desc.dtype, tensor=desc.key)),
                                             torch.Size(desc.shape), chunks)
-        else:
-            sd.values[fqn] = v
+        else:  # a JSON value, or one DCP takes whole with tensors in it (read when set)
+            path = ""
+            for seg in mappings[fqn]:
+                path = join(path, seg)
+            sd.values[fqn] = StoredSubtree(path) if _holds_marked(v, marks) else v
             md[fqn] = BytesStorageMetadata()
     meta = Metadata(state_dict_metadata=md, planner_data=mappings, storage_data=sd)
     saved = _saved_dcp_metadata(idx)
@@ -316,7 +372,7 @@ def _set_values(items: list[ReadItem], planner: LoadPlanner, sd: FastCkptStorage
             "without overriding it) or pass planner=fastckpt.dcp.FastCkptLoadPlanner(). Nothing was read")
     for item in items:
         fqn = item.dest_index.fqn
-        value = copy.deepcopy(sd.values[item.storage_index.fqn])
+        value = sd.value(item.storage_index.fqn)
         if planner.flatten_state_dict:
             set_element(planner.original_state_dict, planner.mappings[fqn], value)
         else:
@@ -347,7 +403,7 @@ class FastCkptLoadPlanner(DefaultLoadPlanner):
             if not isinstance(sd, FastCkptStorageData) or fqn not in sd.values:
                 raise DCPPlannerError(f"non-tensor value {fqn!r}: FastCkptLoadPlanner reads non-tensor values only "
                                       "from FastCkptReader metadata (it never unpickles)")
-            value = copy.deepcopy(sd.values[fqn])
+            value = sd.value(fqn)
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[fqn], value)
             else:

@@ -214,6 +214,39 @@ def test_fastckpt_planner_folder_loads_with_dcp_default_planner(tmp_path):
         assert _same(got, state) == [], ck
 
 
+def test_tuples_holding_tensors_load_as_dcp_loads_them(tmp_path):
+    """DCP's flattening stops at a tuple and pickles it whole (an RNG state, ``(scale, tensor)``); read
+    through FastCkptReader (both planners; folders of FastCkptWriter with FastCkptSavePlanner, which stores
+    the tensors inside as tensors, and of fastckpt.save) the same
+    values come back as from DCP's own FileSystemReader, tensors and numpy arrays included, and nothing
+    is unpickled (the tensors inside used to come back as empty meta tensors)."""
+    import numpy as np
+    from fastckpt.dcp import FastCkptLoadPlanner
+    rng = np.random.RandomState(3)
+    state = {"t": (1.5, torch.arange(4.0)), "rng": rng.get_state(), "l": [2, torch.ones(3)],
+             "n": {"x": (torch.arange(3), {"y": torch.full((2,), 7.0, dtype=torch.bfloat16)})}}
+
+    def template():
+        return {"t": (0.0, torch.zeros(4)), "rng": None, "l": [0, torch.zeros(3)], "n": {"x": None}}
+
+    dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path / "ref")))
+    ref = template()
+    dcp.load(ref, storage_reader=FileSystemReader(str(tmp_path / "ref")))
+    dcp.save(state, storage_writer=FastCkptWriter(tmp_path / "ours"), planner=FastCkptSavePlanner())
+    fastckpt.save(state, tmp_path / "plain")
+    for folder in ("ours", "plain"):
+        for planner in (None, FastCkptLoadPlanner()):
+            got = template()
+            with _NoPickle():
+                dcp.load(got, storage_reader=FastCkptReader(tmp_path / folder),
+                         **({} if planner is None else {"planner": planner}))
+            where = (folder, type(planner).__name__)
+            assert _same({k: v for k, v in got.items() if k != "rng"}, {k: v for k, v in ref.items() if k != "rng"}) == [], where
+            assert type(got["rng"]) is tuple and got["rng"][0] == ref["rng"][0] == "MT19937", where
+            assert isinstance(got["rng"][1], np.ndarray) and np.array_equal(got["rng"][1], ref["rng"][1]), where
+            assert got["rng"][2:] == ref["rng"][2:], where
+
+
 class Opaque:
     def __init__(self):
         self.x = 1
