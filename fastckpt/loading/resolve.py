@@ -134,14 +134,20 @@ MAIN_FILE = "model.safetensors"
 
 
 def _foreign_files(path: str) -> tuple[list[str], dict[str, str]]:
-    """The weight files of a foreign folder and the index's ``tensor -> file`` map.
+    """The weight files of a foreign folder and the index's ``tensor -> file`` map, in the order
+    transformers' ``from_pretrained`` looks for them (``_get_resolved_checkpoint_files``):
 
-    ``model.safetensors.index.json`` names exactly what is loaded (other ``*.safetensors`` in the
-    folder, e.g. ``consolidated.safetensors`` or leftovers, are ignored); other indexes are used
-    only without it. With no index: ``model.safetensors`` alone when present, else every
-    top-level ``*.safetensors`` file.
+    ``model.safetensors`` alone when it is a file, whatever index lies beside it (``save_pretrained``
+    leaves the other layout of an earlier save in the folder: a stale ``model.safetensors`` beside a
+    new index, or a stale index beside a new ``model.safetensors``; transformers loads the file);
+    else ``model.safetensors.index.json`` names exactly what is loaded (other ``*.safetensors`` in
+    the folder, e.g. ``consolidated.safetensors`` or leftover shards, are ignored); other indexes
+    are used only without it; with no index, every top-level ``*.safetensors`` file.
     """
     indexes = LOCAL.glob(path, "*" + INDEX_SUFFIX)
+    main = os.path.join(path, MAIN_FILE)
+    if LOCAL.isfile(main) or (not indexes and LOCAL.lexists(main)):  # (a dangling link: named when read)
+        return [MAIN_FILE], {}
     if os.path.join(path, MAIN_INDEX) in indexes:
         indexes = [os.path.join(path, MAIN_INDEX)]
     wanted: dict[str, str] = {}
@@ -153,8 +159,6 @@ def _foreign_files(path: str) -> tuple[list[str], dict[str, str]]:
             wanted[name] = shard
     if indexes:
         return sorted(set(wanted.values())), wanted
-    if LOCAL.lexists(os.path.join(path, MAIN_FILE)):
-        return [MAIN_FILE], wanted
     return sorted(os.path.basename(p) for p in LOCAL.glob(path, "*.safetensors")), wanted
 
 

@@ -292,3 +292,42 @@ def test_fastckpt_checkpoint_from_the_hub_keeps_its_checksums(tmp_path):
     with pytest.raises(ChecksumMismatchError, match="model/w"):
         fastckpt.load(snap, verify=True)
     assert not fastckpt.verify(snap).ok
+
+
+@pytest.mark.parametrize("order", ["file_then_shards", "shards_then_file"])
+def test_save_pretrained_leftovers_load_what_from_pretrained_loads(tmp_path, order):
+    """``save_pretrained`` into a folder that held the other layout leaves it there: a stale
+    ``model.safetensors`` beside a new index, or a stale index (naming shards that are gone) beside a
+    new ``model.safetensors``. transformers' own ``from_pretrained`` is the reference: it loads
+    ``model.safetensors`` in both cases; fastckpt's loaders load the same tensors (they loaded the
+    shards of the first case, different weights with exit 0, and refused the second)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    a = transformers.LlamaForCausalLM(cfg)
+    torch.manual_seed(1)
+    b = transformers.LlamaForCausalLM(cfg)
+    folder = tmp_path / "model"
+    if order == "file_then_shards":
+        a.save_pretrained(folder)
+        b.save_pretrained(folder, max_shard_size=20_000)
+    else:
+        a.save_pretrained(folder, max_shard_size=20_000)
+        b.save_pretrained(folder)
+    names = sorted(os.listdir(folder))
+    assert "model.safetensors" in names and "model.safetensors.index.json" in names, names
+    shards = set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(shards) > 1  # the layout transformers left, as the docstring says
+    if order == "shards_then_file":
+        assert not shards & set(names), "save_pretrained removed the shards, kept their index"
+    ref = transformers.LlamaForCausalLM.from_pretrained(folder).state_dict()
+    want = load_file(folder / "model.safetensors")
+    for k, v in want.items():  # the reference loaded the file
+        assert torch.equal(ref[k], v), k
+    _same(fastckpt.load(folder), want)
+    _same(load_weights(folder, "cpu"), want)
+    _same(_vllm_weights(folder), want)
+    fresh = {k: torch.zeros_like(v) for k, v in want.items()}
+    fastckpt.load_into(fresh, folder)
+    _same(fresh, want)
