@@ -125,7 +125,7 @@ class _Plan:
         idx = self.idx
         if isinstance(v, np.ndarray):
             v = torch.from_numpy(v)  # shares memory: filling it fills the array
-        name = path if idx.is_fastckpt else _hf_name(idx, segs)
+        name = (self._dcp_name(path, segs) if idx.is_fastckpt else _hf_name(idx, segs))
         if isinstance(v, torch.Tensor):
             desc = idx.tensors.get(name) if name is not None else None
             if desc is None:
@@ -146,6 +146,24 @@ class _Plan:
                                     os.path.basename(idx.tensors[name].pieces[0].file)))
         else:
             self.missing.append(path)
+
+    def _dcp_name(self, path: str, segs: tuple) -> str:
+        """The stored key path for the state's ``path``: itself, or else the path with its int keys as
+        str keys (or digit str keys as ints) when only that is stored. DCP names a value by its fqn
+        (``optim.state.0.step``), the same for ``0`` and ``"0"``, and its default planner hands the
+        writer str keys: a folder ``dcp.save`` wrote through ``FastCkptWriter`` holds the optimizer's
+        ``state/"0"`` where ``opt.state_dict()`` has ``state/0``; DCP's own load fills either."""
+        idx = self.idx
+        if path in idx.tensors or path in idx.values or not segs:
+            return path
+        for flip in (lambda s: str(s) if isinstance(s, int) else s,
+                     lambda s: int(s) if isinstance(s, str) and s.isdigit() and str(int(s)) == s else s):
+            alt = ""
+            for seg in segs:
+                alt = join(alt, flip(seg))
+            if alt != path and (alt in idx.tensors or alt in idx.values):
+                return alt
+        return path
 
     def rank_local_hint(self, path: str) -> str:
         """Why ``path`` may be missing: it lies under a rank-local subtree the asked rank lacks."""

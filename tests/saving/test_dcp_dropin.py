@@ -247,6 +247,24 @@ def test_tuples_holding_tensors_load_as_dcp_loads_them(tmp_path):
             assert got["rng"][2:] == ref["rng"][2:], where
 
 
+def test_default_planner_folder_of_int_keyed_optimizer_state_fills_with_load_into(tmp_path):
+    """DCP's default planner names mapping keys as str (``optim.state.0.step`` -> key ``"0"``), so
+    the folder holds ``optim/state/"0"/...`` where ``opt.state_dict()`` has ``state/0``. DCP's own load
+    fills the int-keyed state from either; ``fastckpt.load_into`` does too, with the bytes DCP's
+    ``FileSystemReader`` gives (it refused: 'missing from the checkpoint: optim/state/0/step')."""
+    m, opt = _trained(2)
+    saved = {"optim": opt.state_dict(), "step": 4}
+    dcp.save(saved, storage_writer=FastCkptWriter(tmp_path / "ours"))
+    dcp.save(saved, storage_writer=FileSystemWriter(str(tmp_path / "ref")))
+    stored = fastckpt.load(tmp_path / "ours")["optim"]["state"]
+    assert sorted(stored) == ["0", "1", "2", "3"]  # what DCP's planner handed the writer
+    ref = {"optim": _trained(5)[1].state_dict(), "step": 0}
+    dcp.load(ref, storage_reader=FileSystemReader(str(tmp_path / "ref")))
+    got = fastckpt.load_into({"optim": _trained(5)[1].state_dict(), "step": 0}, tmp_path / "ours", strict=True)
+    assert sorted(got["optim"]["state"]) == [0, 1, 2, 3]
+    assert _same(got, ref) == [] and _same(got, saved) == []
+
+
 class Opaque:
     def __init__(self):
         self.x = 1
