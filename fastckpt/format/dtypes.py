@@ -2,7 +2,9 @@
 
 Source: the safetensors format specification
 (https://github.com/huggingface/safetensors#format, ``Dtype`` enum of the Rust crate).
-Complex and sub-byte dtypes are not supported: they are refused at save time.
+``C64`` (complex64) as the ``safetensors`` package (0.6+) writes it. Sub-byte dtypes (``F4``:
+``float4_e2m1fn_x2``, whose header shape counts 4-bit elements, ``F6_*``) and complex128 are not
+supported: refused at save time, and a file holding them is refused with the dtype named.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ _PAIRS: list[tuple[str, str]] = [
     ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
     ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
     ("F8_E8M0", "float8_e8m0fnu"),
+    ("C64", "complex64"),
 ]
 
 #: safetensors dtype string -> torch dtype (only those this torch build has).
@@ -44,16 +47,17 @@ def dtype_to_str(dtype: torch.dtype, *, tensor: str = "?") -> str:
     """Return the safetensors dtype string of ``dtype`` (e.g. ``torch.bfloat16`` -> ``"BF16"``).
 
     Raises:
-        UnsupportedDtypeError: ``dtype`` has no safetensors encoding (complex, sub-byte);
+        UnsupportedDtypeError: ``dtype`` has no encoding here (complex128, sub-byte dtypes);
             the message names ``tensor``.
     """
     try:
         return DTYPE_TO_STR[dtype]
     except KeyError:
         raise UnsupportedDtypeError(
-            f"tensor {tensor!r} has dtype {dtype}, which safetensors cannot store; "
+            f"tensor {tensor!r} has dtype {dtype}, which fastckpt does not store (complex128 has no safetensors "
+            f"dtype; sub-byte dtypes such as float4_e2m1fn_x2 are not supported); "
             f"supported: {', '.join(str(d).replace('torch.', '') for d in DTYPE_TO_STR)}. "
-            "Convert it first (e.g. complex -> torch.view_as_real)."
+            "Convert it first (e.g. complex128 -> torch.view_as_real, float4_e2m1fn_x2 -> .view(torch.uint8))."
         ) from None
 
 
@@ -67,8 +71,9 @@ def str_to_dtype(name: str, *, tensor: str = "?", path: str = "?") -> torch.dtyp
         return STR_TO_DTYPE[name]
     except (KeyError, TypeError):
         raise UnsupportedDtypeError(
-            f"{path}: tensor {tensor!r} has unknown dtype {name!r} "
-            f"(known: {', '.join(STR_TO_DTYPE)})"
+            f"{path}: tensor {tensor!r} has dtype {name!r}, which fastckpt does not read "
+            f"(known: {', '.join(STR_TO_DTYPE)}; sub-byte dtypes such as F4 are not supported): read this file "
+            "with the safetensors package"
         ) from None
 
 

@@ -185,7 +185,7 @@ def test_python_numpy_torch_rng_states_roundtrip(tmp_path):
 
 
 @pytest.mark.parametrize("bad, where", [({"model": {"w": torch.ones(1), "opt": object()}}, "model/opt"),
-                                        ({"x": [torch.ones(1), {"c": torch.ones(2, dtype=torch.complex64)}]},
+                                        ({"x": [torch.ones(1), {"c": torch.ones(2, dtype=torch.complex128)}]},
                                          "x/1/c")])
 def test_unsupported_value_refused_before_any_file(tmp_path, bad, where):
     with pytest.raises(UnsupportedValueError, match=where):
