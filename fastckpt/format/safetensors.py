@@ -351,7 +351,18 @@ def parse_index(data: bytes, index_path: str) -> dict[str, str]:
     return wm
 
 
-def write_index(entries: dict[str, str], total_bytes: int) -> bytes:
-    """Encode an HF index (``{"metadata": {"total_size": N}, "weight_map": {...}}``) as JSON bytes."""
-    doc = {"metadata": {"total_size": int(total_bytes)}, "weight_map": dict(sorted(entries.items()))}
+def write_index(entries: dict[str, str], total_bytes: int, total_parameters: int | None = None) -> bytes:
+    """Encode an HF index as JSON bytes, the keys as transformers' ``save_pretrained`` writes them:
+    ``{"metadata": {"total_parameters": P, "total_size": N}, "weight_map": {name: file}}``.
+
+    Args:
+        entries: tensor name -> shard file name.
+        total_bytes: tensor data bytes over all shards (``total_size``).
+        total_parameters: elements of the indexed tensors (``save_pretrained`` writes the model's
+            ``num_parameters()``, the same number unless the model has persistent buffers); ``None``
+            leaves the key out.
+    """
+    meta = {"total_parameters": int(total_parameters)} if total_parameters is not None else {}
+    meta["total_size"] = int(total_bytes)
+    doc = {"metadata": meta, "weight_map": dict(sorted(entries.items()))}
     return json.dumps(doc, indent=2).encode("utf-8")

@@ -17,6 +17,7 @@ on the bytes as they are read, never in a second pass.
 
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -155,7 +156,8 @@ def write_shards(plan: ShardPlan, fetch: Callable[[list[str]], dict[str, torch.T
             if nxt is not None:
                 nxt.cancel()
     if len(plan.files) > 1:
-        idx = write_index(plan.weight_map(), plan.total_bytes)
+        idx = write_index(plan.weight_map(), plan.total_bytes,
+                          sum(math.prod(e[2]) for _, es in plan.files for e in es))
         LOCAL.write_file(os.path.join(folder, f"{plan.stem}.safetensors.index.json"), idx)
         written += len(idx)
     return written

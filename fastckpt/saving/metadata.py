@@ -7,6 +7,7 @@ format (docs/FORMAT.md; the types and the version are :mod:`fastckpt.format.mani
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -44,8 +45,9 @@ def write_side_files(folder: str, plan: SavePlan, skeleton: Any, extra_files: di
     small: dict[str, bytes] = {cm.STATE_JSON: json.dumps(skeleton, separators=(",", ":")).encode()}
     for stem, wm in plan.index.items():
         if stem != STATE_GROUP:
-            total = sum(t.spec.nbytes for f in plan.files for t in f.tensors if f.name in wm.values())
-            small[f"{stem}.safetensors.index.json"] = write_index(wm, total)
+            indexed = [t.spec for f in plan.files for t in f.tensors if f.name in wm.values()]
+            small[f"{stem}.safetensors.index.json"] = write_index(
+                wm, sum(s.nbytes for s in indexed), sum(math.prod(s.shape) for s in indexed))
     small.update(extra_files or {})
     for name, data in small.items():
         LOCAL.write_file(LOCAL.join(folder, name), data, replace=replace)

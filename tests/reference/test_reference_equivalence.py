@@ -20,6 +20,7 @@ for ``fastckpt load --merge-lora --to``, ``merge_and_unload().save_pretrained()`
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 
 import pytest
@@ -128,6 +129,16 @@ def test_sharded_model_keeps_hf_shard_names(tmp_path):
     reloaded = T.AutoModelForCausalLM.from_pretrained(tmp_path / "ck")
     for k, v in reloaded.state_dict().items():
         assert torch.equal(v, sd[k]), k
+    # the index's metadata is save_pretrained's, key for key (the weight_map differs by fastckpt's cut)
+    torch.manual_seed(0)
+    _llama().save_pretrained(tmp_path / "ref", max_shard_size=4096)
+    ref = json.loads((tmp_path / "ref" / "model.safetensors.index.json").read_text())
+    assert set(ref["metadata"]) == {"total_parameters", "total_size"}, ref["metadata"]  # what is compared
+    assert main(["load", str(tmp_path / "ck"), "--to", str(tmp_path / "export"), "--max-shard-size", "4KB"]) == 0
+    for folder in ("ck", "export"):
+        ours = json.loads((tmp_path / folder / "model.safetensors.index.json").read_text())
+        assert list(ours["metadata"].items()) == list(ref["metadata"].items()), folder
+        assert set(ours["weight_map"]) == set(ref["weight_map"]), folder
 
 
 PEFT = {
