@@ -393,8 +393,10 @@ def test_overwrite_replaces_only_a_checkpoint_or_an_empty_folder(tmp_path):
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     for name in ("plain.bin", "mine"):
         for save in (fastckpt.save, lambda s, p, **kw: fastckpt.async_save(s, p, **kw).result()):
-            with pytest.raises(CheckpointExistsError, match="not a fastckpt checkpoint.*another path"):
-                save(st, tmp_path / name, overwrite=True)
+            for overwrite in (True, False):  # without it too: no advice to pass overwrite=True, which would fail
+                with pytest.raises(CheckpointExistsError, match="not a fastckpt checkpoint.*another path") as ei:
+                    save(st, tmp_path / name, overwrite=overwrite)
+                assert "pass overwrite=True" not in str(ei.value)
     assert (tmp_path / "plain.bin").read_bytes() == b"keep me"
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "plain.bin"]  # no hidden leftovers

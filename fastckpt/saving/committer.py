@@ -351,17 +351,21 @@ def check_target(path: Any, overwrite: bool, store: Store = LOCAL, hint: str = "
     p = str(path)
     if not store.lexists(p):
         return
-    if not overwrite:
-        raise CheckpointExistsError(f"{p} already exists; pass overwrite=True to replace it atomically{hint}")
-    if store.isdir(p):
+    folder = store.isdir(p)
+    if folder:
         names = store.listdir(p)
-        if not names or MANIFEST in names or STATE_JSON in names:
-            return
-    what = "a folder" if store.isdir(p) else "a file"
-    raise CheckpointExistsError(
-        f"{p} exists and is {what} that is not a fastckpt checkpoint (no manifest.json): overwrite=True "
-        "replaces only a checkpoint or an empty folder, never other files. Remove it yourself if it "
-        "may go, or save to another path")
+        replaceable = not names or MANIFEST in names or STATE_JSON in names
+    else:
+        replaceable = False
+    if replaceable and not overwrite:
+        raise CheckpointExistsError(f"{p} already exists; pass overwrite=True to replace it atomically{hint}")
+    if replaceable:
+        return
+    what = "a folder" if folder else "a file"
+    raise CheckpointExistsError(  # overwrite or not: pointing at overwrite=True would only fail again
+        f"{p} exists and is {what} that is not a fastckpt checkpoint (no manifest.json): a save replaces "
+        "only a checkpoint or an empty folder (overwrite=True), never other files. Save to another path, "
+        "or remove it yourself if it may go")
 
 
 def failed_report(exc: BaseException) -> dict:

@@ -55,18 +55,17 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..coordination import Coordinator, group_timeout_s
-from ..errors import CheckpointExistsError, UnsupportedPlannerError, UnsupportedValueError
+from ..errors import UnsupportedPlannerError, UnsupportedValueError
 from ..format.dtypes import dtype_to_str
 from ..format.layout import plan_save
 from ..format.tree import flatten, join, unflatten
 from ..storage.memory import host_buffer, needs_pinned, pinned_buffer
 from ..device import to_host
 from ..storage.staging import StagingPool
-from ..storage.store import LOCAL
 from .pages import Chunk, PageJob, check_tiling, create_files, run_job
 from .collect import Collected, collect
 from .dtensor import check_state, placement_of, view_key, walk_state, with_stand_ins
-from .committer import commit_folder, create_folder, dist_section, fmt, remove_uncommitted, write_metadata
+from .committer import check_target, commit_folder, create_folder, dist_section, fmt, remove_uncommitted, write_metadata
 from .options import SaveOptions
 from .ranks import spec_list, specs_from_list
 
@@ -214,8 +213,7 @@ class FastCkptWriter(StorageWriter):
         chunks = [c for c in chunks if c.numel or not c.shape]
         plan = self._plan(info["specs"], len(plans))
         check_tiling(plan, chunks)
-        if LOCAL.exists(str(self.path)) and not self.opts.overwrite:
-            raise CheckpointExistsError(f"{self.path} already exists; pass overwrite=True to replace it atomically")
+        check_target(self.path, self.opts.overwrite)  # a checkpoint or an empty folder only, never other files
         self.info, self.plan = info, plan
         self.folder = create_folder(self.path, self.opts, plan.file_bytes)
         create_files(plan, self.folder, self.opts)  # every file preallocated, its header written once, here
