@@ -166,7 +166,7 @@ class _Tripwire:
 
 
 @pytest.mark.parametrize("kind", ["zip", "legacy", "pickle"])
-def test_torch_save_file_is_named_as_such_and_never_unpickled(tmp_path, kind):
+def test_torch_save_file_is_named_as_such_and_never_unpickled(tmp_path, kind, capsys):
     """Today: ``header length field says 578712552184433488 bytes`` (zip) or 5088219219985302144 (legacy)."""
     marker = tmp_path / "unpickled"
     obj = {"w": torch.ones(3), "trap": _Tripwire(str(marker))}
@@ -178,17 +178,19 @@ def test_torch_save_file_is_named_as_such_and_never_unpickled(tmp_path, kind):
     else:
         f.write_bytes(pickle.dumps(obj, protocol=4))
     for call in (lambda: fastckpt.load(f), lambda: fastckpt.load_into({"w": torch.zeros(3)}, f),
-                 lambda: fastckpt.verify(f)):
-        try:
-            r = call()
-        except NotSafetensorsError as e:
-            msg = str(e)
-        else:  # verify reports problems instead of raising
-            assert not r.ok
-            msg = " ".join(r.problems)
+                 lambda: fastckpt.verify(f)):  # verify too: the file asked for is not one it checks
+        with pytest.raises(NotSafetensorsError) as ei:
+            call()
+        msg = str(ei.value)
         assert str(f) in msg and "torch.save" in msg and "not a safetensors file" in msg, msg
         assert "weights_only=True" in msg and "fastckpt.save" in msg  # how to convert
         assert "header length field" not in msg
+    from fastckpt.cli.main import main as cli_main
+    assert cli_main(["verify", str(f)]) == 2  # an input error (exit 2), not a checksum MISMATCH (exit 1)
+    assert cli_main(["ls", str(f)]) == 2
+    io = capsys.readouterr()
+    assert "MISMATCH" not in io.out + io.err and "fastckpt verify: error:" in io.err and "torch.save" in io.err
+    assert "verify" not in io.err.split("fastckpt ls: error:")[1]  # ls does not send a .pt file to verify
     assert not marker.exists()
     e = pytest.raises(NotSafetensorsError, fastckpt.load, f).value
     assert isinstance(e, HeaderError) and isinstance(e, ValueError) and e.path == str(f)

@@ -189,8 +189,8 @@ def not_found_message(root: str | os.PathLike, prefix: str | None = None) -> str
     if not LOCAL.exists(root):
         return f"{root}: no checkpoints: no such file or folder"
     if not LOCAL.isdir(root):
-        return (f"{root}: no checkpoints: it is a file, not a folder (pass the run root or checkpoint folder; "
-                f"`fastckpt verify {root}` checks one safetensors file)")
+        check = f"; `fastckpt verify {root}` checks one safetensors file" if root.endswith(".safetensors") else ""
+        return f"{root}: no checkpoints: it is a file, not a folder (pass the run root or checkpoint folder{check})"
     pats = [f"{p}N" for p in ((prefix,) if prefix else PREFIXES)]
     what = pats[0] if len(pats) == 1 else ", ".join(pats[:-1]) + " or " + pats[-1]
     where = " or ".join(str(f) for f in search_folders(root))

@@ -10,7 +10,7 @@ from typing import Callable
 import xxhash
 
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, FastCkptError, InvalidArgumentError,
-                      UnsafePathError)
+                      NotSafetensorsError, UnsafePathError)
 from ..storage.model_files import safe_join
 from ..storage.io import get_backend, read_exact
 from ..format.manifest import Manifest
@@ -113,6 +113,9 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
 
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``path``.
+        NotSafetensorsError: ``path`` is a file of another format (a ``torch.save`` file, a pickle,
+            JSON) outside any checkpoint (inside one, a shard replaced by such a file is a problem of
+            the report).
     """
     path = InvalidArgumentError.check_path(path)
     check_threads(threads)
@@ -129,6 +132,9 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
     except CheckpointNotFoundError:
         raise
     except FastCkptError as e:  # damaged header/index/manifest, unknown dtype, unsafe path
+        if isinstance(e, NotSafetensorsError) and LOCAL.isfile(path) and not LOCAL.exists(
+                os.path.join(os.path.dirname(os.path.abspath(path)), MANIFEST)):
+            raise  # the file asked for is another format (a torch.save file...): not a damaged checkpoint
         report.problems.append(f"{type(e).__name__}: {e}")
         try:  # still re-read every other byte the manifest covers, so every damaged file is named
             r = Resolved(path, manifest=read_manifest(path))
