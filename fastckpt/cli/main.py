@@ -14,6 +14,7 @@ from ..errors import CheckpointNotFoundError, FastCkptError
 from ..manager import CheckpointManager
 from ..storage.commit import MANIFEST, read_manifest
 from ..storage.locate import store_for
+from ..storage.retention import is_temp_name
 from .common import (SIZE_UNITS_HELP, Run, find_runs, human_bytes, not_found_message,  # noqa: F401
                      parse_bytes, positive_int, progress_bar)  # parse_bytes re-exported: tests, scripts
 from .serve import add_load_parser
@@ -112,8 +113,12 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if run is None:
         raise CheckpointNotFoundError(not_found_message(args.root, args.prefix) + "; nothing pruned")
     mgr = CheckpointManager(run.folder, prefix=run.prefix)
+    store = store_for(str(run.folder))
+    temps = [n for n in store.listdir(str(run.folder)) if is_temp_name(n)]
     removed = mgr.prune(args.keep)
-    print(f"{run.describe()}: removed steps: {removed or 'none'}; kept: {mgr.steps()}")
+    gone = [n for n in temps if not store.lexists(store.join(str(run.folder), n))]
+    left = f"; removed {len(gone)} leftover folder(s) of dead writers: {', '.join(sorted(gone))}" if gone else ""
+    print(f"{run.describe()}: removed steps: {removed or 'none'}; kept: {mgr.steps()}{left}")
     return 0
 
 

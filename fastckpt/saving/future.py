@@ -135,13 +135,24 @@ _PENDING_LOCK = threading.Lock()
 
 def _finish_pending() -> None:
     """At interpreter exit, before thread pools refuse new work: say which saves are pending
-    and wait for them (their writer threads still submit I/O)."""
+    and wait for them (their writer threads still submit I/O). A ``KeyboardInterrupt`` while
+    waiting (Ctrl-C again) exits at once with status 130, saying so: letting the interpreter shut
+    down under the running writer threads aborted the process (``terminate called without an
+    active exception``, SIGABRT)."""
     with _PENDING_LOCK:
         pending = sorted((f for f in _PENDING if not f.done() and getattr(f, "_pid", None) == os.getpid()),
                          key=lambda f: str(f.path))
     for fut in pending:
-        print(f"fastckpt: finishing the pending save of {fut.path} before exit", file=sys.stderr, flush=True)
-        fut._event.wait()
+        try:
+            print(f"fastckpt: finishing the pending save of {fut.path} before exit (Ctrl-C: leave it unfinished)",
+                  file=sys.stderr, flush=True)
+            fut._event.wait()
+        except KeyboardInterrupt:  # asked again: exit now, not through a shutdown under running writers
+            print(f"fastckpt: interrupted: the save of {fut.path} was left unfinished (its commit is atomic: "
+                  "it is there whole or not at all; a leftover temporary folder is removed by the next "
+                  "CheckpointManager save or `fastckpt prune`)", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(130)  # 128 + SIGINT, as the shell reports an interrupted command
 
 
 def _report_uncollected() -> None:

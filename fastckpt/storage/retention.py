@@ -101,7 +101,8 @@ def is_temp_name(name: str) -> bool:
 
 def describe_leftover(path: str, store: Store | None = None) -> str:
     """One line saying what temporary folder ``path`` is and what happens to it."""
-    state = "live writer" if store_for(path, store).owner_alive(path) else "dead writer, removed on next save/prune"
+    state = "live writer" if store_for(path, store).owner_alive(path) else \
+        "dead writer, removed by the next CheckpointManager save or `fastckpt prune`"
     if path.endswith(DOOMED_SUFFIX):
         return f"checkpoint being deleted ({state})"
     return f"temporary folder of an unfinished save ({state})"

@@ -730,6 +730,55 @@ def test_exit_with_a_pending_save_finishes_it_and_says_so(tmp_path):
     assert "fastckpt" in p.stderr, f"no line about the pending save on stderr: {p.stderr!r}"
 
 
+def test_ctrl_c_while_a_pending_save_finishes_at_exit_leaves_it_cleanly(tmp_path):
+    """Ctrl-C while exit waits for a pending save (a user pressing it again): exit status 130 with a
+    line saying the save was left unfinished, no abort of the interpreter, and no half checkpoint:
+    the folder is either committed whole or absent; the next CheckpointManager save removes the
+    leftover temporary folder."""
+    import signal
+    ck = tmp_path / "run" / "step-1"
+    path = [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    code = textwrap.dedent("""
+        import sys, time, torch, fastckpt
+        from fastckpt.storage.io import PosixBackend
+
+        class Slow(PosixBackend):  # every write takes 50 ms: the save is still running at exit
+            def pwrite(self, fd, data, offset):
+                time.sleep(0.05)
+                return super().pwrite(fd, data, offset)
+
+        state = {"model": {f"w{i}": torch.randn(256, 1024) for i in range(16)}}  # 16 MiB, 1 MiB writes
+        fastckpt.async_save(state, sys.argv[1], io_backend=Slow(), chunk_bytes=1 << 20, threads=1)
+        """)
+    p = subprocess.Popen([sys.executable, "-c", code, str(ck)], stderr=subprocess.PIPE, text=True, cwd=str(REPO),
+                         env=env)
+    err = ""
+    deadline = time.monotonic() + 60
+    while "finishing the pending save" not in err and time.monotonic() < deadline:
+        err += p.stderr.readline()
+    assert "finishing the pending save" in err, err
+    p.send_signal(signal.SIGINT)
+    rest = p.communicate(timeout=60)[1]
+    assert p.returncode == 130, (p.returncode, err + rest)
+    assert "left unfinished" in rest and "terminate called" not in rest, rest
+    assert fastckpt.is_committed(ck) or not ck.exists(), "a half checkpoint at the path"
+    run = tmp_path / "run"
+    temps = sorted(n for n in os.listdir(run) if n.startswith(".") and "tmp" in n)
+    mgr = fastckpt.CheckpointManager(run)
+    mgr.save(2, {"w": torch.ones(2)})
+    assert sorted(n for n in os.listdir(run) if n.startswith(".") and "tmp" in n) == []
+    if temps:  # what `fastckpt prune` says of such leftovers (same cleanup as the save's)
+        os.mkdir(run / temps[0])
+        from fastckpt.cli.main import main as cli_main
+        import contextlib
+        import io
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli_main(["prune", str(run), "--keep", "5"]) == 0
+        assert f"removed 1 leftover folder(s) of dead writers: {temps[0]}" in out.getvalue(), out.getvalue()
+
+
 def test_exit_with_a_failing_pending_save_is_not_silent(tmp_path):
     ck = tmp_path / "ck"
     p = _python("""
