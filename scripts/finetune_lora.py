@@ -261,6 +261,7 @@ def main(argv=None) -> int:
     if opts.crash_at is not None and opts.crash_at % opts.save_every:
         p.error(f"--crash-at {opts.crash_at} is not a save step (multiple of --save-every {opts.save_every})")
     if not opts.resume and opts.output.exists():
+        print(f"starting fresh: removing the earlier run in {opts.output} (--resume continues it instead)", flush=True)
         shutil.rmtree(opts.output)
     device = pick_device(opts.device)
     t0 = time.perf_counter()
