@@ -420,3 +420,28 @@ def test_reserve_checks_its_size_at_the_call():
     for bad in (-5, "16MiB", 1.5, True):
         with pytest.raises(InvalidArgumentError, match="nbytes must be an int >= 0"):
             fastckpt.reserve(bad)
+
+
+def test_native_dcp_folder_is_named_as_such_by_every_reader(tmp_path, capsys):
+    """A folder ``torch.distributed.checkpoint.save`` wrote (``.metadata`` + ``*.distcp``, pickles)
+    is refused the same way by the API and the CLI: ``NativeCheckpointError`` naming ``.metadata``
+    and how to convert (the API used to say "nothing to load"); nothing is unpickled."""
+    import torch.distributed.checkpoint as dcp
+
+    import fastckpt.dcp
+    from fastckpt.cli.main import main as cli_main
+    from fastckpt.dcp import FastCkptReader
+    from fastckpt.errors import NativeCheckpointError
+    folder = tmp_path / "native"
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(folder))
+    assert (folder / ".metadata").is_file()
+    for call in (lambda: fastckpt.load(folder), lambda: fastckpt.load_into({"w": torch.zeros(3)}, folder),
+                 lambda: fastckpt.dcp.load({"w": torch.zeros(3)}, folder)):
+        with pytest.raises(NativeCheckpointError) as ei:
+            call()
+        text = str(ei.value)
+        assert ei.value.pickle_file == str(folder / ".metadata") and "nothing to load" not in text, text
+    with pytest.raises(BaseException, match="a native torch.distributed.checkpoint folder"):  # DCP's own wrapper
+        dcp.load({"w": torch.zeros(3)}, storage_reader=FastCkptReader(folder))
+    assert cli_main(["load", str(folder), "--to", str(tmp_path / "out")]) == 2
+    assert "a native torch.distributed.checkpoint folder" in capsys.readouterr().err

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 from ..storage import commit as cm
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, HeaderError, InvalidArgumentError
+from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, HeaderError, InvalidArgumentError,
+                      NativeCheckpointError)
 from ..format.safetensors import INDEX_SUFFIX, Header, TensorInfo
 from ..storage.model_files import read_header, read_index, safe_join
 from ..format.manifest import Manifest
@@ -133,6 +135,59 @@ MAIN_INDEX = "model" + INDEX_SUFFIX
 MAIN_FILE = "model.safetensors"
 
 
+#: A native DeepSpeed checkpoint file (a torch.save pickle).
+DS_FILE_RE = re.compile(r".*_(model|optim)_states\.pt$")
+
+
+def refuse_native(path: str) -> None:
+    """Refuse a native DeepSpeed or DCP checkpoint (pickled) given as ``path``; nothing of it is read.
+
+    Looks at ``path`` itself, at the tag folder ``path/latest`` names and at a DCP folder's
+    ``.metadata``.
+
+    Raises:
+        NativeCheckpointError: naming the pickle file and what to do instead.
+    """
+    path = os.path.abspath(path)
+    candidates = [path] + [t for t in [latest_tag(path)] if t]
+    for folder in candidates:
+        if LOCAL.isfile(folder) and DS_FILE_RE.match(os.path.basename(folder)):
+            raise native_ds(folder)
+        if not LOCAL.isdir(folder):
+            continue
+        for name in sorted(LOCAL.listdir(folder)):
+            p = os.path.join(folder, name)
+            if DS_FILE_RE.match(name) and LOCAL.isfile(p):
+                raise native_ds(p)
+        meta = os.path.join(folder, ".metadata")
+        if LOCAL.isfile(meta):
+            raise NativeCheckpointError(
+                f"{meta}: a native torch.distributed.checkpoint folder (its .metadata is a pickle, and so are "
+                "the *.distcp records); fastckpt never unpickles. Re-save with fastckpt's DCP writer "
+                "(fastckpt.integrations FastCkptWriter) or fastckpt.save, or knowingly convert it with "
+                "torch.distributed.checkpoint.format_utils.dcp_to_torch_save (which unpickles)", pickle_file=meta)
+
+
+def native_ds(p: str) -> NativeCheckpointError:
+    """The error of a native DeepSpeed checkpoint file ``p`` (a pickle)."""
+    return NativeCheckpointError(
+        f"{p}: a native DeepSpeed checkpoint file (torch.save pickle); fastckpt never unpickles. Save with "
+        "fastckpt's engine (fastckpt.integrations.deepspeed.engine.install(engine) before save_checkpoint), or knowingly "
+        "use DeepSpeed's own zero_to_fp32.py on a folder you trust (it unpickles)", pickle_file=p)
+
+
+def latest_tag(save_dir: str) -> str | None:
+    """``save_dir/<tag named by save_dir/latest>``, or None: no ``latest`` file, or one that does not
+    name a folder directly inside ``save_dir`` (never followed: it is not DeepSpeed's pointer)."""
+    latest = os.path.join(save_dir, "latest")
+    if not LOCAL.isfile(latest):
+        return None
+    name = LOCAL.read_bytes(latest, 4096).decode("utf-8", "replace").strip()
+    if not name or name in (".", "..") or "/" in name or os.sep in name or name.startswith("."):
+        return None
+    return os.path.join(save_dir, name)
+
+
 def _foreign_files(path: str) -> tuple[list[str], dict[str, str]]:
     """The weight files of a foreign folder and the index's ``tensor -> file`` map, in the order
     transformers' ``from_pretrained`` looks for them (``_get_resolved_checkpoint_files``):
@@ -177,6 +232,7 @@ def _resolve_foreign(path: str) -> Resolved:
     r = Resolved(path)
     files, wanted = _foreign_files(path)
     if not files:
+        refuse_native(path)  # a native DCP / DeepSpeed folder: say so (as the CLI does), not "nothing to load"
         pickled = sorted(n for n in LOCAL.listdir(path) if n.endswith((".bin", ".pt", ".pth", ".ckpt")))
         hint = (f"; it holds {', '.join(pickled[:3])}{' ...' if len(pickled) > 3 else ''}: torch.save (pickle) "
                 "files, which fastckpt never unpickles. If you trust them, convert once: "

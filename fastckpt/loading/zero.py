@@ -45,16 +45,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CorruptCheckpointError, IncompleteTagError, KeysNotFoundError, NativeCheckpointError
+from ..errors import CorruptCheckpointError, IncompleteTagError, KeysNotFoundError
 from ..storage.store import LOCAL
 from .reader import load
+from .resolve import DS_FILE_RE, latest_tag, refuse_native
 
 #: The marker fastckpt's DeepSpeed engine writes in a tag folder once every rank committed
 #: (the same name as :data:`fastckpt.integrations.deepspeed.tag.MARKER`).
 MARKER = "fastckpt_tag.json"
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_DS_FILE_RE = re.compile(r".*_(model|optim)_states\.pt$")
 _OSD = "ds/optimizer_state_dict/"
 
 
@@ -70,54 +70,6 @@ class ZeroInfo:
     dtype: torch.dtype
 
 
-def refuse_native(path: str) -> None:
-    """Refuse a native DeepSpeed or DCP checkpoint (pickled) given as ``path``; nothing of it is read.
-
-    Looks at ``path`` itself, at the tag folder ``path/latest`` names and at a DCP folder's
-    ``.metadata``.
-
-    Raises:
-        NativeCheckpointError: naming the pickle file and what to do instead.
-    """
-    path = os.path.abspath(path)
-    candidates = [path] + [t for t in [_latest_tag(path)] if t]
-    for folder in candidates:
-        if LOCAL.isfile(folder) and _DS_FILE_RE.match(os.path.basename(folder)):
-            raise _native_ds(folder)
-        if not LOCAL.isdir(folder):
-            continue
-        for name in sorted(LOCAL.listdir(folder)):
-            p = os.path.join(folder, name)
-            if _DS_FILE_RE.match(name) and LOCAL.isfile(p):
-                raise _native_ds(p)
-        meta = os.path.join(folder, ".metadata")
-        if LOCAL.isfile(meta):
-            raise NativeCheckpointError(
-                f"{meta}: a native torch.distributed.checkpoint folder (its .metadata is a pickle, and so are "
-                "the *.distcp records); fastckpt never unpickles. Re-save with fastckpt's DCP writer "
-                "(fastckpt.integrations FastCkptWriter) or fastckpt.save, or knowingly convert it with "
-                "torch.distributed.checkpoint.format_utils.dcp_to_torch_save (which unpickles)", pickle_file=meta)
-
-
-def _native_ds(p: str) -> NativeCheckpointError:
-    return NativeCheckpointError(
-        f"{p}: a native DeepSpeed checkpoint file (torch.save pickle); fastckpt never unpickles. Save with "
-        "fastckpt's engine (fastckpt.integrations.deepspeed.engine.install(engine) before save_checkpoint), or knowingly "
-        "use DeepSpeed's own zero_to_fp32.py on a folder you trust (it unpickles)", pickle_file=p)
-
-
-def _latest_tag(save_dir: str) -> str | None:
-    """``save_dir/<tag named by save_dir/latest>``, or None: no ``latest`` file, or one that does not
-    name a folder directly inside ``save_dir`` (never followed: it is not DeepSpeed's pointer)."""
-    latest = os.path.join(save_dir, "latest")
-    if not LOCAL.isfile(latest):
-        return None
-    name = LOCAL.read_bytes(latest, 4096).decode("utf-8", "replace").strip()
-    if not name or name in (".", "..") or "/" in name or os.sep in name or name.startswith("."):
-        return None
-    return os.path.join(save_dir, name)
-
-
 def find_zero_tag(path: str) -> str | None:
     """The tag folder of a DeepSpeed checkpoint written by fastckpt's engine, or None.
 
@@ -131,10 +83,10 @@ def find_zero_tag(path: str) -> str | None:
     """
     refuse_native(path)
     path = os.path.abspath(path)
-    for folder in [t for t in [_latest_tag(path) if LOCAL.isdir(path) else None, path] if t]:
+    for folder in [t for t in [latest_tag(path) if LOCAL.isdir(path) else None, path] if t]:
         if LOCAL.isfile(os.path.join(folder, MARKER)):
             return folder
-        if LOCAL.isdir(folder) and any(_DS_FILE_RE.match(n) for n in LOCAL.listdir(folder)):
+        if LOCAL.isdir(folder) and any(DS_FILE_RE.match(n) for n in LOCAL.listdir(folder)):
             raise IncompleteTagError(f"{folder}: DeepSpeed files written by fastckpt but no {MARKER}: this tag "
                                      "was never committed by every rank; use the tag that 'latest' names", path=folder)
     return None
