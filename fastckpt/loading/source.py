@@ -105,7 +105,8 @@ class Source:
 
     def read_adapter(self, *, threads: int | None = None) -> dict[str, torch.Tensor]:
         """Read the LoRA adapter's tensors (names as stored in ``adapter_model.safetensors``) into CPU
-        tensors, each checked against its xxh3 when the adapter folder is a fastckpt checkpoint.
+        tensors, each checked against its xxh3 when the adapter folder is a fastckpt checkpoint or a sub-folder
+        of one that lists it (:func:`owning_checkpoint`).
 
         Raises:
             ValueError: the source has no adapter.
@@ -114,14 +115,28 @@ class Source:
         """
         if self.adapter_dir is None:
             raise ValueError(f"{self.path}: no LoRA adapter")
-        if LOCAL.isfile(os.path.join(self.adapter_dir, MANIFEST)):
-            r = self.resolved if os.path.abspath(self.adapter_dir) == os.path.abspath(self.path) \
-                else resolve(self.adapter_dir)
-            keys = {k: r.manifest.tensors[k].name for k, (f, _) in r.tensors.items() if f == ADAPTER_WEIGHTS}
+        root, fname = owning_checkpoint(self.adapter_dir, ADAPTER_WEIGHTS)  # a sub-folder adapter: its parent's
+        if LOCAL.isfile(os.path.join(root, MANIFEST)):
+            r = self.resolved if os.path.abspath(root) == os.path.abspath(self.path) else resolve(root)
+            keys = {k: r.manifest.tensors[k].name for k, (f, _) in r.tensors.items() if f == fname}
             got = read_tensors(r, list(keys), threads=threads, verify=True)
             return {keys[k]: t for k, t in got.items()}
         r = resolve(os.path.join(self.adapter_dir, ADAPTER_WEIGHTS))
         return read_tensors(r, list(r.tensors), threads=threads)
+
+
+def owning_checkpoint(folder: str, name: str) -> tuple[str, str]:
+    """``(checkpoint folder, file name in it)`` of file ``name`` of ``folder``: ``folder`` itself when it
+    has a manifest, else its parent when the parent's manifest lists ``<folder's name>/<name>`` (peft's
+    second adapter, ``CKPT/second/adapter_model.safetensors``, is listed by ``CKPT/manifest.json``);
+    ``(folder, name)`` when neither is a checkpoint."""
+    if LOCAL.isfile(os.path.join(folder, MANIFEST)):
+        return folder, name
+    parent = os.path.dirname(os.path.abspath(folder))
+    sub = f"{os.path.basename(os.path.abspath(folder))}/{name}"
+    if LOCAL.isfile(os.path.join(parent, MANIFEST)) and sub in read_manifest_shared(parent).files:
+        return parent, sub
+    return folder, name
 
 
 def file_checks(folder: str | os.PathLike, name: str) -> tuple[int, list[RangeCheck]] | None:
@@ -140,7 +155,7 @@ def file_checks(folder: str | os.PathLike, name: str) -> tuple[int, list[RangeCh
     Raises:
         CorruptCheckpointError: an unreadable manifest. UnsafePathError: ``name`` leaves the folder.
     """
-    folder = os.fspath(folder)
+    folder, name = owning_checkpoint(os.fspath(folder), name)
     if not LOCAL.isfile(os.path.join(folder, MANIFEST)):
         return None
     m = read_manifest_shared(folder)

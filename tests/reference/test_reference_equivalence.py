@@ -240,8 +240,19 @@ def test_merged_export_of_a_named_adapter(tmp_path, capsys):
         assert not (tmp_path / "bad").exists()
         assert main(["load", str(ck / "mine"), "--base", str(ck), "--to", str(tmp_path / "merged"),
                      "--merge-lora", "-q"]) == 0
+        err = capsys.readouterr().err  # mine/'s files are checked against ck's manifest, which lists them
+        assert "verified while reading" in err and "no checksum" not in err, err
     model.merge_and_unload().save_pretrained(tmp_path / "ref")
     _assert_equivalent(tmp_path / "ref", [tmp_path / "merged"])
+    adapter = ck / "mine" / "adapter_model.safetensors"  # a flipped byte in a tensor of the sub-folder adapter
+    data = bytearray(adapter.read_bytes())
+    data[-3] ^= 0x10
+    adapter.write_bytes(bytes(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["load", str(ck / "mine"), "--base", str(ck), "--to", str(tmp_path / "merged2"),
+                     "--merge-lora", "-q"]) != 0
+    assert "mine/adapter_model.safetensors" in capsys.readouterr().err and not (tmp_path / "merged2").exists()
 
 
 def test_snapshotter_files_follow_a_config_change(tmp_path):
