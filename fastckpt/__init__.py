@@ -276,8 +276,21 @@ __all__ += ["check_servable", "ServableReport", "save_route", "SaveRoute", "Posi
 _LAYERS = ("format", "device", "storage", "saving", "loading", "kv", "coordination", "manager", "cli", "integrations")
 
 
+def __getattr__(name: str) -> Any:
+    """``fastckpt.dcp`` (DCP's storage writer / reader, :mod:`fastckpt.dcp`) imported on first use:
+    it imports ``torch.distributed.checkpoint``, which a plain save or load never needs.
+
+    Raises:
+        AttributeError: any other unknown name.
+    """
+    if name == "dcp":
+        import importlib
+        return importlib.import_module(".dcp", __name__)
+    raise AttributeError(f"module 'fastckpt' has no attribute {name!r}")
+
+
 def __dir__() -> list[str]:
     """The public names (``__all__``), ``__version__`` and the layers imported so far: not the helpers
     this module imports for its signatures (``os``, ``Path``, ``Any``...), which stay importable for
     ``typing.get_type_hints``."""
-    return sorted({*__all__, "__version__", *(n for n in _LAYERS if n in globals())})
+    return sorted({*__all__, "__version__", "dcp", *(n for n in _LAYERS if n in globals())})
