@@ -21,7 +21,9 @@ marker lists it. ``fastckpt load SAVE_DIR --to DIR`` turns such a tag into an HF
 (:mod:`fastckpt.loading.zero`).
 
 Values DeepSpeed puts in its states that are not tensors or JSON (``torch.Size``, ``set``,
-``ZeroStageEnum``, ``LossScaler``, ``fragment_address``) are stored as tagged JSON. Loading
+``ZeroStageEnum``, ``LossScaler``, ``fragment_address``) are stored as tagged JSON (``{"__ds_size__":
+[...]}``...); a dict of the caller's with a key of the tags' form as ``{"__ds_dict__": [[key, value],
+...]}``, so it comes back as a dict. Dicts come back as ``dict`` (an ``OrderedDict`` too: equal, in order). Loading
 rebuilds only the classes named in :data:`ALLOWED_TYPES`: a checkpoint cannot make the loader
 import or call anything else (a type name outside the list is refused with
 :class:`~fastckpt.errors.UntrustedTypeError`, before any object is built).
@@ -78,7 +80,10 @@ def encode(v: Any, path: str = "") -> Any:
     if isinstance(v, (set, frozenset)):
         return {"__ds_set__": [encode(x, path) for x in sorted(v, key=repr)]}
     if isinstance(v, dict):
-        return {k: encode(x, f"{path}/{k}") for k, x in v.items()}
+        items = {k: encode(x, f"{path}/{k}") for k, x in v.items()}
+        if any(isinstance(k, str) and k.startswith("__ds_") for k in v):  # a caller's dict of the tags' form
+            return {"__ds_dict__": [[k, x] for k, x in items.items()]}        # is not read back as a tag
+        return items
     if isinstance(v, list):
         return [encode(x, f"{path}/{i}") for i, x in enumerate(v)]
     if isinstance(v, tuple) and type(v) is tuple:
@@ -122,6 +127,8 @@ def decode(v: Any, source: str = "<state>") -> Any:
             (names ``source`` and the value); nothing of it is imported or called.
     """
     if isinstance(v, dict):
+        if "__ds_dict__" in v:
+            return {k: decode(x, source) for k, x in v["__ds_dict__"]}
         if "__ds_size__" in v:
             return torch.Size(v["__ds_size__"])
         if "__ds_set__" in v:

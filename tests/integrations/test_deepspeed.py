@@ -71,7 +71,11 @@ def test_decode_never_calls_what_the_checkpoint_names(tmp_path, tag, monkeypatch
     called = []
     monkeypatch.setattr(torch.hub, "set_dir", lambda *a: called.append(a))
     ckpt = tmp_path / "mp_rank_00_model_states.pt"
-    ce = FastCkptCheckpointEngine()  # the engine writes the tagged dict as plain JSON, and the tag's marker
+    import fastckpt.integrations.deepspeed.engine as engine_mod
+    # a hostile checkpoint: the tagged dict written as it is (the engine's own encode would escape a
+    # caller's dict of that form, see test_client_state_dicts_come_back_as_they_were), and the tag's marker
+    monkeypatch.setattr(engine_mod, "encode", lambda v, path="": v)
+    ce = FastCkptCheckpointEngine()
     ce.save({"x": tag}, str(ckpt))
     ce.commit(None)
     with pytest.raises(UntrustedTypeError) as e:
@@ -89,6 +93,21 @@ def test_codec_rebuilds_the_allowed_deepspeed_types():
     back = decode(encode(state))
     assert isinstance(back["scaler"], DynamicLossScaler) and back["scaler"].cur_scale == 2.0 ** 8
     assert back["stage"] is ZeroStageEnum(3)
+
+
+def test_client_state_dicts_come_back_as_they_were(tmp_path):
+    """A dict of the caller's whose key has the codec's tag form (``{"__ds_size__": [1, 2]}``) stays a
+    dict (it came back as torch.Size) through the real fastckpt save and load of the encoded state; an
+    OrderedDict comes back as an equal dict in the same order (DeepSpeed's torch.save keeps the type)."""
+    from collections import OrderedDict
+    state = {"od": OrderedDict([("b", 1), ("a", torch.ones(2))]), "user": {"__ds_size__": [1, 2], 3: "x"},
+             "size": torch.Size([4, 5]), "nested": [OrderedDict(z=1)]}
+    fastckpt.save(encode(state), tmp_path / "ck")
+    back = decode(fastckpt.load(tmp_path / "ck"))
+    assert list(back["od"]) == ["b", "a"] and back["od"]["b"] == 1 and torch.equal(back["od"]["a"], torch.ones(2))
+    assert type(back["user"]) is dict and back["user"] == {"__ds_size__": [1, 2], 3: "x"}
+    assert back["size"] == torch.Size([4, 5]) and type(back["size"]) is torch.Size
+    assert back["nested"] == [{"z": 1}]
 
 
 def test_real_deepspeed_cpu_save_load(tmp_path, monkeypatch):
