@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Any
 
 import fastckpt
@@ -128,6 +129,14 @@ class TrainerResume:
                 ``ValueError``).
         """
         if not fastckpt.is_committed(ckpt):
+            native = [n for n in sorted(os.listdir(ckpt)) if n in ("optimizer.pt", "scheduler.pt")
+                      or (n.startswith("rng_state") and n.endswith(".pth"))] if os.path.isdir(ckpt) else []
+            if {"optimizer.pt", "scheduler.pt"} <= set(native):  # the Trainer's own checkpoint: restored by the
+                # Trainer itself from its pickles (fastckpt reads none of them)
+                logger.info("fastckpt: resumed at step %d from the Trainer's own checkpoint %s (optimizer, scheduler "
+                            "and RNG restored by the Trainer from %s); the next saves are fastckpt's",
+                            state.global_step, ckpt, ", ".join(native))
+                return False
             logger.warning(
                 "fastckpt: resumed at step %d but %s is not a committed fastckpt checkpoint: optimizer, "
                 "scheduler and RNG states come from the Trainer's own files if any; resume may not be "

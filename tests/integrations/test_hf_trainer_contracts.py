@@ -271,6 +271,24 @@ def test_exact_resume_without_mixin_from_another_folder(tmp_path, full_run, how)
     assert not any(k.startswith("fastckpt") for h in tr.state.log_history for k in h)
 
 
+def test_resume_from_the_trainers_own_checkpoint_says_the_trainer_restored_it(tmp_path, full_run, caplog):
+    """The callback resuming a checkpoint the Trainer wrote itself (its optimizer.pt, scheduler.pt,
+    rng_state.pth): the Trainer restores those, the run equals the uninterrupted one, and the callback
+    says so at INFO instead of warning that the resume may not be exact (a handoff probe saw the
+    warning on an exact resume)."""
+    _, ref_w, _, ref_lr = full_run
+    native = plain(tmp_path / "native", save_steps=19)
+    native.train()
+    assert (tmp_path / "native" / "checkpoint-19" / "optimizer.pt").is_file()
+    tr = fast(tmp_path / "e", save_steps=19)
+    with caplog.at_level(logging.INFO):
+        tr.train(resume_from_checkpoint=str(tmp_path / "native" / "checkpoint-19"))
+    assert "not a committed fastckpt checkpoint" not in caplog.text
+    assert "restored by the Trainer from optimizer.pt" in caplog.text, caplog.text
+    assert_bit_equal(weights(tr.model), ref_w)
+    assert tr.lr_scheduler.get_last_lr() == ref_lr
+
+
 def test_resume_without_restore_differs(tmp_path, full_run, caplog):
     """Control: the same resume with the callback pointed at a folder it cannot restore from
     (optimizer, scheduler and RNG then start fresh) does not give the uninterrupted run's weights,
