@@ -61,6 +61,7 @@ from ..loading.source import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Source, adapter_b
 from ..saving.committer import folder_error
 from ..saving.export import Entry, copy_checked, plan_shards, read_checked, warm_files, write_shards
 from ..storage import commit as cm
+from ..storage.model_files import safe_join
 from ..storage.store import LOCAL, strategy
 from ..storage.tier import tier_for
 
@@ -142,8 +143,52 @@ def _meta_files(src_dir: str) -> list[str]:
     return out
 
 
+#: A sentence-transformers folder (``SentenceTransformer.save``): these files, and each module's folder
+#: ``modules.json`` names (``1_Pooling/``, ``2_Dense/`` with its own weights, ``3_Normalize/``).
+ST_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+
+
+def _st_files(src_dir: str) -> list[str]:
+    """The files (``/``-separated, relative) that make ``src_dir`` a sentence-transformers model beyond
+    its transformer weights: :data:`ST_FILES` and every file under the module folders its
+    ``modules.json`` names; ``[]`` for any other folder. Without them the exported folder loads in
+    ``SentenceTransformer`` with other pooling and no Dense / Normalize modules (other embeddings),
+    and servers that read ``modules.json`` (vLLM's pooling) serve another model.
+
+    Raises:
+        CorruptCheckpointError: ``modules.json`` is not a list of modules.
+        UnsafePathError: a module path leaves the folder.
+    """
+    if not LOCAL.isfile(os.path.join(src_dir, "modules.json")):
+        return []
+    try:
+        modules = json.loads(LOCAL.read_bytes(os.path.join(src_dir, "modules.json")))
+        paths = sorted({m.get("path", "") for m in modules if isinstance(m, dict)} - {""})
+    except (ValueError, AttributeError, TypeError) as e:
+        raise CorruptCheckpointError(f"{src_dir}/modules.json: not a sentence-transformers module list ({e})") from None
+    out = [n for n in ST_FILES if LOCAL.isfile(os.path.join(src_dir, n))]
+
+    def files_under(rel: str) -> None:
+        for name in sorted(LOCAL.listdir(safe_join(src_dir, rel))):
+            if name.startswith("."):
+                continue
+            if LOCAL.isdir(os.path.join(src_dir, rel, name)):
+                files_under(f"{rel}/{name}")
+            else:
+                out.append(f"{rel}/{name}")
+    for rel in paths:
+        if LOCAL.isdir(safe_join(src_dir, rel)):
+            files_under(rel.strip("/"))
+    return out
+
+
 def _copy_meta(src_dir: str, dst: str, checked: _Checked) -> list[str]:
     copied = []
+    for name in _st_files(src_dir):  # sentence-transformers modules: pooling, dense, normalize
+        if not LOCAL.exists(os.path.join(dst, name)):
+            LOCAL.makedirs(os.path.dirname(os.path.join(dst, name)))
+            _copy_side_file(src_dir, name, os.path.join(dst, name), checked)
+            copied.append(name)
     for name in _meta_files(src_dir):
         if not LOCAL.exists(os.path.join(dst, name)):
             _copy_side_file(src_dir, name, os.path.join(dst, name), checked)

@@ -8,7 +8,10 @@ checks, in order:
 1. ``config.json`` exists, is a JSON object, names an architecture (``architectures``, what vLLM
    and ``AutoModel`` pick the model class by) and a dtype (``dtype``, or the older ``torch_dtype``:
    what vLLM serves in by default). ``save_pretrained`` writes both; a config built in code
-   (``LlamaConfig(...)``) has neither until a model saved it.
+   (``LlamaConfig(...)``) has neither until a model saved it. A config without a dtype whose
+   floating weights are all float32 passes with a warning: transformers loads it in float32 and
+   vLLM takes a config without a dtype as float32 (old ``save_pretrained`` versions wrote none,
+   e.g. all-MiniLM-L6-v2's, transformers 4.8); with weights of another dtype it is refused.
 2. The folder's weights (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` with
    ``model.safetensors.index.json``, or a fastckpt checkpoint; headers and index validated, no
    tensor data read) hold every parameter of that architecture with its shape. The expected
@@ -170,15 +173,26 @@ def check_servable(folder: str | os.PathLike) -> ServableReport:
     folder = os.fspath(folder)
     cfg = _read_config(folder)
     problems = _name_problems(cfg)
-    if problems:
-        raise NotServableError(f"{folder} is not servable:\n  - " + "\n  - ".join(problems), path=folder,
-                               problems=problems)
+    no_dtype = [q for q in problems if q.startswith("config.json names no dtype")]
+    if problems != no_dtype or not no_dtype:  # (no problem, or others than the dtype alone)
+        if problems:
+            raise NotServableError(f"{folder} is not servable:\n  - " + "\n  - ".join(problems), path=folder,
+                                   problems=problems)
     src = open_source(folder)
+    notes = []
+    if no_dtype:
+        floats = {src.resolved.tensors[k][1].dtype for k in src.weights.values()} & {"F64", "F32", "F16", "BF16"}
+        if floats - {"F32"}:
+            raise NotServableError(f"{folder} is not servable:\n  - {no_dtype[0]} (the weights are "
+                                   f"{', '.join(sorted(floats))}, and servers take a config without one as float32)",
+                                   path=folder, problems=no_dtype)
+        notes.append("config.json names no dtype: float32 assumed, as the weights are (transformers and vLLM take a "
+                     "config without one as float32; vllm serve --dtype picks another)")
     have = {n: tuple(src.resolved.tensors[k][1].shape) for n, k in src.weights.items()}
     params, buffers, tied, skip = _expected(cfg, folder)
-    arch, dtype = cfg["architectures"][0], cfg.get("dtype", cfg.get("torch_dtype"))
+    arch, dtype = cfg["architectures"][0], cfg.get("dtype", cfg.get("torch_dtype")) or "float32"
     if skip:
-        return ServableReport(folder, arch, dtype, 0, [skip])
+        return ServableReport(folder, arch, dtype, 0, notes + [skip])
     missing = sorted(n for n in params if n not in have)
     bad = {n: (s, have[n]) for n, s in {**params, **buffers}.items() if n in have and have[n] != s}
     for g in tied:  # a name dropped as a tied duplicate, present anyway: its shape and values must agree
@@ -203,7 +217,7 @@ def check_servable(folder: str | os.PathLike) -> ServableReport:
     if problems:
         raise NotServableError(f"{folder} is not servable:\n  - " + "\n  - ".join(problems) + f"\n{hint}",
                                path=folder, problems=problems, missing=missing, mismatched=bad)
-    return ServableReport(folder, arch, dtype, len(params))
+    return ServableReport(folder, arch, dtype, len(params), notes)
 
 
 def _tie_values(src, tied: list[list[str]], have: dict, cfg: dict) -> list[str]:

