@@ -133,6 +133,10 @@ def _resolve_fastckpt(path: str) -> Resolved:
 MAIN_INDEX = "model" + INDEX_SUFFIX
 #: The single-file weights transformers reads when a folder has no index.
 MAIN_FILE = "model.safetensors"
+#: The same two in a diffusers component folder (``unet/``, ``vae/``...), as ``ModelMixin.from_pretrained`` reads them.
+DIFFUSERS_INDEX, DIFFUSERS_FILE = "diffusion_pytorch_model" + INDEX_SUFFIX, "diffusion_pytorch_model.safetensors"
+#: ``{name}.{variant}.safetensors`` / ``{name}-0000k-of-0000n.{variant}.safetensors``: save_pretrained(variant=...)
+_VARIANT = re.compile(r"^(.+?)(-\d{5}-of-\d{5})?\.([A-Za-z0-9_]+)\.safetensors$")
 
 
 #: A native DeepSpeed checkpoint file (a torch.save pickle).
@@ -197,14 +201,20 @@ def _foreign_files(path: str) -> tuple[list[str], dict[str, str]]:
     new index, or a stale index beside a new ``model.safetensors``; transformers loads the file);
     else ``model.safetensors.index.json`` names exactly what is loaded (other ``*.safetensors`` in
     the folder, e.g. ``consolidated.safetensors`` or leftover shards, are ignored); other indexes
-    are used only without it; with no index, every top-level ``*.safetensors`` file.
+    are used only without it; with no index, every top-level ``*.safetensors`` file. A diffusers
+    component folder the same way with ``diffusion_pytorch_model.safetensors`` (and its index), so
+    ``save_pretrained(variant="fp16")`` files beside the default ones are not mixed in (variant
+    indexes, ``*.safetensors.index.fp16.json``, never match the index pattern).
     """
     indexes = LOCAL.glob(path, "*" + INDEX_SUFFIX)
-    main = os.path.join(path, MAIN_FILE)
-    if LOCAL.isfile(main) or (not indexes and LOCAL.lexists(main)):  # (a dangling link: named when read)
-        return [MAIN_FILE], {}
-    if os.path.join(path, MAIN_INDEX) in indexes:
-        indexes = [os.path.join(path, MAIN_INDEX)]
+    for name in (MAIN_FILE, DIFFUSERS_FILE):  # diffusers: the same rule for its component folders
+        main = os.path.join(path, name)
+        if LOCAL.isfile(main) or (not indexes and LOCAL.lexists(main)):  # (a dangling link: named when read)
+            return [name], {}
+    for name in (MAIN_INDEX, DIFFUSERS_INDEX):
+        if os.path.join(path, name) in indexes:
+            indexes = [os.path.join(path, name)]
+            break
     wanted: dict[str, str] = {}
     for ix in indexes:
         for name, shard in read_index(ix).items():
@@ -245,8 +255,12 @@ def _resolve_foreign(path: str) -> Resolved:
         r.headers[name] = h
         for tname, t in h.tensors.items():
             if tname in r.tensors:
+                variants = sorted({m.group(3) for f in files if (m := _VARIANT.match(f))})
+                hint = (f": the folder holds variants ({', '.join(variants)}) of one model's weights "
+                        f"(save_pretrained(variant=...)); pass the file of the one you want, e.g. "
+                        f"{os.path.join(path, name)}") if variants else "; refusing to pick one"
                 raise HeaderError(f"{path}: tensor {tname!r} is stored in both {r.tensors[tname][0]!r} and "
-                                  f"{name!r}; refusing to pick one", path=os.path.join(path, name), tensor=tname)
+                                  f"{name!r}{hint}", path=os.path.join(path, name), tensor=tname)
             r.tensors[tname] = (name, t)
     for tname, shard in wanted.items():
         if tname not in r.tensors or r.tensors[tname][0] != shard:

@@ -331,3 +331,37 @@ def test_save_pretrained_leftovers_load_what_from_pretrained_loads(tmp_path, ord
     fresh = {k: torch.zeros_like(v) for k, v in want.items()}
     fastckpt.load_into(fresh, folder)
     _same(fresh, want)
+
+
+def test_variants_beside_the_default_weights_are_not_mixed_in(tmp_path):
+    """``save_pretrained(variant="fp16")`` beside the default save (the hub's usual diffusers layout,
+    and transformers'): the default file is loaded, as ``from_pretrained`` without a variant does;
+    fastckpt refused ('stored in both'). A folder of variants only is refused naming them."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(cfg)
+    folder = tmp_path / "tf"
+    m.save_pretrained(folder)
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    m.half().save_pretrained(folder, variant="fp16")
+    assert (folder / "model.fp16.safetensors").is_file()
+    ref = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    got = fastckpt.load(folder)
+    for k, v in got.items():  # the default file's bytes, as from_pretrained without a variant reads
+        assert v.dtype == torch.float32 and torch.equal(v, want[k]) and torch.equal(v, ref[k]), k
+    # a diffusers component folder as ModelMixin.save_pretrained lays it out (default + fp16 variant)
+    unet = tmp_path / "unet"
+    unet.mkdir()
+    sd = _weights()
+    (unet / "diffusion_pytorch_model.safetensors").write_bytes(st_save(sd, {"format": "pt"}))
+    (unet / "diffusion_pytorch_model.fp16.safetensors").write_bytes(
+        st_save({k: v.half() for k, v in sd.items()}, {"format": "pt"}))
+    (unet / "config.json").write_text('{"_class_name": "UNet2DModel"}')
+    _same(fastckpt.load(unet), sd)
+    os.unlink(folder / "model.safetensors")
+    m.bfloat16().save_pretrained(folder, variant="bf16")
+    with pytest.raises(HeaderError, match=r"variants \(bf16, fp16\).*pass the file"):
+        fastckpt.load(folder)
+    assert fastckpt.load(folder / "model.bf16.safetensors").keys() == got.keys()
