@@ -118,6 +118,7 @@ class _Plan:
         self.values: dict[str, Any] = {}
         self.used: set[str] = set()
         self.missing: list[str] = []
+        self.missing_tensors: dict[str, torch.Tensor] = {}  # path -> the state's tensor (for ties)
         self.mismatched: list[tuple] = []
         self.cast: list[tuple[str, str, str]] = []
 
@@ -133,6 +134,7 @@ class _Plan:
                     self.mismatched.append((path, _describe(v), f"a {type(idx.values[name]).__name__} value", ""))
                 else:
                     self.missing.append(path)
+                    self.missing_tensors[path] = v
                 return
             self.used.add(name)
             self._tensor(v, path, desc)
@@ -164,6 +166,22 @@ class _Plan:
             if alt != path and (alt in idx.tensors or alt in idx.values):
                 return alt
         return path
+
+    def tied(self) -> list[str]:
+        """Drop from :attr:`missing` (and return) the state's tensors that share their memory exactly
+        (storage, offset, shape, strides, dtype) with a tensor being filled: a tied weight the file
+        stores once (``save_pretrained``'s tied ``lm_head.weight``, ``safetensors.torch.save_model``'s
+        dropped duplicates) is filled through its tie, as ``from_pretrained`` and
+        ``safetensors.torch.load_model`` (strict) accept it."""
+        def sig(t: torch.Tensor) -> tuple:
+            t = local_region(t)[0] if hasattr(t, "to_local") else t
+            return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+                    t.dtype)
+        filled = {sig(t.local) for t in self.targets if t.local.device.type != "meta"}
+        tied = [p for p in self.missing if p in self.missing_tensors and self.missing_tensors[p].numel()
+                and self.missing_tensors[p].device.type != "meta" and sig(self.missing_tensors[p]) in filled]
+        self.missing = [p for p in self.missing if p not in tied]
+        return tied
 
     def rank_local_hint(self, path: str) -> str:
         """Why ``path`` may be missing: it lies under a rank-local subtree the asked rank lacks."""
@@ -433,8 +451,10 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
     a tensor leaf matches the stored tensor named by the longest suffix of its key segments joined
     with ``.``; so ``load_into(model.state_dict(), hf_dir)`` matches names directly and
     ``load_into({"model": model.state_dict()}, hf_dir)`` drops the ``"model"`` prefix. Weights that HF
-    leaves out of the files (tied ``lm_head.weight`` when ``tie_word_embeddings``) are missing keys:
-    pass ``strict=False`` (the tied tensor shares memory with the embedding that is filled).
+    leaves out of the files (tied ``lm_head.weight`` when ``tie_word_embeddings``; the duplicates
+    ``safetensors.torch.save_model`` drops) are filled through their tie when the state's tensor shares
+    its memory with one that is filled (``model.state_dict()`` of a tied model), as ``from_pretrained``
+    and ``safetensors.torch.load_model`` accept them; otherwise they are missing keys.
 
     A top-level value with ``state_dict()`` / ``load_state_dict()`` (DCP's ``Stateful``, e.g. the DCP
     tutorial's ``{"app": AppState(model, optimizer)}``, an ``nn.Module``) is loaded as ``dcp.load``
@@ -523,6 +543,10 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
     idx = open_index(path, local_rank)
     plan = _Plan(idx)
     _plan_leaves(state, "", (), plan)
+    tied = plan.tied()
+    if tied:
+        logger.info("fastckpt.load_into %s: %d tensor(s) filled through their tie (they share memory with a "
+                    "tensor the checkpoint holds): %s", idx.resolved.root, len(tied), tied[:10])
     unexpected = plan.unexpected()
     if plan.mismatched or (plan.missing and strict is not False) or (unexpected and strict is True):
         _raise_mismatch(plan, unexpected if strict else [], idx.resolved.root)

@@ -180,3 +180,33 @@ def test_peak_rss_stays_at_model_size(tmp_path):
     assert r["ok"]
     growth = r["peak"] - r["base"]
     assert growth < 0.5 * n, f"peak RSS grew by {growth / 2**20:.0f} MiB loading a {n >> 20} MiB model in place"
+
+
+def test_tied_weights_stored_once_fill_through_their_tie(tmp_path):
+    """safetensors.torch.save_model drops a tied duplicate (and save_pretrained a tied lm_head); the
+    reference loaders (load_model strict=True, from_pretrained) accept the file, the tie filling it.
+    load_into(strict=True) does too when the state's tensor shares memory with the one filled; an
+    untied state still reports the key missing."""
+    from safetensors.torch import load_model, save_model
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(8, 4)
+            self.head = torch.nn.Linear(4, 8, bias=False)
+            self.head.weight = self.emb.weight
+
+    torch.manual_seed(0)
+    src = M()
+    f = tmp_path / "m.safetensors"
+    save_model(src, str(f))
+    ref = M()
+    load_model(ref, str(f), strict=True)  # the reference accepts it
+    mine = M()
+    rep = fastckpt.LoadIntoReport()
+    fastckpt.load_into(mine.state_dict(), f, strict=True, report=rep)
+    assert torch.equal(mine.emb.weight, ref.emb.weight) and torch.equal(mine.head.weight, ref.head.weight)
+    assert mine.head.weight.data_ptr() == mine.emb.weight.data_ptr() and rep.missing_keys == []
+    untied = {"emb.weight": torch.zeros(8, 4), "head.weight": torch.zeros(8, 4)}
+    with pytest.raises(fastckpt.errors.StateMismatchError, match="head.weight"):
+        fastckpt.load_into(untied, f, strict=True)
