@@ -32,7 +32,7 @@ import torch
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, InvalidArgumentError, StateMismatchError
 from ..format.dtypes import DTYPE_TO_STR, str_to_dtype
 from ..format.manifest import RangeCheck
-from ..format.stateful import load_back, to_state_dicts
+from ..format.stateful import is_stateful, load_back, to_state_dicts
 from ..format.tree import join
 from ..storage.io import PosixBackend, get_backend, readv_exact
 from ..storage.locate import is_url, store_for
@@ -459,7 +459,9 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
     A top-level value with ``state_dict()`` / ``load_state_dict()`` (DCP's ``Stateful``, e.g. the DCP
     tutorial's ``{"app": AppState(model, optimizer)}``, an ``nn.Module``) is loaded as ``dcp.load``
     does: its ``state_dict()`` is the template filled, then ``load_state_dict(filled)`` is called and
-    the object itself is returned under its key.
+    the object itself is returned under its key. ``state`` may also be such an object itself
+    (``load_into(model, "hf_dir")``, as ``safetensors.torch.load_model(model, file)``): it is filled
+    the same way and returned.
 
     Non-tensor leaves (ints, floats, strings, ``None``, optimizer ``param_groups`` values, empty
     containers) are replaced in the *returned* tree by the checkpoint's values (the input containers
@@ -537,6 +539,12 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
             return load_into(state, local, strict=strict, verify=verify, threads=threads, io_backend=io_backend,
                              chunk_bytes=chunk_bytes, buffer_bytes=buffer_bytes, local_rank=local_rank,
                              report=report)
+    if not isinstance(state, (dict, list, tuple)) and is_stateful(state):  # a module / optimizer itself
+        filled = load_into(state.state_dict(), path, strict=strict, verify=verify, threads=threads,
+                           io_backend=io_backend, chunk_bytes=chunk_bytes, buffer_bytes=buffer_bytes,
+                           local_rank=local_rank, report=report)
+        state.load_state_dict(filled)
+        return state
     state, stateful = to_state_dicts(state)  # DCP's Stateful: fill obj.state_dict(), then obj.load_state_dict()
     if local_rank is None:
         local_rank = _default_rank()

@@ -210,3 +210,22 @@ def test_tied_weights_stored_once_fill_through_their_tie(tmp_path):
     untied = {"emb.weight": torch.zeros(8, 4), "head.weight": torch.zeros(8, 4)}
     with pytest.raises(fastckpt.errors.StateMismatchError, match="head.weight"):
         fastckpt.load_into(untied, f, strict=True)
+
+
+def test_a_module_itself_is_filled_like_load_model(tmp_path):
+    """load_into(model, file) fills the module as safetensors.torch.load_model(model, file) does (it
+    returned the module unfilled, 'missing: ""'); strict applies to its state_dict's keys."""
+    from safetensors.torch import load_model, save_model
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    f = tmp_path / "m.safetensors"
+    save_model(src, str(f))
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    load_model(ref, str(f))
+    mine = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    assert fastckpt.load_into(mine, f, strict=True) is mine
+    for (k, a), b in zip(mine.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), k
+    with pytest.raises(fastckpt.errors.StateMismatchError, match="3.weight"):  # a module the file lacks
+        fastckpt.load_into(torch.nn.Sequential(torch.nn.Linear(4, 3, bias=True), torch.nn.ReLU(),
+                                               torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)), f, strict=True)
