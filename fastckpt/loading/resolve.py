@@ -248,6 +248,12 @@ def _resolve_foreign(path: str) -> Resolved:
                 "files, which fastckpt never unpickles. If you trust them, convert once: "
                 "fastckpt.save(torch.load(FILE, weights_only=True), FOLDER), or load the model with "
                 "transformers and save_pretrained(FOLDER) (safetensors)") if pickled else ""
+        if not hint and LOCAL.isfile(os.path.join(path, "model_index.json")):  # a diffusers pipeline
+            parts = sorted(n for n in LOCAL.listdir(path) if LOCAL.isdir(os.path.join(path, n))
+                           and LOCAL.glob(os.path.join(path, n), "*.safetensors"))
+            hint = (f"; it is a diffusers pipeline (model_index.json): each model is a sub-folder "
+                    f"({', '.join(parts) or 'none with *.safetensors'}): load one of them, e.g. "
+                    f"{os.path.join(path, parts[0]) if parts else path + '/unet'}")
         raise CheckpointNotFoundError(f"{path}: no manifest.json, no *.safetensors.index.json and no "
                                       f"*.safetensors files: nothing to load{hint}")
     for name in files:

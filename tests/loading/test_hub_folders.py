@@ -365,3 +365,17 @@ def test_variants_beside_the_default_weights_are_not_mixed_in(tmp_path):
     with pytest.raises(HeaderError, match=r"variants \(bf16, fp16\).*pass the file"):
         fastckpt.load(folder)
     assert fastckpt.load(folder / "model.bf16.safetensors").keys() == got.keys()
+
+
+def test_diffusers_pipeline_root_names_its_model_folders(tmp_path):
+    """A diffusers pipeline root (model_index.json, a model per sub-folder) is not one model: the
+    error says so and names the sub-folders to load (it said only 'nothing to load')."""
+    root = tmp_path / "pipe"
+    (root / "unet").mkdir(parents=True)
+    (root / "scheduler").mkdir()
+    (root / "model_index.json").write_text('{"_class_name": "DDPMPipeline", "unet": ["diffusers", "UNet2DModel"]}')
+    (root / "unet" / "diffusion_pytorch_model.safetensors").write_bytes(st_save(_weights(), {"format": "pt"}))
+    (root / "scheduler" / "scheduler_config.json").write_text("{}")
+    with pytest.raises(fastckpt.errors.CheckpointNotFoundError, match=r"diffusers pipeline.*\(unet\).*pipe/unet"):
+        fastckpt.load(root)
+    _same(fastckpt.load(root / "unet"), _weights())
