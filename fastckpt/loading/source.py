@@ -247,7 +247,14 @@ def open_source(path: str | os.PathLike, base: str | os.PathLike | None = None) 
             raise CheckpointNotFoundError(f"{path}: no model weights found")
         base = base or adapter_base_dir(path)
         if base is None:
-            raise CheckpointNotFoundError(f"{path}: adapter only; pass --base BASE_MODEL_DIR")
+            try:
+                named = json.loads(LOCAL.read_bytes(os.path.join(path, ADAPTER_CONFIG))).get("base_model_name_or_path")
+            except (ValueError, AttributeError, OSError):
+                named = None
+            why = (f"its adapter_config.json names base_model_name_or_path={named!r}, which is not a local folder "
+                   "(a hub id is never downloaded here)") if named else "its adapter_config.json names no base model"
+            raise CheckpointNotFoundError(f"{path}: adapter only ({why}); pass --base BASE_MODEL_DIR, a local "
+                                          "folder of the base model")
         src = open_source(os.path.abspath(base))
         src.adapter_dir = adapter
         return src

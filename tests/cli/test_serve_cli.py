@@ -265,3 +265,18 @@ def test_config_without_dtype_is_refused_when_the_weights_are_not_float32(tmp_pa
     assert main(["load", str(folder), "--to", str(tmp_path / "out"), "-q"]) == 2
     err = capsys.readouterr().err
     assert "names no dtype" in err and "BF16" in err and not (tmp_path / "out").exists(), err
+
+
+def test_adapter_whose_base_is_a_hub_id_names_it(tmp_path, capsys):
+    """A peft adapter folder alone whose base_model_name_or_path is a hub id: the error names it and
+    says a local base folder is needed (it said only 'adapter only')."""
+    from safetensors.torch import save_file
+    ad = tmp_path / "adapter"
+    ad.mkdir()
+    (ad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4,
+                                                        "base_model_name_or_path": "org/some-model",
+                                                        "target_modules": ["q_proj"]}))
+    save_file({"base_model.model.q_proj.lora_A.weight": torch.zeros(2, 8)}, str(ad / "adapter_model.safetensors"))
+    assert main(["load", str(ad), "--to", str(tmp_path / "out"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "'org/some-model'" in err and "not a local folder" in err and "--base" in err, err
