@@ -16,6 +16,7 @@ and ``{0: t}`` is ``0`` while ``{"0": t}`` is ``%30``. See docs/FORMAT.md.
 from __future__ import annotations
 
 import base64
+import collections
 import math
 from typing import Any, Callable
 
@@ -103,10 +104,12 @@ def _enc_dict(d: dict, path: str, on_array: Callable[[str, Any], None]) -> Any:
             raise UnsupportedValueError(
                 f"dict at key path {path or '<root>'!r} has a key {k!r} of type {type(k).__name__}; "
                 "only str and int keys are supported")
-    plain = all(isinstance(k, str) and not k.startswith("__") for k in d)
-    if plain:
-        return {k: _enc(x, join(path, k), on_array) for k, x in d.items()}
-    return {"__dict__": [[k, _enc(x, join(path, k), on_array)] for k, x in d.items()]}
+    pairs = [[k, _enc(x, join(path, k), on_array)] for k, x in d.items()]
+    if isinstance(d, collections.Counter):  # an LR scheduler's milestones (MultiStepLR): its methods are used
+        return {"__dict__": pairs, "__counter__": True}
+    if all(isinstance(k, str) and not k.startswith("__") for k in d):
+        return dict(pairs)
+    return {"__dict__": pairs}
 
 
 def unflatten(skel: Any, get_array: Callable[[str, str], Any], keep: Callable[[str], bool] | None = None) -> Any:
@@ -150,7 +153,7 @@ def _dec(v: Any, path: str, get: Callable[[str, str], Any], keep: Callable[[str]
         out = [_dec(x, join(path, i), get, keep) for i, x in enumerate(v["__tuple__"])]
         return tuple(x for x in out if x is not _DROP)
     items = v["__dict__"] if "__dict__" in v else list(v.items())
-    res = {}
+    res = collections.Counter() if v.get("__counter__") is True and "__dict__" in v else {}
     for k, x in items:
         y = _dec(x, join(path, k), get, keep)
         if y is not _DROP:

@@ -632,3 +632,40 @@ def test_group_object_keeps_its_values_beside_flat_defaults(tmp_path):
     files = sorted(n for n in os.listdir(p) if n.startswith("model-") and n.endswith(".safetensors"))
     assert len(files) == 3, files  # io's 4000-byte shards, not the flat default of 5e9
     assert fastckpt.read_manifest(str(p)).step == 2
+
+
+def test_lr_scheduler_milestones_counter_survives_a_round_trip(tmp_path):
+    """MultiStepLR keeps its milestones in a collections.Counter and SequentialLR calls a method of it
+    at each milestone; a state read back with a plain dict there crashed the resumed run at its next
+    milestone ('dict' object has no attribute 'elements', a Lightning resume in a handoff probe). The
+    reference is the same scheduler run without interruption."""
+    from collections import Counter
+
+    def sched(opt):
+        return torch.optim.lr_scheduler.SequentialLR(
+            opt, [torch.optim.lr_scheduler.LinearLR(opt, 0.5, total_iters=3),
+                  torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 3])], milestones=[4])
+
+    def opt_of():
+        return torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.01)
+    o = opt_of()
+    s = sched(o)
+    ref = []
+    for step in range(8):
+        o.step()
+        s.step()
+        if step == 1:
+            fastckpt.save({"sched": s.state_dict()}, tmp_path / "ck")
+        ref.append(o.param_groups[0]["lr"])
+    back = fastckpt.load(tmp_path / "ck")["sched"]
+    assert type(back["_schedulers"][1]["milestones"]) is Counter
+    o2 = opt_of()
+    s2 = sched(o2)
+    s2.load_state_dict(back)
+    o2.param_groups[0]["lr"] = ref[1]
+    got = []
+    for _ in range(6):
+        o2.step()
+        s2.step()
+        got.append(o2.param_groups[0]["lr"])
+    assert got == ref[2:]
