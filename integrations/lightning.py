@@ -90,7 +90,9 @@ def _build_strategy_class():
             """Write ``checkpoint`` (Lightning's dict; every rank calls this) as one fastckpt folder.
 
             ``state_dict`` and ``optimizer_states`` are popped from ``checkpoint`` (as Lightning's
-            own strategy does); the rest is stored under ``"lightning"``.
+            own strategy does); the rest, rank 0's (values that differ per rank, such as a Timer's
+            elapsed time, are taken from rank 0 as Lightning's single-file strategies do), is stored
+            under ``"lightning"``.
             """
             if storage_options is not None:
                 raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not "
@@ -99,7 +101,11 @@ def _build_strategy_class():
             state = {STATE_KEY: checkpoint.pop(STATE_KEY)}
             for i, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
                 state[f"optimizer_{i}"] = optim_state
-            state[META_KEY] = checkpoint
+            # Lightning's own dict (loops, callbacks, hparams, on_save_checkpoint extras) is rank 0's, as
+            # Lightning's single-writer strategies keep it: a Timer's elapsed time, an un-synced monitored
+            # metric or an RNG state differs per rank and was refused (RankValuesDifferError). Broadcast
+            # between the job's own ranks in memory (Lightning's broadcast), never read from disk.
+            state[META_KEY] = self.broadcast(checkpoint, src=0)
             opts = {**self._save_options, "weights": {STATE_KEY: "model"}, "overwrite": True}
             fastckpt.save(state, path, process_group=dist.group.WORLD, **opts)
 

@@ -409,3 +409,30 @@ def test_every_lightning_way_to_load_a_fastckpt_checkpoint(pool, tmp_path):
             (r, err)
         # a folder checkpoint is not a load_from_checkpoint input, fastckpt's as Lightning's own
         assert out["load_from_checkpoint"]["error"] == out["load_from_checkpoint lightning-own"]["error"], (r, out)
+
+
+def rank_per_rank_extras(folder: str) -> dict:
+    """A value of Lightning's checkpoint dict that differs per rank (an on_save_checkpoint extra, as a
+    Timer's elapsed time or an un-synced metric is): saved as rank 0's, and the resume works."""
+    import torch.distributed as dist
+    _env()
+
+    class PerRank(type(_module(0))):
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["per_rank"] = {"rank": dist.get_rank(), "note": f"rank {dist.get_rank()}"}
+
+    ck = os.path.join(folder, "per-rank.ckpt")
+    m = PerRank.__new__(PerRank)
+    m.__dict__ = _module(0).__dict__
+    t = _trainer(folder, 2)
+    t.fit(m)
+    t.save_checkpoint(ck)
+    t2 = _trainer(folder, 3)
+    t2.fit(_module(1), ckpt_path=ck)
+    return {"meta": fastckpt.load(ck, keys="lightning")["lightning"]["per_rank"], "step": t2.global_step}
+
+
+def test_values_that_differ_per_rank_are_rank_0s(pool, tmp_path):
+    res = pool.run(rank_per_rank_extras, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    for r, out in res.items():
+        assert out["meta"] == {"rank": 0, "note": "rank 0"} and out["step"] == 3, (r, out)
