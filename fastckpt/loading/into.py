@@ -101,9 +101,12 @@ def local_region(t: torch.Tensor) -> tuple[torch.Tensor, Box, tuple[int, ...]]:
 
 
 def _hf_name(idx: CheckpointIndex, segs: tuple) -> str | None:
-    """Longest suffix of the key segments, joined with ``.``, that names a stored HF tensor."""
-    for i in range(len(segs)):
-        name = ".".join(str(s) for s in segs[i:])
+    """Longest suffix of the key's dotted parts that names a stored HF tensor. The parts are the key
+    segments split at ``.``: a nested ``{"model": sd}`` and a flat module-prefixed key
+    (``SentenceTransformer(...).state_dict()``'s ``0.auto_model.embeddings...``) both drop their prefix."""
+    parts = [p for s in segs for p in str(s).split(".")]
+    for i in range(len(parts)):
+        name = ".".join(parts[i:])
         if name in idx.tensors:
             return name
     return None
@@ -448,9 +451,10 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
     subtrees) and format 2 (full tensors with per-chunk checksums), and plain HF folders / safetensors files.
 
     HF folders (no manifest; ``model.safetensors``, sharded with an index, hub snapshot folders):
-    a tensor leaf matches the stored tensor named by the longest suffix of its key segments joined
-    with ``.``; so ``load_into(model.state_dict(), hf_dir)`` matches names directly and
-    ``load_into({"model": model.state_dict()}, hf_dir)`` drops the ``"model"`` prefix. Weights that HF
+    a tensor leaf matches the stored tensor named by the longest suffix of its key's dotted parts
+    (the key segments split at ``.``); so ``load_into(model.state_dict(), hf_dir)`` matches names
+    directly, ``load_into({"model": model.state_dict()}, hf_dir)`` drops the ``"model"`` prefix and a
+    sentence-transformers ``state_dict()`` (``0.auto_model.embeddings...``) drops ``0.auto_model.``. Weights that HF
     leaves out of the files (tied ``lm_head.weight`` when ``tie_word_embeddings``; the duplicates
     ``safetensors.torch.save_model`` drops) are filled through their tie when the state's tensor shares
     its memory with one that is filled (``model.state_dict()`` of a tied model), as ``from_pretrained``

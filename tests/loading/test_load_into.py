@@ -229,3 +229,29 @@ def test_a_module_itself_is_filled_like_load_model(tmp_path):
     with pytest.raises(fastckpt.errors.StateMismatchError, match="3.weight"):  # a module the file lacks
         fastckpt.load_into(torch.nn.Sequential(torch.nn.Linear(4, 3, bias=True), torch.nn.ReLU(),
                                                torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)), f, strict=True)
+
+
+def test_module_prefixed_flat_keys_drop_their_prefix_as_nested_ones_do(tmp_path):
+    """A sentence-transformers model's state_dict() names its transformer ``0.auto_model.<HF name>``
+    in one flat key; its HF folder (save_pretrained of the inner model) stores ``<HF name>``. load_into
+    matched suffixes per nested key only, so every key was reported missing; now the dotted parts are
+    matched, and the values are from_pretrained's."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, max_position_embeddings=16)
+    torch.manual_seed(0)
+    transformers.BertModel(cfg).save_pretrained(tmp_path / "hf")
+    ref = transformers.BertModel.from_pretrained(tmp_path / "hf")
+
+    class Transformer(torch.nn.Module):  # sentence_transformers.models.Transformer's attribute name
+        def __init__(self):
+            super().__init__()
+            self.auto_model = transformers.BertModel(cfg)
+
+    torch.manual_seed(1)
+    st = torch.nn.Sequential(Transformer())
+    rep = fastckpt.LoadIntoReport()
+    fastckpt.load_into(st.state_dict(), tmp_path / "hf", strict=True, report=rep)
+    assert rep.missing_keys == [] and rep.unexpected_keys == []
+    for k, v in ref.state_dict().items():
+        assert torch.equal(st.state_dict()["0.auto_model." + k], v), k
