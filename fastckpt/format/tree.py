@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import collections
 import math
+import pathlib
 from typing import Any, Callable
 
 import numpy as np
@@ -57,7 +58,7 @@ def flatten(state: Any, on_array: Callable[[str, Any], None]) -> Any:
     Args:
         state: nested dict (``str``/``int`` keys) / list / tuple of ``torch.Tensor``,
             ``numpy.ndarray``, NumPy scalars, ``None``, ``bool``, ``int``, ``float``, ``str``,
-            ``bytes``, ``torch.dtype``, ``torch.device``.
+            ``bytes``, ``torch.dtype``, ``torch.device``, ``pathlib`` paths (read back as ``pathlib.Path``).
         on_array: callback receiving each tensor or array with its key path.
 
     Raises:
@@ -93,6 +94,8 @@ def _enc(v: Any, path: str, on_array: Callable[[str, Any], None]) -> Any:
         return {"__device__": str(v)}
     if isinstance(v, (bytes, bytearray)):
         return {"__bytes__": base64.b64encode(bytes(v)).decode("ascii")}
+    if isinstance(v, pathlib.PurePath):  # a hyperparameter (Lightning's hparams, a config dataclass's dict)
+        return {"__path__": str(v)}
     raise UnsupportedValueError(
         f"state value at key path {path or '<root>'!r} has type {type(v).__module__}.{type(v).__qualname__}, "
         "which fastckpt cannot store without pickle; convert it to tensors, arrays or JSON-able values")
@@ -147,6 +150,8 @@ def _dec(v: Any, path: str, get: Callable[[str, str], Any], keep: Callable[[str]
         return torch.device(v["__device__"])
     if "__bytes__" in v:
         return base64.b64decode(v["__bytes__"])
+    if "__path__" in v:
+        return pathlib.Path(v["__path__"])
     if "__np__" in v:
         return np.dtype(v["__np__"]).type(_dec(v["v"], path, get, None))
     if "__tuple__" in v:

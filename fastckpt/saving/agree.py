@@ -37,7 +37,7 @@ from ..format.tree import join
 #: keeps equal) are not hashed on every rank: that would be a second pass over the whole state.
 CHECK_BYTES = 1 << 20
 
-_SCALAR_TAGS = ("__float__", "__dtype__", "__np__", "__bytes__", "__device__")
+_SCALAR_TAGS = ("__float__", "__dtype__", "__np__", "__bytes__", "__device__", "__path__")
 
 
 def _short(text: str) -> str:

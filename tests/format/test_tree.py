@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import pathlib
 
 import numpy as np
 import pytest
@@ -32,13 +33,16 @@ def test_key_types_tuples_specials_roundtrip():
         "tup": (1, (2, "x"), []), "np": (np.float32(1.5), np.int64(-3), np.bool_(True)),
         "rng": ("MT19937", np.arange(3, dtype=np.uint32), 624, 0, 0.0),
         "dt": [torch.bfloat16, torch.float8_e4m3fn], "dev": torch.device("cpu"), "b": b"\x00\xff",
-        "none": None, "bool": False, "empty": {}, "el": [],
+        "none": None, "bool": False, "empty": {}, "el": [], "path": pathlib.Path("/data/run 1"),
+        "hparams": {"data_dir": pathlib.PurePosixPath("rel/dir")},
     }
     out, _ = roundtrip(state)
     # numpy arrays come back as themselves through get(); compare without the array first
     rng = out.pop("rng")
     ref_rng = state.pop("rng")
     assert rng[0] == "MT19937" and rng[2:] == ref_rng[2:] and rng[1] is ref_rng[1]
+    pure = out.pop("hparams")["data_dir"]  # any pathlib path is read back as pathlib.Path
+    assert type(pure) is type(pathlib.Path()) and pure == pathlib.Path(state.pop("hparams")["data_dir"])
     assert_tree_same(state, out)
     assert type(out["np"][0]) is np.float32 and type(out["np"][1]) is np.int64 and type(out["np"][2]) is np.bool_
     assert math.copysign(1, out["floats"][3]) == -1

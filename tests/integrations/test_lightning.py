@@ -436,3 +436,32 @@ def test_values_that_differ_per_rank_are_rank_0s(pool, tmp_path):
     res = pool.run(rank_per_rank_extras, folder=str(tmp_path), timeout_s=TIMEOUT_S)
     for r, out in res.items():
         assert out["meta"] == {"rank": 0, "note": "rank 0"} and out["step"] == 3, (r, out)
+
+
+def rank_path_hyperparameters(folder: str) -> dict:
+    """save_hyperparameters() of a module taking a pathlib.Path (a data or output folder, as Lightning's
+    own examples do): Lightning's checkpoint dict holds the Path in ``hyper_parameters``."""
+    from pathlib import Path
+    _env()
+
+    class WithHparams(type(_module(0))):
+        def __init__(self, data_dir: Path = Path("/data/set"), lr: float = 1e-2):
+            super().__init__()
+            self.save_hyperparameters()
+
+    ck = os.path.join(folder, "hparams.ckpt")
+    t = _trainer(folder, 2)
+    t.fit(WithHparams(data_dir=Path(folder) / "data"))
+    t.save_checkpoint(ck)
+    t2 = _trainer(folder, 3)
+    m = WithHparams()
+    t2.fit(m, ckpt_path=ck)
+    hp = fastckpt.load(ck, keys="lightning")["lightning"]["hyper_parameters"]
+    return {"saved": [type(hp["data_dir"]).__name__, str(hp["data_dir"])], "step": t2.global_step}
+
+
+def test_path_hyperparameters_are_saved_and_read_back_as_paths(pool, tmp_path):
+    """The save failed with UnsupportedValueError (pathlib.Path); Lightning's own checkpoint pickles it."""
+    res = pool.run(rank_path_hyperparameters, folder=str(tmp_path), timeout_s=TIMEOUT_S)
+    for r, out in res.items():
+        assert out == {"saved": ["PosixPath", str(tmp_path / "data")], "step": 3}, (r, out)
