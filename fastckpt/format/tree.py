@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError, UnsupportedValueError
+from ..errors import CorruptCheckpointError, InvalidArgumentError, UnsupportedValueError
 
 _TAGS = ("__tensor__", "__ndarray__", "__dict__", "__tuple__", "__float__", "__dtype__",
          "__np__", "__bytes__", "__device__")
@@ -44,6 +44,24 @@ def join(prefix: str, key: str | int) -> str:
     """Key path of ``key`` under ``prefix`` (``""`` at the root)."""
     seg = encode_segment(key)
     return f"{prefix}/{seg}" if prefix else seg
+
+
+def path_segments(tree: Any, path: str) -> list:
+    """The keys / indices leading to key path ``path`` in ``tree`` (``"t/1"`` -> ``["t", 1]``).
+
+    Raises:
+        CorruptCheckpointError: a segment of ``path`` is not in ``tree`` (a tree read back from a
+            checkpoint that should hold it).
+    """
+    out, node = [], tree
+    for raw in path.split("/"):
+        seg = next((k for k in (node.keys() if isinstance(node, dict) else range(len(node))) if join("", k) == raw),
+                   None)
+        if seg is None:
+            raise CorruptCheckpointError(f"key path {path!r}: {raw!r} not found while reading it back")
+        out.append(seg)
+        node = node[seg]
+    return out
 
 
 def _float(x: float) -> Any:

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from ..errors import CorruptCheckpointError, DCPPlannerError
 from ..format.dtypes import str_to_dtype
-from ..format.tree import join
+from ..format.tree import join, path_segments
 from ..storage.io import PosixBackend, get_backend
 from ..storage.store import LOCAL
 from .into import Files, byte_view, read_box, verify_region
@@ -95,22 +95,9 @@ class StoredSubtree:
     def read(self, root: str) -> Any:
         """The subtree at :attr:`path` of the checkpoint at ``root``, as :func:`fastckpt.load` returns it."""
         v: Any = load(root, keys=[self.path])
-        for seg in _segments(v, self.path):
+        for seg in path_segments(v, self.path):
             v = v[seg]
         return v
-
-
-def _segments(tree: Any, path: str) -> list:
-    """The keys / indices leading to key path ``path`` in ``tree`` (``"t/1"`` -> ``["t", 1]``)."""
-    out, node = [], tree
-    for raw in path.split("/"):
-        seg = next((k for k in (node.keys() if isinstance(node, dict) else range(len(node))) if join("", k) == raw),
-                   None)
-        if seg is None:
-            raise CorruptCheckpointError(f"key path {path!r}: {raw!r} not found while reading it back")
-        out.append(seg)
-        node = node[seg]
-    return out
 
 
 def _holds_marked(v: Any, marks: dict[int, str]) -> bool:

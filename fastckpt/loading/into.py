@@ -33,11 +33,11 @@ from ..errors import ChecksumMismatchError, CorruptCheckpointError, InvalidArgum
 from ..format.dtypes import DTYPE_TO_STR, str_to_dtype
 from ..format.manifest import RangeCheck
 from ..format.stateful import is_stateful, load_back, to_state_dicts
-from ..format.tree import join
+from ..format.tree import join, path_segments
 from ..storage.io import PosixBackend, get_backend, readv_exact
 from ..storage.locate import is_url, store_for
 from .chunks import box_bytes, chunk_problem
-from .reader import READ_CHUNK_BYTES, check_threads, default_read_threads
+from .reader import READ_CHUNK_BYTES, check_threads, default_read_threads, load
 from .regions import Box, ByteRun, Stored, box_runs, contains, dim0_blocks, intersect, split_runs
 from .stored import CheckpointIndex, TensorDesc, open_index
 
@@ -124,6 +124,8 @@ class _Plan:
         self.missing_tensors: dict[str, torch.Tensor] = {}  # path -> the state's tensor (for ties)
         self.mismatched: list[tuple] = []
         self.cast: list[tuple[str, str, str]] = []
+        self.subtrees: dict[str, str] = {}  # state path of an empty container -> stored key path it takes
+        self.sharded_subtrees: set[str] = set()  # empty containers over DTensor-saved subtrees (missing)
 
     def leaf(self, v: Any, path: str, segs: tuple) -> None:
         idx = self.idx
@@ -145,12 +147,34 @@ class _Plan:
         if name is not None and name in idx.values:
             self.used.add(name)
             self.values[path] = idx.values[name]
+        elif isinstance(v, (dict, list, tuple)) and not v and self._take_subtree(path, name):
+            pass
         elif name is not None and name in idx.tensors:
             self.used.add(name)
             self.mismatched.append((path, f"a {type(v).__name__} value", _describe_desc(idx.tensors[name]),
                                     os.path.basename(idx.tensors[name].pieces[0].file)))
         else:
             self.missing.append(path)
+
+    def _take_subtree(self, path: str, name: str | None) -> bool:
+        """An empty container of the state (a fresh optimizer's ``state: {}``) where the checkpoint
+        holds a subtree: take the subtree whole, as ``torch.load`` + ``load_state_dict`` would (it is
+        read after the fills, into new CPU tensors). Not when a tensor of it was saved from a DTensor:
+        its full tensors on every rank are not what a sharded optimizer's ``load_state_dict`` takes
+        (``get_state_dict`` builds a state with the tensors to fill); it stays missing."""
+        idx = self.idx
+        if not idx.is_fastckpt or name is None:
+            return False
+        under = [k for k in (*idx.tensors, *idx.values) if k.startswith(name + "/")]
+        entries = idx.resolved.manifest.tensors
+        if not under:
+            return False
+        if any(entries[k].placement is not None for k in under if k in entries):
+            self.sharded_subtrees.add(path)
+            return False
+        self.used.update(under)
+        self.subtrees[path] = name
+        return True
 
     def _dcp_name(self, path: str, segs: tuple) -> str:
         """The stored key path for the state's ``path``: itself, or else the path with its int keys as
@@ -267,7 +291,12 @@ def _raise_mismatch(plan: _Plan, unexpected: list[str], root: str) -> None:
     for key, have, stored, f in plan.mismatched:
         lines.append(f"  {key!r}: the state has {have}, the checkpoint has {stored}" + (f" in {f!r}" if f else ""))
     for k in plan.missing[:20]:
-        lines.append(f"  missing from the checkpoint: {k!r}{plan.rank_local_hint(k)}")
+        if k in plan.sharded_subtrees:
+            lines.append(f"  {k!r}: empty in the state, the checkpoint holds tensors saved from DTensors under it (a "
+                         "fresh sharded optimizer: build the state with torch.distributed.checkpoint.state_dict."
+                         "get_state_dict(model, optim), whose optimizer state holds the tensors to fill)")
+        else:
+            lines.append(f"  missing from the checkpoint: {k!r}{plan.rank_local_hint(k)}")
     for k in unexpected[:20]:
         lines.append(f"  not in the state: {k!r}")
     more = len(plan.missing) + len(unexpected) - min(len(plan.missing), 20) - min(len(unexpected), 20)
@@ -275,8 +304,8 @@ def _raise_mismatch(plan: _Plan, unexpected: list[str], root: str) -> None:
         f"{root}: the state does not match the checkpoint ({len(plan.mismatched)} mismatched, {len(plan.missing)} "
         f"missing, {len(unexpected)} unexpected); nothing was written:\n" + "\n".join(lines)
         + (f"\n  ... and {more} more" if more > 0 else "")
-        + "\nBuild the state from the same model/optimizer config (an optimizer's state must exist: step once or "
-        "use torch.distributed.checkpoint.state_dict.get_state_dict)"
+        + "\nBuild the state from the same model/optimizer config (FSDP2 / DTensor states: "
+        "torch.distributed.checkpoint.state_dict.get_state_dict)"
         + (", or pass strict=False to leave the missing keys untouched." if plan.missing and not plan.mismatched
            else "; a tensor of another shape is never loaded." if plan.mismatched else
            ", or drop strict=True to ignore the checkpoint keys the state does not name."),
@@ -469,7 +498,11 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
 
     Non-tensor leaves (ints, floats, strings, ``None``, optimizer ``param_groups`` values, empty
     containers) are replaced in the *returned* tree by the checkpoint's values (the input containers
-    are not modified); tensor leaves are the very objects passed in.
+    are not modified); tensor leaves are the very objects passed in. An empty container where the
+    checkpoint holds a subtree (a fresh optimizer's ``state: {}``, before its first step) is replaced
+    by that subtree, read into new CPU tensors, so ``opt.load_state_dict(out["optim"])`` restores it
+    as after ``torch.load``; not when the subtree was saved from DTensors (use ``get_state_dict``,
+    whose optimizer state holds the tensors to fill: it stays a missing key).
 
     Args:
         state: the nested state to fill (tensor leaves must be allocated, not on the meta device).
@@ -582,4 +615,9 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
                 _verify_targets(plan.targets, files, ex, chunk)
     finally:
         files.close()
+    for at, name in plan.subtrees.items():
+        tree = load(idx.resolved.root, keys=[name], verify=verify, threads=threads, io_backend=io_backend)
+        for seg in path_segments(tree, name):
+            tree = tree[seg]
+        plan.values[at] = tree
     return load_back(_rebuild(state, "", plan.values), stateful)

@@ -255,3 +255,43 @@ def test_module_prefixed_flat_keys_drop_their_prefix_as_nested_ones_do(tmp_path)
     assert rep.missing_keys == [] and rep.unexpected_keys == []
     for k, v in ref.state_dict().items():
         assert torch.equal(st.state_dict()["0.auto_model." + k], v), k
+
+
+@pytest.mark.parametrize("form", ["state_dicts", "stateful"])
+def test_fresh_optimizer_takes_the_stored_state_as_torch_load_gives_it(tmp_path, form):
+    """A fresh AdamW's state_dict() has ``state: {}`` (no step yet): load_into said 'missing from the
+    checkpoint: optim/state' although the checkpoint holds it. The reference is torch.save/torch.load +
+    load_state_dict: the same optimizer state, and the same parameters after the next step."""
+    def make(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        return m, torch.optim.AdamW(m.parameters(), lr=0.1)
+
+    def step(m, o):
+        o.zero_grad()
+        m(torch.ones(2, 4)).square().sum().backward()
+        o.step()
+
+    m, o = make(0)
+    step(m, o)
+    fastckpt.save({"model": m.state_dict(), "optim": o.state_dict()}, tmp_path / "ck")
+    torch.save({"model": m.state_dict(), "optim": o.state_dict()}, tmp_path / "ref.pt")
+    ref_m, ref_o = make(1)
+    blob = torch.load(tmp_path / "ref.pt", weights_only=True)
+    ref_m.load_state_dict(blob["model"])
+    ref_o.load_state_dict(blob["optim"])
+    mine_m, mine_o = make(2)
+    assert mine_o.state_dict()["state"] == {}
+    if form == "state_dicts":
+        out = fastckpt.load_into({"model": mine_m.state_dict(), "optim": mine_o.state_dict()}, tmp_path / "ck",
+                                 strict=True)
+        mine_o.load_state_dict(out["optim"])
+    else:
+        assert fastckpt.load_into({"model": mine_m, "optim": mine_o}, tmp_path / "ck", strict=True)["optim"] is mine_o
+    for i, st in ref_o.state_dict()["state"].items():
+        for k, v in st.items():
+            assert torch.equal(mine_o.state_dict()["state"][i][k], v), (i, k)
+    step(ref_m, ref_o)
+    step(mine_m, mine_o)
+    for (k, a), b in zip(mine_m.state_dict().items(), ref_m.state_dict().values()):
+        assert torch.equal(a, b), k

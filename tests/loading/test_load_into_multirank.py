@@ -114,6 +114,19 @@ def resume_plain(ck: str) -> dict:
     return {"bad": bad, "loss": next_loss(model, opt)}
 
 
+def fresh_sharded_optimizer(ck: str) -> dict:
+    """A fresh FSDP2 optimizer's own state_dict() (``state: {}``, not get_state_dict's) against a
+    checkpoint of DTensors: refused, naming get_state_dict (its full tensors are not what a sharded
+    optimizer takes)."""
+    model = fsdp(llama(1))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    try:
+        fastckpt.load_into({"model": model.state_dict(), "optim": opt.state_dict()}, ck)
+    except fastckpt.errors.StateMismatchError as e:
+        return {"error": str(e), "state": opt.state_dict()["state"]}
+    return {"error": None}
+
+
 def dtensor_placements(folder: str) -> dict:
     """Shard(1) (uneven: 5 columns on 2 ranks), Shard(0) (uneven rows) and Replicate DTensors filled
     from a full-tensor checkpoint: each rank's local part equals the full tensor's, bytes = its part."""
@@ -211,6 +224,13 @@ def test_fsdp2_dtensor_save_round_trips_2_to_2_and_2_to_1(pool, ckpts, name):
     one = pool.run(resume_plain, ranks=[0], ck=ck, timeout_s=TIMEOUT_S)[0]
     assert one["bad"] == [], one["bad"][:5]
     assert one["loss"] == pytest.approx(ckpts["loss2"], rel=1e-5, abs=1e-6)
+
+
+def test_fresh_sharded_optimizer_state_is_refused_naming_get_state_dict(pool, ckpts):
+    out = pool.run(fresh_sharded_optimizer, ck=os.path.join(ckpts["folder"], "dtensor2"), timeout_s=TIMEOUT_S)
+    for r, o in out.items():
+        assert o["error"] and "'optim/state': empty in the state" in o["error"], (r, o)
+        assert "get_state_dict(model, optim)" in o["error"] and o["state"] == {}, (r, o)
 
 
 @pytest.mark.parametrize("name", ["hf", "hf_sharded"])
