@@ -433,6 +433,8 @@ def _ours(plan: SavePlan) -> bool:
     return isinstance(plan.planner_data, dict) and _KEY in plan.planner_data
 
 
+
+
 def _no_array(key: str, v: Any) -> None:
     raise UnsupportedValueError(f"a tensor or array at {key!r} inside a non-tensor value")
 
@@ -541,8 +543,9 @@ def _json_value(planner: Any, item: Any, path: Path) -> Any:
             "DefaultSavePlanner API) to take the value from, and its resolve_data gives pickled bytes; subclass "
             "DefaultSavePlanner or pass planner=fastckpt.dcp.FastCkptSavePlanner(). Nothing was committed")
     obj = look(item.index)
+    arrays: list[str] = []
     try:
-        return flatten(obj, _no_array)
+        skeleton = flatten(obj, lambda key, v: arrays.append(f"a {type(v).__name__} at {key!r}"))
     except UnsupportedValueError as e:
         raise UnsupportedValueError(
             f"{path}: non-tensor value {fqn!r} of type {type(obj).__module__}.{type(obj).__qualname__} cannot be "
@@ -550,6 +553,13 @@ def _json_value(planner: Any, item: Any, path: Path) -> Any:
             "non-tensor values as JSON (None, bool, int, float, str, bytes, list, tuple, dict with str/int keys, "
             "torch.dtype, torch.device) so that no load unpickles: convert it to such values or to a tensor "
             "(e.g. its state_dict()), or leave it out of the state. Nothing was committed") from None
+    if arrays:
+        raise UnsupportedValueError(
+            f"{path}: non-tensor value {fqn!r} ({type(obj).__name__}) holds {arrays[0]}: DCP's default planner takes a "
+            "tuple (and anything in it) whole, as one value to pickle, so its tensors are not laid out as tensors. "
+            "Pass planner=fastckpt.dcp.FastCkptSavePlanner() (it stores them as tensors, and "
+            "FastCkptReader reads them back), or make it a list. Nothing was committed")
+    return skeleton
 
 
 def _dcp_metadata_json(metadata: Metadata, info: dict, storage_meta: StorageMeta) -> bytes:

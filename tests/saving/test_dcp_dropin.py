@@ -247,6 +247,20 @@ def test_tuples_holding_tensors_load_as_dcp_loads_them(tmp_path):
             assert got["rng"][2:] == ref["rng"][2:], where
 
 
+def test_default_planner_tuple_holding_a_tensor_is_refused_naming_the_planner_that_stores_it(tmp_path):
+    """DCP's default planner hands a tuple holding a tensor over whole (it would pickle it): the writer
+    refuses it, nothing committed, and the message names FastCkptSavePlanner, which stores it (it said
+    only 'convert it to such values or to a tensor')."""
+    with pytest.raises(CheckpointException) as ei:
+        dcp.save({"t": (1.5, torch.arange(4.0)), "w": torch.ones(2)}, storage_writer=FastCkptWriter(tmp_path / "ck"))
+    msg = str(ei.value)
+    assert "UnsupportedValueError" in msg and "'t'" in msg and "planner=fastckpt.dcp.FastCkptSavePlanner()" in msg, msg
+    assert os.listdir(tmp_path) == []  # nothing committed, nothing left behind
+    dcp.save({"t": (1.5, torch.arange(4.0)), "w": torch.ones(2)}, storage_writer=FastCkptWriter(tmp_path / "ck"),
+             planner=FastCkptSavePlanner())
+    assert torch.equal(fastckpt.load(tmp_path / "ck")["t"][1], torch.arange(4.0))
+
+
 def test_default_planner_folder_of_int_keyed_optimizer_state_fills_with_load_into(tmp_path):
     """DCP's default planner names mapping keys as str (``optim.state.0.step`` -> key ``"0"``), so
     the folder holds ``optim/state/"0"/...`` where ``opt.state_dict()`` has ``state/0``. DCP's own load
