@@ -615,9 +615,12 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
                 _verify_targets(plan.targets, files, ex, chunk)
     finally:
         files.close()
-    for at, name in plan.subtrees.items():
-        tree = load(idx.resolved.root, keys=[name], verify=verify, threads=threads, io_backend=io_backend)
-        for seg in path_segments(tree, name):
-            tree = tree[seg]
-        plan.values[at] = tree
+    if plan.subtrees:  # empty containers taking stored subtrees: one read of them all
+        read = load(idx.resolved.root, keys=sorted(set(plan.subtrees.values())), verify=verify, threads=threads,
+                    io_backend=io_backend)
+        for at, name in plan.subtrees.items():
+            tree = read
+            for seg in path_segments(read, name):
+                tree = tree[seg]
+            plan.values[at] = tree
     return load_back(_rebuild(state, "", plan.values), stateful)
