@@ -145,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the result. "
                                    "Exit 0: all match; 1: a mismatch or damaged file (named); 2: nothing to verify. "
                                    f"{_FOUND}. Sizes in decimal units (1 MB = 10^6 bytes).")
-    v.add_argument("path", help="checkpoint folder, run root, one safetensors file of a checkpoint (checked "
-                                "against the folder's manifest), or a foreign safetensors file/HF folder "
+    v.add_argument("path", help="checkpoint folder, run root, one safetensors file or sub-folder (a second "
+                                "adapter) of a checkpoint (checked against its manifest), or a foreign safetensors file/HF folder "
                                 "(headers and index validated only)")
     v.add_argument("--prefix", default=None, help=_PREFIX_HELP)
     v.add_argument("--threads", type=positive_int, default=None, help="parallel readers (default 8-16)")

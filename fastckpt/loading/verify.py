@@ -22,6 +22,7 @@ from ..format.dtypes import itemsize, str_to_dtype
 from .regions import Stored, box_runs
 from .reader import check_threads
 from .resolve import Resolved, resolve
+from .source import owning_checkpoint
 from ..storage.io import DEFAULT_CHUNK_BYTES, default_threads
 
 
@@ -70,6 +71,27 @@ def _hash_range(path: str, runs: list[tuple[int, int]], chunk: int) -> str:
     return h.hexdigest()
 
 
+def _owner(path: str) -> tuple[str, set[str]] | None:
+    """``(checkpoint folder, absolute paths of the files to check)`` when ``path`` (no manifest of its
+    own) is a file of a fastckpt checkpoint or a sub-folder of one (peft's second adapter,
+    ``CKPT/second/``, listed by ``CKPT/manifest.json``); None otherwise."""
+    if is_url(path):
+        return None
+    ap = os.path.abspath(path)
+    if LOCAL.isfile(ap):
+        folder, name = owning_checkpoint(os.path.dirname(ap), os.path.basename(ap))
+        if LOCAL.isfile(os.path.join(folder, MANIFEST)):
+            return folder, {os.path.abspath(os.path.join(folder, name))}
+        return None
+    parent = os.path.dirname(ap)
+    if LOCAL.isdir(ap) and LOCAL.isfile(os.path.join(parent, MANIFEST)):
+        sub = os.path.basename(ap) + "/"
+        under = {os.path.abspath(os.path.join(parent, f)) for f in read_manifest(parent).files if f.startswith(sub)}
+        if under:
+            return parent, under
+    return None
+
+
 def _jobs(path: str, manifest: Manifest) -> list[tuple[str, str, list[tuple[int, int]], int, str]]:
     """``(what, file path, byte runs, nbytes, xxh3)`` for every checksummed range of ``manifest``
     (:meth:`~fastckpt.format.manifest.Manifest.checks`; a format-2 chunk: its byte runs in row-major order)."""
@@ -100,8 +122,9 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
 
     Args:
         path: checkpoint folder with a manifest (or its URL in a store, ``s3://bucket/prefix``), or one
-            safetensors file of it (its ranges only, against the folder's manifest); a folder or file
-            without a manifest: headers and index validated, a note says there is nothing to compare.
+            safetensors file of it (its ranges only, against the folder's manifest), or a sub-folder /
+            a file of a sub-folder its manifest lists (peft's second adapter, ``CKPT/second/``); a folder
+            or file of no checkpoint: headers and index validated, a note says there is nothing to compare.
         threads: parallel readers (default :func:`fastckpt.storage.io.default_threads`).
         chunk_bytes: read size in bytes (default 8 MiB); memory use is ``threads * chunk_bytes``.
         progress: called as ``progress(bytes_done, bytes_total)`` (cumulative, in bytes) once before
@@ -142,11 +165,12 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
             return report
         if isinstance(e, UnsafePathError):
             return report  # never read through a name that leaves the folder
-    only = None  # one file of a fastckpt checkpoint: its ranges, checked against the folder's manifest
-    if r.manifest is None and LOCAL.isfile(path) and LOCAL.exists(os.path.join(os.path.dirname(os.path.abspath(path)),
-                                                                               MANIFEST)):
-        only, path = os.path.abspath(path), os.path.dirname(os.path.abspath(path))
-        r = Resolved(path, manifest=read_manifest(path))
+    only = None  # files of a fastckpt checkpoint: their ranges, checked against the checkpoint's manifest
+    if r.manifest is None:
+        owner = _owner(path)
+        if owner is not None:
+            path, only = owner
+            r = Resolved(path, manifest=read_manifest(path))
     if r.manifest is None:
         report.notes.append(f"{path}: no manifest.json (not a fastckpt checkpoint): every header and index "
                             "was validated, but there are no checksums to compare the bytes against")
@@ -154,10 +178,11 @@ def verify(path: str | os.PathLike, *, threads: int | None = None,
     try:
         jobs = _jobs(path, r.manifest)
         if only is not None:
-            jobs = [j for j in jobs if os.path.abspath(j[1]) == only]
+            jobs = [j for j in jobs if os.path.abspath(j[1]) in only]
             if not jobs:
-                report.notes.append(f"{only}: not a file of the checkpoint {path} (its manifest.json does not "
-                                    "list it): its header was validated, nothing to compare its bytes against")
+                report.notes.append(f"{', '.join(sorted(only))}: not a file of the checkpoint {path} (its "
+                                    "manifest.json does not list it): its header was validated, nothing to "
+                                    "compare its bytes against")
                 return report
     except (KeyError, TypeError, ValueError, AttributeError) as ex:  # malformed entries (named by resolve)
         if not report.problems:

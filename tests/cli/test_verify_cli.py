@@ -40,6 +40,25 @@ def test_one_file_of_a_checkpoint_is_checked_against_its_folders_manifest(tmp_pa
     assert fastckpt.verify(p / "state-00001-of-00001.safetensors").ok  # the other file is intact
 
 
+def test_a_sub_folder_file_is_checked_against_the_checkpoints_manifest(tmp_path, capsys):
+    """peft's second adapter lies in a sub-folder (``CKPT/second/adapter_model.safetensors``, a weights
+    stem naming a sub-folder) that ``CKPT/manifest.json`` lists: verify of that file or of the sub-folder
+    said 'no manifest.json, no checksums to compare', exit 0, over a flipped byte."""
+    p = fastckpt.save({"model": {"w": torch.arange(100.0)}, "ad": {"a.weight": torch.arange(500.0)}}, tmp_path / "ck",
+                      weights={"model": "model", "ad": "second/adapter_model"})
+    f = p / "second" / "adapter_model.safetensors"
+    for target in (f, p / "second"):
+        rep = fastckpt.verify(target)
+        assert rep.ok and not rep.notes and 2000 <= rep.bytes_checked < 2000 + 8192, (target, rep)
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 0x01
+    f.write_bytes(bytes(raw))
+    for target in (f, p / "second"):
+        assert cli_main(["verify", str(target), "-q"]) == 1, target
+        assert "'ad/a.weight'" in capsys.readouterr().out, target
+    assert fastckpt.verify(p / "model.safetensors").ok
+
+
 def test_flip_in_header_is_a_named_problem_exit_1(tmp_path, capsys):
     p = fastckpt.save({"model": {"w": torch.arange(64.0)}}, tmp_path / "ck")
     shard = p / "model.safetensors"
