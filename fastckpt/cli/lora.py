@@ -10,6 +10,7 @@ ones once.
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -105,3 +106,48 @@ def unique_tensors(model) -> tuple[dict[str, torch.Tensor], list[Entry]]:
         sd[name] = t.detach().contiguous()
         entries.append((name, dtype_to_str(t.dtype, tensor=name), tuple(t.shape), t.numel() * t.element_size()))
     return sd, entries
+
+
+#: The ``--max-lora-rank`` values vLLM accepts (``vllm/config/lora.py``: ``MaxLoRARanks``).
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def adapter_rank(folder: str) -> int:
+    """The largest rank stored in ``folder``'s ``adapter_model.safetensors``: dim 0 of every
+    ``lora_A`` / ``lora_embedding_A`` tensor (a ``rank_pattern`` or AdaLoRA may exceed the config's
+    ``r``); the config's ``r`` (default 8) when the file names none.
+
+    Raises:
+        HeaderError: the adapter file's header is damaged (names the file).
+    """
+    from ..storage.model_files import read_header
+    hdr = read_header(os.path.join(folder, ADAPTER_WEIGHTS))
+    ranks = [i.shape[0] for n, i in hdr.tensors.items()
+             if (".lora_A." in n or ".lora_embedding_A." in n or n.endswith("lora_embedding_A")) and i.shape]
+    if ranks:
+        return max(ranks)
+    return int(json.loads(LOCAL.read_bytes(os.path.join(folder, "adapter_config.json"))).get("r", 8))
+
+
+def vllm_max_lora_rank(rank: int) -> int | None:
+    """The smallest ``--max-lora-rank`` vLLM accepts that holds ``rank`` (None past 512)."""
+    return next((r for r in VLLM_MAX_LORA_RANKS if r >= rank), None)
+
+
+def vllm_lora_problem(folder: str) -> str | None:
+    """Why vLLM's ``--enable-lora`` cannot serve the peft adapter in ``folder`` (None when it can):
+    vLLM serves plain LoRA only (``peft_type`` ``LORA``: no DoRA, no ``modules_to_save``, no bias
+    training, rank at most 512)."""
+    cfg = json.loads(LOCAL.read_bytes(os.path.join(folder, "adapter_config.json")))
+    kind = cfg.get("peft_type", "LORA")
+    if kind != "LORA":
+        return f"a {kind} adapter (vLLM serves LoRA adapters only)"
+    if cfg.get("use_dora"):
+        return "a DoRA adapter (vLLM does not serve DoRA)"
+    if cfg.get("modules_to_save"):
+        return f"modules_to_save {cfg['modules_to_save']} (vLLM's LoRA does not load whole trained modules)"
+    if cfg.get("bias", "none") != "none":
+        return f"bias={cfg['bias']!r} (vLLM's LoRA does not load trained biases)"
+    if vllm_max_lora_rank(adapter_rank(folder)) is None:
+        return f"rank {adapter_rank(folder)} (vLLM's --max-lora-rank is at most 512)"
+    return None

@@ -24,7 +24,8 @@ naming the pickle file.
    from the checkpoint, else from the base model folder (``--base`` or the adapter's local
    ``base_model_name_or_path``), with a warning when none exist; the weights as ``model.safetensors``, or as
    ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json`` past one shard) with parallel large I/O; a LoRA adapter is merged through
-   peft (``--merge-lora``) or laid out as ``DIR/adapter`` for ``vllm serve --enable-lora``.
+   peft (``--merge-lora``) or laid out as ``DIR/adapter`` (peft's named adapters: ``DIR/adapter-NAME``)
+   for ``vllm serve --enable-lora``.
    Without ``--to``: warm the page cache with parallel sequential reads of the weights (and
    check them against the manifest checksums while reading, saying whether it could).
 4. Servability gate (:mod:`fastckpt.loading.servable`), on the folder built for ``--to`` before
@@ -403,8 +404,9 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
         claim = tier_for(tmp).checkpoint(tmp, plan.total_bytes, cls="models")  # counted once committed
         with progress_bar(plan.total_bytes, "export", args.quiet) as bar:
             write_shards(plan, fetch, tmp, threads=args.threads, progress=bar.update, tier=claim)
-        if src.adapter_dir and not args.merge_lora:
-            _layout_adapter(src.adapter_dir, os.path.join(tmp, "adapter"), to, checked)
+        if not args.merge_lora:
+            for name, folder in adapters_of(src):
+                _layout_adapter(folder, os.path.join(tmp, adapter_folder_name(name)), to, checked)
         gate(tmp, to)  # a folder vllm serve cannot load as its config.json says never appears at --to
         _COMMIT.finish(LOCAL, tmp, to, overwrite=args.overwrite)
         claim.done(stored=True)
@@ -433,12 +435,40 @@ def _layout_adapter(adapter_dir: str, dst: str, base: str, checked: _Checked) ->
     LOCAL.sync_dir(dst)
 
 
-def vllm_command(model_dir: str, adapter_dir: str | None) -> str:
-    """The ``vllm serve`` command line for ``model_dir`` (+ a LoRA adapter folder)."""
+def adapters_of(src: Source) -> list[tuple[str, str]]:
+    """``(name, folder)`` of every peft adapter ``src`` holds: peft's ``default`` at the top
+    (:attr:`Source.adapter_dir`), then each named one in its sub-folder (``NAME/``, where
+    ``PeftModel.save_pretrained`` and fastckpt put every adapter not named ``default``)."""
+    out = [("default", src.adapter_dir)] if src.adapter_dir else []
+    root = src.adapter_dir or src.path
+    return out + [(n, os.path.join(root, n)) for n in lora.nested_adapters(root)]
+
+
+def adapter_folder_name(name: str) -> str:
+    """Where the export lays out adapter ``name``: ``adapter`` (peft's ``default``), ``adapter-NAME``."""
+    return "adapter" if name == "default" else f"adapter-{name}"
+
+
+def vllm_command(model_dir: str, adapters: list[tuple[str, str]] = ()) -> str:
+    """The ``vllm serve`` command line for ``model_dir`` and the LoRA adapters ``[(name, folder)]``
+    vLLM can serve (``--lora-modules NAME=FOLDER``, peft's ``default`` as ``adapter``); the others
+    are named in a WARNING on stderr (serve them merged: ``--merge-lora``). ``--max-lora-rank`` is
+    the largest stored rank rounded up to a value vLLM accepts (:data:`lora.VLLM_MAX_LORA_RANKS`)."""
     cmd = ["vllm", "serve", model_dir]
-    if adapter_dir:
-        rank = int(json.loads(LOCAL.read_bytes(os.path.join(adapter_dir, ADAPTER_CONFIG))).get("r", 16))
-        cmd += ["--enable-lora", "--lora-modules", f"adapter={adapter_dir}", "--max-lora-rank", str(rank)]
+    served, rank = [], 0
+    for name, folder in adapters:
+        why = lora.vllm_lora_problem(folder)
+        if why is not None:
+            print(f"fastckpt load: WARNING: adapter {name!r} ({folder}) is {why}: left out of the vllm serve command; "
+                  f"serve it merged (--merge-lora{'' if name == 'default' else ' of that adapter folder'})",
+                  file=sys.stderr)
+            continue
+        served.append(f"{'adapter' if name == 'default' else name}={folder}")
+        rank = max(rank, lora.adapter_rank(folder))
+    if served:
+        cmd += ["--enable-lora", "--lora-modules", *served, "--max-lora-rank", str(lora.vllm_max_lora_rank(rank))]
+        if len(served) > 1:
+            cmd += ["--max-loras", str(len(served))]
     return " ".join(shlex.quote(c) for c in cmd)
 
 
@@ -451,11 +481,14 @@ def cmd_load(args: argparse.Namespace) -> int:
                              "a servable HF folder")
         out = export_zero(zero_tag, os.path.abspath(args.to), args, META_PATTERNS, gate)
         print(f"wrote {out}", file=sys.stderr)
-        print(vllm_command(out, None))
+        print(vllm_command(out))
         return 0
     src = resolve_source(args.source, base=args.base)
+    adapters = adapters_of(src)
     print(f"source: {src.path} ({len(src.weights)} weight tensors"
-          f"{', LoRA adapter ' + src.adapter_dir if src.adapter_dir else ''})", file=sys.stderr)
+          f"{', LoRA adapter ' + src.adapter_dir if src.adapter_dir else ''}"
+          f"{', named adapters ' + ', '.join(n for n, _ in adapters if n != 'default') if len(adapters) > bool(src.adapter_dir) else ''})",
+          file=sys.stderr)
     if args.to:
         check_to(os.path.abspath(args.to), src, args)
     if args.merge_lora and not src.adapter_dir:
@@ -463,18 +496,22 @@ def cmd_load(args: argparse.Namespace) -> int:
         print("fastckpt load: --merge-lora: the source has no adapter; nothing to merge", file=sys.stderr)
     if args.merge_lora and src.adapter_dir and not args.to:
         raise ValueError("--merge-lora writes a new folder: pass --to DIR")
+    if args.merge_lora and src.adapter_dir and len(adapters) > 1:  # peft's merge_and_unload merges the active one
+        print(f"fastckpt load: WARNING: --merge-lora merges peft's 'default' adapter only; not merged, not exported: "
+              f"{', '.join(f'{n} ({d})' for n, d in adapters[1:])} (merge one by naming its folder: fastckpt load "
+              f"{adapters[1][1]} --base {src.path} --merge-lora --to DIR)", file=sys.stderr)
     if args.verify:
         if not _verify_source(src):
             return 1
     if args.to:
         out = export(src, os.path.abspath(args.to), args)
-        adapter = os.path.join(out, "adapter") if src.adapter_dir and not args.merge_lora else None
+        served = [] if args.merge_lora else [(n, os.path.join(out, adapter_folder_name(n))) for n, _ in adapters]
         if args.warm:
             _warm(LOCAL.glob(out, "*.safetensors"), args)
         print(f"wrote {out}", file=sys.stderr)
     else:
         _warm_source(src, args)
-        out, adapter = src.path, src.adapter_dir
+        out, served = src.path, adapters
         try:  # warming was the job and it is done: a source that fails the gate gets no command, exit 0
             if not LOCAL.isdir(out):
                 raise NotServableError(
@@ -485,7 +522,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         except NotServableError as e:
             print(f"fastckpt load: WARNING: warmed, but {e}", file=sys.stderr)
             return 0
-    print(vllm_command(out, adapter))
+    print(vllm_command(out, served))
     return 0
 
 
@@ -514,9 +551,8 @@ def gate(folder: str, shown: str) -> None:
 def _warm_source(src: Source, args: argparse.Namespace) -> None:
     """Warm the weight (and adapter) files of ``src``, checking them against the manifest xxh3 while
     reading when there is one (not again after ``--verify``); say on stderr what was verified."""
-    files = list(src.weight_files)
-    if src.adapter_dir:
-        files.append(os.path.join(src.adapter_dir, ADAPTER_WEIGHTS))
+    adapters = [d for _, d in adapters_of(src)]
+    files = list(src.weight_files) + [os.path.join(d, ADAPTER_WEIGHTS) for d in adapters]
     if args.verify:
         _warm(files, args)
         print("fastckpt load: warmed; verified up front (--verify)", file=sys.stderr)
@@ -530,10 +566,9 @@ def _warm_source(src: Source, args: argparse.Namespace) -> None:
             checked.tensors += sum(c.what.startswith("tensor ") for c in fc[1])
         else:
             checked.unchecked.append(os.path.basename(p))
-    folders = [src.meta_dir] + ([src.adapter_dir] if src.adapter_dir else [])
-    for d in dict.fromkeys(folders):
+    for d in dict.fromkeys([src.meta_dir] + adapters):
         if LOCAL.isdir(d):
-            for name in _meta_files(d) + ([ADAPTER_CONFIG] if d == src.adapter_dir else []):
+            for name in _meta_files(d) + ([ADAPTER_CONFIG] if d in adapters else []):
                 _read_side_file(d, name, checked)
     _warm(files, args, checks)
     print(f"fastckpt load: warmed; {checked.summary()}", file=sys.stderr)

@@ -8,6 +8,7 @@ import shlex
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import fastckpt
 from fastckpt.cli.main import main
@@ -100,7 +101,8 @@ def test_run_root_base_plus_adapter_layout(lora_run, tmp_path, capsys):
     out = tmp_path / "lora"
     rc, cmd = _run(capsys, root, "--to", out, "--verify")
     assert rc == 0
-    assert f"--enable-lora --lora-modules adapter={out}/adapter --max-lora-rank 4" in cmd
+    # rank 4 rounded up to a --max-lora-rank vLLM accepts (its MaxLoRARanks: 1, 8, 16, ...)
+    assert f"--enable-lora --lora-modules adapter={out}/adapter --max-lora-rank 8" in cmd
     cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert cfg["base_model_name_or_path"] == str(out)
     base = _load(out)
@@ -280,3 +282,81 @@ def test_adapter_whose_base_is_a_hub_id_names_it(tmp_path, capsys):
     assert main(["load", str(ad), "--to", str(tmp_path / "out"), "-q"]) == 2
     err = capsys.readouterr().err
     assert "'org/some-model'" in err and "not a local folder" in err and "--base" in err, err
+
+
+def _named_adapters(root, names):
+    """A checkpoint of a PeftModel with adapters ``names`` (the first one's peft name included), as the
+    Trainer callback writes it: peft's 'default' at the top, every other adapter in NAME/."""
+    torch.manual_seed(3)
+    model = _tiny_llama(1)
+    pm = None
+    for i, name in enumerate(names):
+        cfg = peft.LoraConfig(r=4 + 4 * i, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        pm = peft.get_peft_model(model, cfg, adapter_name=name) if pm is None else pm
+        if i:
+            pm.add_adapter(name, cfg)
+    with torch.no_grad():  # trained: every adapter moves the logits
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    state, weights, extra = model_snapshot(pm)
+    fastckpt.save(state, root / "checkpoint-1", weights=weights, extra_files=extra)
+    ref = root.parent / "peft-ref"
+    pm.save_pretrained(ref)  # the reference layout: default at the top, the others in NAME/
+    return pm
+
+
+@pytest.mark.parametrize("names", [["default", "second"], ["mine"]])
+def test_every_named_adapter_is_exported_and_served(tmp_path, capsys, names):
+    """peft keeps every adapter not named 'default' in NAME/; the export laid out 'default' only (a
+    lone named adapter: the bare base, 'vllm serve DIR' and exit 0: the training silently gone). Now
+    each is laid out (DIR/adapter, DIR/adapter-NAME), equal to peft's own save_pretrained of it, and
+    named in --lora-modules; the logits of each are the PeftModel's with that adapter active."""
+    root = tmp_path / "run"
+    pm = _named_adapters(root, names)
+    out = tmp_path / "serve"
+    rc, cmd = _run(capsys, root, "--to", out)
+    assert rc == 0, _run.err
+    base = _load(out)
+    mods = []
+    for name in names:
+        folder = out / ("adapter" if name == "default" else f"adapter-{name}")
+        ref = tmp_path / "peft-ref" / ("" if name == "default" else name)
+        mine, theirs = (load_file(f / "adapter_model.safetensors") for f in (folder, ref))
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), name
+        mods.append(f"{'adapter' if name == 'default' else name}={folder}")
+        pm.set_adapter(name)
+        want = _logits(pm)
+        got = peft.PeftModel.from_pretrained(_load(out), folder).eval()
+        torch.testing.assert_close(_logits(got), want, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(_logits(base), want, atol=1e-3), name  # the adapter matters
+    assert f"--enable-lora --lora-modules {' '.join(mods)} --max-lora-rank 8" in cmd, cmd  # ranks 4, 8
+    if "default" in names and len(names) > 1:  # peft merges the active adapter only: the others are named
+        rc, _ = _run(capsys, root, "--to", tmp_path / "merged", "--merge-lora")
+        assert rc == 0 and "merges peft's 'default' adapter only" in _run.err and "second" in _run.err, _run.err
+
+
+def test_max_lora_rank_is_the_largest_stored_rank_that_vllm_accepts(tmp_path, capsys):
+    """rank_pattern gives a module rank 20 while r is 4: vLLM needs --max-lora-rank >= 20 and takes
+    only 1, 8, 16, 32, ...: 32 (it printed r, 4, which vLLM refuses twice over)."""
+    torch.manual_seed(0)
+    pm = peft.get_peft_model(_tiny_llama(1), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                            rank_pattern={"v_proj": 20}))
+    state, weights, extra = model_snapshot(pm)
+    fastckpt.save(state, tmp_path / "ck", weights=weights, extra_files=extra)
+    rc, cmd = _run(capsys, tmp_path / "ck", "--to", tmp_path / "out")
+    assert rc == 0 and cmd.endswith("--max-lora-rank 32"), cmd
+
+
+def test_adapters_vllm_cannot_serve_are_left_out_of_the_command_with_a_warning(tmp_path, capsys):
+    """A DoRA adapter (and IA3, modules_to_save...): vLLM's --enable-lora refuses it; the command
+    printed the flags anyway. Now the export lays it out, the command is the base model's, and a
+    WARNING names the adapter, why, and --merge-lora."""
+    torch.manual_seed(0)
+    pm = peft.get_peft_model(_tiny_llama(1), peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    state, weights, extra = model_snapshot(pm)
+    fastckpt.save(state, tmp_path / "ck", weights=weights, extra_files=extra)
+    out = tmp_path / "out"
+    rc, cmd = _run(capsys, tmp_path / "ck", "--to", out)
+    assert rc == 0 and cmd == f"vllm serve {shlex.quote(str(out))}", cmd
+    assert "DoRA" in _run.err and "--merge-lora" in _run.err and (out / "adapter" / "adapter_model.safetensors").is_file()
