@@ -52,6 +52,20 @@ def check_export_target(to: str, overwrite: bool) -> None:
                                 "folder. Remove it yourself if it may go, or choose another --to")
 
 
+def matching_files(folder: str, patterns: tuple[str, ...]) -> list[str]:
+    """The files of ``folder`` matching ``patterns`` (shell patterns, one level; ``sub/pattern``
+    matches in sub-folder ``sub``), as ``/``-separated names relative to ``folder``, in pattern
+    order, each once."""
+    out: list[str] = []
+    for pat in patterns:
+        sub, _, name_pat = pat.rpartition("/")
+        for p in LOCAL.glob(os.path.join(folder, sub) if sub else folder, name_pat):
+            name = f"{sub}/{os.path.basename(p)}" if sub else os.path.basename(p)
+            if LOCAL.isfile(p) and name not in out:
+                out.append(name)
+    return out
+
+
 def positive_int(text: str) -> int:
     """argparse type of a count option (``--threads``, ``--keep``): an int >= 1."""
     try:

@@ -24,7 +24,7 @@ from ..format.dtypes import dtype_to_str
 from ..loading.zero import consolidate
 from ..saving.export import plan_shards, write_shards
 from ..storage.store import LOCAL, strategy
-from .common import check_export_target
+from .common import check_export_target, matching_files
 
 #: The consolidated folder is built in a hidden folder and renamed into place.
 _COMMIT = strategy("rename")
@@ -106,10 +106,9 @@ def export_zero(tag_dir: str, to: str, args: argparse.Namespace, meta_patterns: 
 def _copy_matching(folders: list[str], dst: str, patterns: tuple[str, ...]) -> list[str]:
     copied: list[str] = []
     for d in folders:
-        for pat in patterns:
-            for p in LOCAL.glob(d, pat):
-                name = os.path.basename(p)
-                if LOCAL.isfile(p) and name not in copied:
-                    LOCAL.put_file(p, os.path.join(dst, name))
-                    copied.append(name)
+        for name in matching_files(d, patterns):
+            if name not in copied:
+                LOCAL.makedirs(os.path.dirname(os.path.join(dst, name)))
+                LOCAL.put_file(os.path.join(d, name), os.path.join(dst, name))
+                copied.append(name)
     return copied

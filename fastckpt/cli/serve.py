@@ -71,13 +71,13 @@ _COMMIT = strategy("rename")
 from ..loading.servable import check_servable
 from ..loading.zero import find_zero_tag
 from . import lora
-from .common import check_export_target, parse_bytes, positive_int, progress_bar
+from .common import check_export_target, matching_files, parse_bytes, positive_int, progress_bar
 from .consolidate import export_zero
 #: Small files copied next to the weights when present (config, generation and tokenizer files).
 META_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "vocab.txt",
                  "merges.txt", "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
-                 "processor_config.json", "*.tiktoken")
+                 "processor_config.json", "*.tiktoken", "additional_chat_templates/*.jinja")
 #: Any of these makes ``AutoTokenizer.from_pretrained`` possible.
 TOKENIZER_PATTERNS = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken")
 
@@ -135,13 +135,10 @@ def _read_side_file(folder: str, name: str, checked: _Checked) -> bytes:
 
 
 def _meta_files(src_dir: str) -> list[str]:
-    """Names of the config/tokenizer files of ``src_dir``, in :data:`META_PATTERNS` order."""
-    out: list[str] = []
-    for pat in META_PATTERNS:
-        for p in LOCAL.glob(src_dir, pat):
-            if LOCAL.isfile(p) and os.path.basename(p) not in out:
-                out.append(os.path.basename(p))
-    return out
+    """Names (relative, ``/``-separated: transformers 5 writes each named chat template to
+    ``additional_chat_templates/NAME.jinja``) of the config/tokenizer files of ``src_dir``, in
+    :data:`META_PATTERNS` order."""
+    return matching_files(src_dir, META_PATTERNS)
 
 
 #: A sentence-transformers folder (``SentenceTransformer.save``): these files, and each module's folder
@@ -192,6 +189,7 @@ def _copy_meta(src_dir: str, dst: str, checked: _Checked) -> list[str]:
             copied.append(name)
     for name in _meta_files(src_dir):
         if not LOCAL.exists(os.path.join(dst, name)):
+            LOCAL.makedirs(os.path.dirname(os.path.join(dst, name)))
             _copy_side_file(src_dir, name, os.path.join(dst, name), checked)
             copied.append(name)
     return copied

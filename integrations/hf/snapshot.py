@@ -413,8 +413,9 @@ def _backing_objects(model, state) -> list[tuple[str, str, torch.Tensor]] | None
 def tokenizer_files(processing_class) -> dict[str, bytes]:
     """The files ``processing_class.save_pretrained`` writes (tokenizer / processor), as bytes.
 
-    Saved once into a temporary folder; sub-folders are ignored. Empty when there is nothing
-    to save (``None`` or an object without ``save_pretrained``).
+    Saved once into a temporary folder; files in sub-folders keep their relative name
+    (transformers 5 writes each named chat template to ``additional_chat_templates/NAME.jinja``).
+    Empty when there is nothing to save (``None`` or an object without ``save_pretrained``).
     """
     if processing_class is None or not hasattr(processing_class, "save_pretrained"):
         return {}
@@ -422,7 +423,7 @@ def tokenizer_files(processing_class) -> dict[str, bytes]:
 
     with tempfile.TemporaryDirectory(prefix="fastckpt-tok-") as d:
         processing_class.save_pretrained(d)
-        return {p.name: p.read_bytes() for p in sorted(Path(d).iterdir()) if p.is_file()}
+        return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(Path(d).rglob("*")) if p.is_file()}
 
 
 def snapshot_bytes_estimate(model) -> int:

@@ -360,3 +360,31 @@ def test_adapters_vllm_cannot_serve_are_left_out_of_the_command_with_a_warning(t
     rc, cmd = _run(capsys, tmp_path / "ck", "--to", out)
     assert rc == 0 and cmd == f"vllm serve {shlex.quote(str(out))}", cmd
     assert "DoRA" in _run.err and "--merge-lora" in _run.err and (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_named_chat_templates_reach_the_export_and_the_callbacks_checkpoint(tmp_path, capsys):
+    """transformers 5 writes every chat template but the default to additional_chat_templates/NAME.jinja.
+    The export (top-level patterns only) and the callback's tokenizer files (sub-folders ignored) dropped
+    them: AutoTokenizer then gave the default template alone, and tool-calling chats used it. The
+    reference is the tokenizer's own save_pretrained folder, read back by AutoTokenizer."""
+    from integrations.hf.snapshot import tokenizer_files
+    tok = _tiny_tokenizer()
+    tok.chat_template = {"default": "{{ messages[0]['content'] }}", "tool_use": "{{ tools }}{{ messages }}"}
+    src = tmp_path / "src"
+    _tiny_llama(2).save_pretrained(src)
+    tok.save_pretrained(src)
+    assert (src / "additional_chat_templates" / "tool_use.jinja").is_file()  # the reference layout
+    want = transformers.AutoTokenizer.from_pretrained(src).chat_template
+    assert isinstance(want, dict) and set(want) == {"default", "tool_use"}
+    out = tmp_path / "out"
+    assert _run(capsys, src, "--to", out)[0] == 0
+    assert transformers.AutoTokenizer.from_pretrained(out).chat_template == want
+    files = tokenizer_files(tok)  # what the Trainer callback saves beside the weights
+    assert "additional_chat_templates/tool_use.jinja" in files
+    m = _tiny_llama(2)
+    state, weights, extra = model_snapshot(m)
+    fastckpt.save(state, tmp_path / "ck", weights=weights, extra_files={**extra, **files})
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "ck").chat_template == want
+    out2 = tmp_path / "out2"
+    assert _run(capsys, tmp_path / "ck", "--to", out2)[0] == 0
+    assert transformers.AutoTokenizer.from_pretrained(out2).chat_template == want
