@@ -77,7 +77,8 @@ from .consolidate import export_zero
 META_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "vocab.txt",
                  "merges.txt", "chat_template.json", "chat_template.jinja", "preprocessor_config.json",
-                 "processor_config.json", "*.tiktoken", "additional_chat_templates/*.jinja")
+                 "processor_config.json", "*.tiktoken", "additional_chat_templates/*.jinja",
+                 "*.py")  # a trust_remote_code model's code (copied, never run), as save_pretrained copies it
 #: Any of these makes ``AutoTokenizer.from_pretrained`` possible.
 TOKENIZER_PATTERNS = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken")
 
@@ -448,11 +449,18 @@ def adapter_folder_name(name: str) -> str:
 
 
 def vllm_command(model_dir: str, adapters: list[tuple[str, str]] = ()) -> str:
-    """The ``vllm serve`` command line for ``model_dir`` and the LoRA adapters ``[(name, folder)]``
+    """The ``vllm serve`` command line for ``model_dir`` (``--trust-remote-code`` when its config.json
+    has an ``auto_map``) and the LoRA adapters ``[(name, folder)]``
     vLLM can serve (``--lora-modules NAME=FOLDER``, peft's ``default`` as ``adapter``); the others
     are named in a WARNING on stderr (serve them merged: ``--merge-lora``). ``--max-lora-rank`` is
     the largest stored rank rounded up to a value vLLM accepts (:data:`lora.VLLM_MAX_LORA_RANKS`)."""
     cmd = ["vllm", "serve", model_dir]
+    cfg_path = os.path.join(model_dir, "config.json")
+    try:
+        if LOCAL.isfile(cfg_path) and "auto_map" in json.loads(LOCAL.read_bytes(cfg_path)):
+            cmd.append("--trust-remote-code")  # vLLM refuses an auto_map model without it
+    except ValueError:
+        pass  # the gate already named an unreadable config.json
     served, rank = [], 0
     for name, folder in adapters:
         why = lora.vllm_lora_problem(folder)
@@ -471,7 +479,15 @@ def vllm_command(model_dir: str, adapters: list[tuple[str, str]] = ()) -> str:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    """Resolve, verify, export or warm, then print the ``vllm serve`` command."""
+    """Resolve, verify, export or warm, then print the ``vllm serve`` command (stdout's last line)."""
+    rc, command = _load(args)
+    if command:
+        print(command)
+    return rc
+
+
+def _load(args: argparse.Namespace) -> tuple[int, str | None]:
+    """:func:`cmd_load`'s work: ``(exit status, vllm serve command or None)``."""
     zero_tag = find_zero_tag(args.source)  # refuses native DeepSpeed / DCP folders (pickles)
     if zero_tag is not None:
         if not args.to:
@@ -479,8 +495,7 @@ def cmd_load(args: argparse.Namespace) -> int:
                              "a servable HF folder")
         out = export_zero(zero_tag, os.path.abspath(args.to), args, META_PATTERNS, gate)
         print(f"wrote {out}", file=sys.stderr)
-        print(vllm_command(out))
-        return 0
+        return 0, vllm_command(out)
     src = resolve_source(args.source, base=args.base)
     adapters = adapters_of(src)
     print(f"source: {src.path} ({len(src.weights)} weight tensors"
@@ -500,7 +515,7 @@ def cmd_load(args: argparse.Namespace) -> int:
               f"{adapters[1][1]} --base {src.path} --merge-lora --to DIR)", file=sys.stderr)
     if args.verify:
         if not _verify_source(src):
-            return 1
+            return 1, None
     if args.to:
         out = export(src, os.path.abspath(args.to), args)
         served = [] if args.merge_lora else [(n, os.path.join(out, adapter_folder_name(n))) for n, _ in adapters]
@@ -519,9 +534,8 @@ def cmd_load(args: argparse.Namespace) -> int:
             gate(out, out)
         except NotServableError as e:
             print(f"fastckpt load: WARNING: warmed, but {e}", file=sys.stderr)
-            return 0
-    print(vllm_command(out, served))
-    return 0
+            return 0, None
+    return 0, vllm_command(out, served)
 
 
 def gate(folder: str, shown: str) -> None:

@@ -267,7 +267,9 @@ def model_files(model) -> dict[str, bytes]:
     ``architectures`` = the model's class), and ``GenerationConfig.save_pretrained`` when the
     model ``can_generate()``, as ``save_pretrained`` does. The live config is not changed (unlike
     ``save_pretrained``, which sets both fields on it). For a PeftModel these are the base
-    model's, plus what ``PeftModel.save_pretrained`` writes besides the weights: each adapter's
+    model's (a ``trust_remote_code`` model's code files too, copied by transformers'
+    ``custom_object_save`` as ``save_pretrained`` copies them), plus what ``PeftModel.save_pretrained``
+    writes besides the weights: each adapter's
     ``adapter_config.json`` (:func:`adapter_config_bytes`) and peft's model card ``README.md``.
     A model without an HF config gets only ``config.json`` from ``config.to_json_string()``
     when it has one.
@@ -300,6 +302,9 @@ def model_files(model) -> dict[str, bytes]:
     cfg.dtype = str(model.dtype).split(".")[1]  # what PreTrainedModel.save_pretrained sets on the config
     cfg.architectures = [type(model).__name__.removeprefix("FSDP")]
     with tempfile.TemporaryDirectory(prefix="fastckpt-config-") as d:
+        if callable(getattr(model, "is_remote_code", None)) and model.is_remote_code():
+            from transformers.dynamic_module_utils import custom_object_save  # copies files, runs none
+            custom_object_save(model, d, config=cfg)  # as save_pretrained: modeling_*.py + auto_map
         cfg.save_pretrained(d)
         if model.can_generate() and getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(d)

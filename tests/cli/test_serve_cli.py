@@ -50,7 +50,7 @@ def _run(capsys, *argv) -> tuple[int, str]:
     rc = main(["load", *map(str, argv), "-q"])
     cap = capsys.readouterr()
     _run.err = cap.err
-    return rc, cap.out.strip()
+    return rc, (cap.out.strip().splitlines() or [""])[-1]  # the command is stdout's last line
 
 
 @pytest.fixture(scope="module")
@@ -388,3 +388,65 @@ def test_named_chat_templates_reach_the_export_and_the_callbacks_checkpoint(tmp_
     out2 = tmp_path / "out2"
     assert _run(capsys, tmp_path / "ck", "--to", out2)[0] == 0
     assert transformers.AutoTokenizer.from_pretrained(out2).chat_template == want
+
+
+_REMOTE_CONFIG = '''
+from transformers import PretrainedConfig
+class TinyConfig(PretrainedConfig):
+    model_type = "tiny_remote"
+    def __init__(self, vocab_size=32, hidden=16, **kw):
+        self.vocab_size, self.hidden = vocab_size, hidden
+        super().__init__(**kw)
+'''
+_REMOTE_MODEL = '''
+import torch
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+from .configuration_tiny import TinyConfig
+class TinyForCausalLM(PreTrainedModel):
+    config_class = TinyConfig
+    def __init__(self, config):
+        super().__init__(config)
+        self.emb = torch.nn.Embedding(config.vocab_size, config.hidden)
+        self.head = torch.nn.Linear(config.hidden, config.vocab_size, bias=False)
+        self.post_init()
+    def forward(self, input_ids, **kw):
+        return CausalLMOutput(logits=self.head(self.emb(input_ids)))
+'''
+
+
+def test_trust_remote_code_model_keeps_its_code_files(tmp_path, capsys):
+    """save_pretrained of a trust_remote_code model copies modeling_*.py / configuration_*.py beside
+    config.json (custom_object_save); the callback's checkpoint lacked modeling_*.py and the export
+    copied neither, so from_pretrained(trust_remote_code=True) failed on both, and the printed vllm
+    command lacked --trust-remote-code. The reference is save_pretrained's folder."""
+    import importlib.util
+    import sys
+    pkg_dir = tmp_path / "tinyremote"
+    pkg_dir.mkdir()
+    (pkg_dir / "__init__.py").write_text("")
+    (pkg_dir / "configuration_tiny.py").write_text(_REMOTE_CONFIG)
+    (pkg_dir / "modeling_tiny.py").write_text(_REMOTE_MODEL)
+    spec = importlib.util.spec_from_file_location("tinyremote", pkg_dir / "__init__.py",
+                                                  submodule_search_locations=[str(pkg_dir)])
+    sys.modules["tinyremote"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules["tinyremote"])
+    from tinyremote.configuration_tiny import TinyConfig
+    from tinyremote.modeling_tiny import TinyForCausalLM
+    TinyConfig.register_for_auto_class()
+    TinyForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    torch.manual_seed(0)
+    m = TinyForCausalLM(TinyConfig())
+    m.save_pretrained(tmp_path / "ref")
+    state, weights, extra = model_snapshot(m)
+    fastckpt.save(state, tmp_path / "ck", weights=weights, extra_files=extra)
+    for name in ("configuration_tiny.py", "modeling_tiny.py", "config.json"):
+        assert (tmp_path / "ck" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes(), name
+    out = tmp_path / "out"
+    rc, cmd = _run(capsys, tmp_path / "ck", "--to", out)
+    assert rc == 0 and cmd == f"vllm serve {shlex.quote(str(out))} --trust-remote-code", cmd
+    ids = torch.tensor([[1, 2, 3]])
+    for folder in (tmp_path / "ck", out):
+        got = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+        assert torch.equal(got(ids).logits, m(ids).logits), folder
+
