@@ -74,6 +74,37 @@ def _show(names) -> str:
     return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
+def model_class(cfg, where: str):
+    """The transformers class to merge into: the config's ``architectures[0]`` when transformers has
+    it (``LlamaForSequenceClassification``, ``T5ForConditionalGeneration``...: what
+    ``merge_and_unload().save_pretrained`` keeps), else the causal LM of its model type. Never a
+    class from the checkpoint's own code.
+
+    Raises:
+        ValueError: neither exists (names ``where``, the config file).
+    """
+    import transformers
+    for name in getattr(cfg, "architectures", None) or []:
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls
+    try:
+        return transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    except KeyError:
+        raise ValueError(f"--merge-lora: {where} names no transformers class (architectures "
+                         f"{getattr(cfg, 'architectures', None)}) and {type(cfg).__name__} has no causal LM in "
+                         "transformers: nothing to merge into") from None
+
+
+def refuse_unmergeable(pcfg, where: str) -> None:
+    """Raise :class:`LoraMergeError` for an adapter peft cannot merge (prompt tuning, prefix tuning,
+    p-tuning: virtual tokens, no weights to fold in)."""
+    if getattr(pcfg, "is_prompt_learning", False):
+        raise LoraMergeError(
+            f"--merge-lora: {where} holds a {getattr(pcfg.peft_type, 'value', pcfg.peft_type)} adapter (virtual tokens), which peft cannot merge into "
+            "the weights; load it with peft (PeftModel.from_pretrained) instead", path=where, missing=[])
+
+
 def load_base(cls, cfg, state: dict[str, torch.Tensor], where: str):
     """``cls.from_pretrained(None, config=cfg, state_dict=state)``, refusing any missing or
     unexpected weight (tied weights transformers re-ties are not missing).

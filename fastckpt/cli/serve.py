@@ -255,7 +255,7 @@ def merged_state(src: Source, config_dir: str, scratch: str, checked: _Checked, 
         ChecksumMismatchError: a source byte differs from the manifest (names file and tensor).
         LoraMergeError: base weights missing or unexpected for the model, or adapter tensors the
             manifest lists but ``adapter_model.safetensors`` lacks (nothing merged).
-        ValueError: no ``config.json``, or not a causal-LM config.
+        ValueError: no ``config.json``, or no transformers class for it (:func:`lora.model_class`).
     """
     import peft
     import transformers
@@ -265,11 +265,8 @@ def merged_state(src: Source, config_dir: str, scratch: str, checked: _Checked, 
         raise ValueError(f"--merge-lora: {src.meta_dir} has no config.json (nor has the base model folder): "
                          "transformers cannot build the model to merge into; pass --base BASE_MODEL_DIR")
     cfg = transformers.AutoConfig.from_pretrained(config_dir)
-    try:
-        cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
-    except KeyError:
-        raise ValueError(f"--merge-lora: {type(cfg).__name__} ({src.meta_dir}/config.json) is not a causal LM "
-                         "that transformers knows") from None
+    cls = lora.model_class(cfg, os.path.join(src.meta_dir, "config.json"))
+    tied = getattr(cfg, "tie_word_embeddings", None)  # before the merge: peft unties a trained tied module
     lora.check_adapter(src.adapter_dir)
     base = src.read(list(src.weights), threads=threads)  # each tensor's xxh3 checked (manifest)
     model = lora.load_base(cls, cfg, base, src.path)
@@ -285,7 +282,15 @@ def merged_state(src: Source, config_dir: str, scratch: str, checked: _Checked, 
         checked.unchecked.append(ADAPTER_WEIGHTS)
     LOCAL.write_file(os.path.join(scratch, ADAPTER_WEIGHTS), safetensors_bytes(adapter), fsync=False)
     del adapter
-    return lora.unique_tensors(peft.PeftModel.from_pretrained(model, scratch).merge_and_unload())
+    lora.refuse_unmergeable(peft.PeftConfig.from_pretrained(scratch), src.adapter_dir)
+    merged = peft.PeftModel.from_pretrained(model, scratch).merge_and_unload()
+    untied = getattr(merged.config, "tie_word_embeddings", None)
+    if tied is not None and untied is not None and untied != tied:  # modules_to_save on a tied embedding / head
+        path = os.path.join(config_dir, "config.json")
+        on_disk = json.loads(LOCAL.read_bytes(path))
+        on_disk["tie_word_embeddings"] = untied  # as merge_and_unload().save_pretrained writes it
+        LOCAL.write_file(path, (json.dumps(on_disk, indent=2, sort_keys=True) + "\n").encode(), replace=True)
+    return lora.unique_tensors(merged)
 
 
 def _header_checks(src: Source) -> None:

@@ -450,3 +450,64 @@ def test_trust_remote_code_model_keeps_its_code_files(tmp_path, capsys):
         got = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
         assert torch.equal(got(ids).logits, m(ids).logits), folder
 
+
+
+def _perturbed(pm):
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.3)
+    return pm.eval()
+
+
+def test_merge_of_a_trained_tied_module_unties_the_config_as_peft_does(tmp_path, capsys):
+    """modules_to_save=['lm_head'] on a tied model: merge_and_unload() sets tie_word_embeddings False
+    and save_pretrained writes both weights. fastckpt copied the checkpoint's config (tied) and its
+    own gate refused the merged folder (exit 2). The reference is peft's merged folder."""
+    import copy
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    cfg.architectures, cfg.dtype = ["LlamaForCausalLM"], torch.float32
+    pm = _perturbed(peft.get_peft_model(transformers.LlamaForCausalLM(cfg),
+                                        peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])))
+    state, weights, extra = model_snapshot(pm)
+    fastckpt.save(state, tmp_path / "ck", weights=weights, extra_files=extra)
+    copy.deepcopy(pm).merge_and_unload().save_pretrained(tmp_path / "ref")
+    out = tmp_path / "out"
+    assert _run(capsys, tmp_path / "ck", "--to", out, "--merge-lora")[0] == 0, _run.err
+    for f in (tmp_path / "ref", out):
+        assert json.loads((f / "config.json").read_text())["tie_word_embeddings"] is False, f
+    torch.testing.assert_close(_logits(_load(out)), _logits(_load(tmp_path / "ref")), rtol=0, atol=1e-6)
+
+
+def test_merge_builds_the_class_config_json_names(tmp_path, capsys):
+    """A sequence-classification LoRA (peft task_type SEQ_CLS): the merge built the causal LM of the
+    model type and refused ('missing lm_head, unexpected score'). Now the architectures' class, and
+    the logits are merge_and_unload().save_pretrained's."""
+    import copy
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, num_labels=3)
+    cfg.architectures, cfg.dtype = ["LlamaForSequenceClassification"], torch.float32
+    pm = _perturbed(peft.get_peft_model(transformers.LlamaForSequenceClassification(cfg),
+                                        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS")))
+    state, weights, extra = model_snapshot(pm)
+    fastckpt.save(state, tmp_path / "ck", weights=weights, extra_files=extra)
+    copy.deepcopy(pm).merge_and_unload().save_pretrained(tmp_path / "ref")
+    out = tmp_path / "out"
+    assert _run(capsys, tmp_path / "ck", "--to", out, "--merge-lora")[0] == 0, _run.err
+    load = transformers.LlamaForSequenceClassification.from_pretrained
+    with torch.no_grad():
+        torch.testing.assert_close(load(out).eval()(input_ids=IDS).logits, load(tmp_path / "ref").eval()(input_ids=IDS).logits,
+                                   rtol=0, atol=1e-6)
+
+
+def test_merge_of_a_prompt_tuning_adapter_is_a_one_line_error(tmp_path, capsys):
+    """peft cannot merge virtual tokens; the merge died with a raw AttributeError traceback (exit 1)."""
+    pm = peft.get_peft_model(_tiny_llama(1), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    state, weights, extra = model_snapshot(pm)
+    fastckpt.save(state, tmp_path / "ck", weights=weights, extra_files=extra)
+    rc, _ = _run(capsys, tmp_path / "ck", "--to", tmp_path / "out", "--merge-lora")
+    assert rc == 2 and "PROMPT_TUNING adapter" in _run.err and "Traceback" not in _run.err, _run.err
+    assert not (tmp_path / "out").exists()
