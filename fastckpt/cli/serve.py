@@ -68,7 +68,7 @@ from ..storage.tier import tier_for
 
 #: Exports are built in a hidden folder and renamed into place (never half-visible at --to).
 _COMMIT = strategy("rename")
-from ..loading.servable import check_servable
+from ..loading.servable import check_servable, saved_names
 from ..loading.zero import find_zero_tag
 from . import lora
 from .common import check_export_target, matching_files, parse_bytes, positive_int, progress_bar
@@ -404,6 +404,7 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
                 checked.tensors += len(entries)
         if not src.checksummed:
             checked.unchecked += [os.path.basename(p) for p in src.weight_files]
+        entries, fetch = _as_saved(entries, fetch, tmp)
         plan = plan_shards(entries, args.max_shard_size)
         claim = tier_for(tmp).checkpoint(tmp, plan.total_bytes, cls="models")  # counted once committed
         with progress_bar(plan.total_bytes, "export", args.quiet) as bar:
@@ -424,6 +425,22 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
         raise
     print(f"fastckpt load: {checked.summary()}", file=sys.stderr)
     return to
+
+
+def _as_saved(entries: list[Entry], fetch, config_dir: str):
+    """``(entries, fetch)`` with the weights named as ``save_pretrained`` names them on disk
+    (:func:`fastckpt.loading.servable.saved_names`: GPT-NeoX's in-memory ``lm_head.weight`` is
+    ``embed_out.weight``, which vLLM and the gate look for); a checkpoint holds the in-memory names
+    (``model.state_dict()``), an HF folder already the saved ones (then nothing changes)."""
+    names = {e[0] for e in entries}
+    ren = {a: b for a, b in saved_names(config_dir).items() if a in names and b not in names}
+    if not ren:
+        return entries, fetch
+    back = {b: a for a, b in ren.items()}
+    print(f"fastckpt load: {len(ren)} weight(s) named as save_pretrained names them on disk (transformers' "
+          f"conversion mapping): {', '.join(f'{a} -> {b}' for a, b in list(ren.items())[:4])}", file=sys.stderr)
+    return ([(ren.get(e[0], e[0]), *e[1:]) for e in entries],
+            lambda want: (lambda got: {n: got[back.get(n, n)] for n in want})(fetch([back.get(n, n) for n in want])))
 
 
 def _layout_adapter(adapter_dir: str, dst: str, base: str, checked: _Checked) -> None:

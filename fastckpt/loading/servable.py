@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -105,6 +106,57 @@ def _name_problems(cfg: dict) -> list[str]:
     return out
 
 
+def _meta_model(cfg: dict, folder: str) -> Any:
+    """The architecture ``cfg["architectures"][0]`` built by transformers from ``folder/config.json`` on
+    the meta device (no weights, no code from the folder), or why it cannot be (a str)."""
+    import transformers
+    arch = cfg["architectures"][0]
+    cls = getattr(transformers, arch, None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        return (f"architectures names {arch}, which transformers {transformers.__version__} does not "
+                "have (a vLLM-only model class?): the parameters were NOT checked")
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            return cls._from_config(config)
+    except Exception as e:  # noqa: BLE001 - transformers' own refusal, reported as what was not checked
+        return (f"transformers {transformers.__version__} could not build {arch} from config.json on the "
+                f"meta device ({type(e).__name__}: {e}): the parameters were NOT checked")
+
+
+def saved_names(folder: str | os.PathLike) -> dict[str, str]:
+    """``{in-memory name: saved name}`` of the parameters and buffers ``save_pretrained`` of the
+    architecture in ``folder/config.json`` writes under another name (transformers 5 reverts its
+    load-time renaming on save, ``revert_weight_conversion``: GPT-NeoX's ``lm_head.weight`` is
+    ``embed_out.weight`` on disk). Pure renamings only (a conversion that builds new tensors, such
+    as MoE experts fused on load, is left out); empty when nothing is renamed, or when the
+    architecture cannot be built (quantized, ``auto_map``, unknown to transformers)."""
+    folder = os.fspath(folder)
+    try:
+        cfg = _read_config(folder)
+    except NotServableError:
+        return {}
+    if _name_problems(cfg) or cfg.get("quantization_config") or "auto_map" in cfg:
+        return {}
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if cfg.get("model_type") not in CONFIG_MAPPING:
+        return {}
+    model = _meta_model(cfg, folder)
+    if isinstance(model, str):
+        return {}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return {}
+    sd = model.state_dict()
+    by_id = {id(t): n for n, t in sd.items()}
+    try:
+        out = revert_weight_conversion(model, dict(sd))
+    except Exception:  # noqa: BLE001 - a conversion that cannot run on meta tensors: not a renaming
+        return {}
+    return {by_id[id(t)]: n for n, t in out.items() if id(t) in by_id and by_id[id(t)] != n}
+
+
 def _expected(cfg: dict, folder: str) -> tuple[dict, dict, list[list[str]], str | None]:
     """``(params, buffers, tied_groups, skip_reason)``: name -> shape of what ``save_pretrained`` of
     the architecture writes (parameters; persistent buffers), and the groups of names that share
@@ -124,17 +176,9 @@ def _expected(cfg: dict, folder: str) -> tuple[dict, dict, list[list[str]], str 
     if cfg.get("model_type") not in CONFIG_MAPPING:
         return {}, {}, [], (f"model_type {cfg.get('model_type')!r} is not one transformers "
                             f"{transformers.__version__} knows: the parameters were NOT checked")
-    cls = getattr(transformers, arch, None)
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        return {}, {}, [], (f"architectures names {arch}, which transformers {transformers.__version__} does not "
-                            "have (a vLLM-only model class?): the parameters were NOT checked")
-    try:
-        config = transformers.AutoConfig.from_pretrained(folder)
-        with torch.device("meta"):
-            model = cls._from_config(config)
-    except Exception as e:  # noqa: BLE001 - transformers' own refusal, reported as what was not checked
-        return {}, {}, [], (f"transformers {transformers.__version__} could not build {arch} from config.json on the "
-                            f"meta device ({type(e).__name__}: {e}): the parameters were NOT checked")
+    model = _meta_model(cfg, folder)
+    if isinstance(model, str):
+        return {}, {}, [], model
     params = dict(model.named_parameters(remove_duplicate=False))
     groups: dict[int, list[str]] = {}
     for n, p in params.items():
@@ -211,6 +255,11 @@ def check_servable(folder: str | os.PathLike) -> ServableReport:
                                     sorted(bad.items())[:SHOW]))
     hint = ("The config.json does not describe these weights: pass --config HF_DIR with the config.json "
             "(and tokenizer) of the model that was trained, as its save_pretrained wrote it")
+    renamed = {b: a for a, b in saved_names(folder).items() if a in have}
+    if missing and not bad and all(m in renamed for m in missing):
+        hint = (f"The folder holds transformers' in-memory names ({', '.join(f'{renamed[m]} for {m}' for m in missing[:3])}), "
+                "as a checkpoint of model.state_dict() does; save_pretrained renames them on disk. Export it with "
+                "fastckpt load SOURCE --to DIR, which writes the saved names")
     if not problems:
         problems = _tie_values(src, tied, have, cfg)
         hint = "Set tie_word_embeddings in config.json to what the weights are, or save them tied"

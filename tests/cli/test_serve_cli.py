@@ -511,3 +511,26 @@ def test_merge_of_a_prompt_tuning_adapter_is_a_one_line_error(tmp_path, capsys):
     rc, _ = _run(capsys, tmp_path / "ck", "--to", tmp_path / "out", "--merge-lora")
     assert rc == 2 and "PROMPT_TUNING adapter" in _run.err and "Traceback" not in _run.err, _run.err
     assert not (tmp_path / "out").exists()
+
+
+def test_export_writes_the_names_save_pretrained_writes_for_renamed_weights(tmp_path, capsys):
+    """transformers 5 names GPT-NeoX's head lm_head in memory and embed_out on disk (save_pretrained
+    reverts its conversion mapping); a checkpoint of model.state_dict() holds lm_head.weight, and the
+    export was refused (exit 2) telling the user to pass --config. Now the export writes save_pretrained's
+    names (the reference folder's, tensor for tensor), and the warm-only path says what happened."""
+    torch.manual_seed(0)
+    cfg = transformers.GPTNeoXConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=64)
+    cfg.architectures, cfg.dtype = ["GPTNeoXForCausalLM"], torch.float32
+    m = transformers.GPTNeoXForCausalLM(cfg).eval()
+    m.save_pretrained(tmp_path / "ref")
+    state, weights, extra = model_snapshot(m)
+    fastckpt.save(state, tmp_path / "ck", weights=weights, extra_files=extra)
+    assert "lm_head.weight" in load_file(tmp_path / "ck" / "model.safetensors")  # the in-memory name
+    out = tmp_path / "out"
+    assert _run(capsys, tmp_path / "ck", "--to", out)[0] == 0, _run.err
+    mine, ref = load_file(out / "model.safetensors"), load_file(tmp_path / "ref" / "model.safetensors")
+    assert mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in ref)
+    torch.testing.assert_close(_logits(_load(out)), _logits(m), rtol=0, atol=0)
+    rc, cmd = _run(capsys, tmp_path / "ck")  # warm only: no command, the reason and the fix on stderr
+    assert rc == 0 and cmd == "" and "in-memory names" in _run.err and "--to DIR" in _run.err, _run.err
