@@ -552,7 +552,7 @@ class Saver:
                 if ref in e:
                     e[ref] = pre + e[ref]
             entries[pre + k] = e
-        sv.local = (loc.skeleton if (loc.specs or loc.entries) else None, entries)
+        sv.local = (loc.skeleton, entries)  # JSON values alone (a sample counter) need their skeleton too
         return rank_specs(loc.specs, sv.coord.rank)
 
     def _open(self, sv: InFlight) -> None:

@@ -179,7 +179,21 @@ def rank_local_case(folder: str) -> dict:
                   process_group=dist.group.WORLD, local_keys=("opt",), timeout_s=60)
     dst = {"w": torch.zeros(4), "opt": {"m": torch.zeros(2), "n": -1}}
     out = fastckpt.load_into(dst, ck)
-    return {"w": dst["w"].tolist(), "m": dst["opt"]["m"].tolist(), "n": out["opt"]["n"]}
+    # JSON values alone under a local key (DISTRIBUTED.md's samples-seen counter), on both routes: the
+    # save succeeded but stored no per-rank skeleton, and the resume said 'missing' (a README trial)
+    seen = {}
+    for route, model in (("process_group", {"w": torch.arange(4.0)}), ("dtensor", None)):
+        if model is None:
+            from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            model = {"w": distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])}
+        p = os.path.join(folder, f"seen-{route}")
+        fastckpt.save({**model, "seen": 100 + r, "data": {"epoch": 3, "idx": [r, r + 2]}}, p,
+                      local_keys=("seen", "data"), timeout_s=60,
+                      **({"process_group": dist.group.WORLD} if route == "process_group" else {}))
+        got = fastckpt.load_into({**model, "seen": 0, "data": {"epoch": 0, "idx": [0, 0]}}, p)
+        seen[route] = [got["seen"], got["data"]]
+    return {"w": dst["w"].tolist(), "m": dst["opt"]["m"].tolist(), "n": out["opt"]["n"], "seen": seen}
 
 
 # -- tests ------------------------------------------------------------------------------------
@@ -267,7 +281,9 @@ def test_dtensor_of_another_dtype_is_cast(pool, tmp_path):
 def test_rank_local_subtrees(pool, tmp_path):
     out = pool.run(rank_local_case, folder=str(tmp_path), timeout_s=TIMEOUT_S)
     for r, o in out.items():
-        assert o == {"w": [0.0, 1.0, 2.0, 3.0], "m": [float(r)] * 2, "n": r}, (r, o)
+        want = [100 + r, {"epoch": 3, "idx": [r, r + 2]}]
+        assert o == {"w": [0.0, 1.0, 2.0, 3.0], "m": [float(r)] * 2, "n": r,
+                     "seen": {"process_group": want, "dtensor": want}}, (r, o)
     ck = tmp_path / "local"
     dst = {"w": torch.zeros(4), "opt": {"m": torch.zeros(2), "n": -1}}
     assert fastckpt.load_into(dst, ck, local_rank=1)["opt"]["n"] == 1 and dst["opt"]["m"].tolist() == [1.0, 1.0]
