@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ChecksumMismatchError, CorruptCheckpointError, InvalidArgumentError, StateMismatchError
+from ..errors import (ChecksumMismatchError, CorruptCheckpointError, InvalidArgumentError, StateMismatchError,
+                      UnsupportedValueError)
 from ..format.dtypes import DTYPE_TO_STR, str_to_dtype
 from ..format.manifest import RangeCheck
 from ..format.stateful import is_stateful, load_back, to_state_dicts
@@ -132,6 +133,8 @@ class _Plan:
         if isinstance(v, np.ndarray):
             v = torch.from_numpy(v)  # shares memory: filling it fills the array
         name = (self._dcp_name(path, segs) if idx.is_fastckpt else _hf_name(idx, segs))
+        if name in idx.unreadable:
+            raise UnsupportedValueError(idx.unreadable[name])
         if isinstance(v, torch.Tensor):
             desc = idx.tensors.get(name) if name is not None else None
             if desc is None:
@@ -165,7 +168,7 @@ class _Plan:
         idx = self.idx
         if not idx.is_fastckpt or name is None:
             return False
-        under = [k for k in (*idx.tensors, *idx.values) if k.startswith(name + "/")]
+        under = [k for k in (*idx.tensors, *idx.values, *idx.unreadable) if k.startswith(name + "/")]
         entries = idx.resolved.manifest.tensors
         if not under:
             return False
@@ -252,7 +255,7 @@ class _Plan:
 
     def unexpected(self) -> list[str]:
         idx = self.idx
-        return sorted(k for k in list(idx.tensors) + list(idx.values) if k not in self.used)
+        return sorted(k for k in list(idx.tensors) + list(idx.values) + list(idx.unreadable) if k not in self.used)
 
 
 def _describe(t: torch.Tensor) -> str:

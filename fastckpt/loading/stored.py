@@ -59,6 +59,8 @@ class CheckpointIndex:
         values: key path -> non-tensor leaf value from ``state.json`` (fastckpt only).
         rank_local: key path -> top-level key of each rank-local subtree (``local_keys`` saves) that
             was not filled in from a saved rank (see ``local_rank`` of :func:`open_index`).
+        unreadable: key path -> why its tensor cannot be filled region by region (a strided view
+            of another tensor's storage: :func:`fastckpt.load` reads it); raised only when asked for.
         tree: the saved state with each tensor as a :class:`Leaf` (fastckpt),
             or ``{name: Leaf}`` (HF files).
     """
@@ -67,6 +69,7 @@ class CheckpointIndex:
     tensors: dict[str, TensorDesc] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     rank_local: dict[str, Any] = field(default_factory=dict)
+    unreadable: dict[str, str] = field(default_factory=dict)
     tree: Any = None
 
     @property
@@ -178,7 +181,11 @@ def _add_rank_local(idx: CheckpointIndex, rank: int) -> None:
 def _index_value(idx: CheckpointIndex, v: Any, path: str) -> None:
     r = idx.resolved
     if isinstance(v, Leaf):
-        st = _stored(r, v.key)
+        try:
+            st = _stored(r, v.key)
+        except UnsupportedValueError as e:  # a strided view: only an error for whoever asks for it
+            idx.unreadable[path] = str(e)
+            return
         idx.tensors[path] = TensorDesc(path, st.shape, st.dtype, [st], _checks(r, v.key, st))
         return
     if isinstance(v, dict) and len(v) == 1 and "__rank_local__" in v:

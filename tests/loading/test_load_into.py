@@ -295,3 +295,19 @@ def test_fresh_optimizer_takes_the_stored_state_as_torch_load_gives_it(tmp_path,
     step(mine_m, mine_o)
     for (k, a), b in zip(mine_m.state_dict().items(), ref_m.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def test_a_strided_view_the_state_does_not_name_is_not_an_error(tmp_path):
+    """A checkpoint holding strided views of one storage (a transpose) under keys the state does not
+    name: load_into refused the whole checkpoint ('stored as a strided view') although, as dcp.load,
+    the state names what is read. Asking for the view itself still says how to read it."""
+    base = torch.arange(20.0).reshape(4, 5)
+    fastckpt.save({"model": {"w": torch.ones(3)}, "extra": {"t": base.t(), "s": base[1:3, 2:]}}, tmp_path / "ck")
+    dst = {"model": {"w": torch.zeros(3)}}
+    fastckpt.load_into(dst, tmp_path / "ck")
+    assert torch.equal(dst["model"]["w"], torch.ones(3))
+    with pytest.raises(fastckpt.errors.StateMismatchError, match="extra/t"):
+        fastckpt.load_into({"model": {"w": torch.zeros(3)}}, tmp_path / "ck", strict=True)
+    with pytest.raises(fastckpt.errors.UnsupportedValueError, match="strided view.*fastckpt.load"):
+        fastckpt.load_into({"extra": {"t": torch.zeros(5, 4)}}, tmp_path / "ck")
+    assert torch.equal(fastckpt.load(tmp_path / "ck")["extra"]["t"], base.t())
