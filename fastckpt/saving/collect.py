@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..format.dtypes import dtype_to_str
-from ..errors import UnsupportedDtypeError, UnsupportedValueError
+from ..errors import InvalidArgumentError, UnsupportedDtypeError, UnsupportedValueError
 from ..format.layout import STATE_STEM, ArraySpec
 from ..format.tree import flatten, join
 
@@ -91,6 +91,27 @@ def _as_tensor(key: str, v: Any) -> torch.Tensor:
 
 def _view_in_storage(t: torch.Tensor) -> tuple:
     return (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def check_weight_keys(state: Any, weights: dict[str, str] | None) -> None:
+    """Refuse ``weights=`` keys that are not top-level keys of ``state`` (a typo would otherwise save
+    no ``model.safetensors`` and no HF folder, silently). ``None`` (the default ``{"model": "model"}``,
+    which applies only when there is a ``"model"`` key) is never refused.
+
+    Raises:
+        InvalidArgumentError: naming the keys, the state's top-level keys and the closest one.
+    """
+    if not weights or not isinstance(state, dict):
+        return
+    missing = [k for k in weights if k not in state]
+    if missing:
+        import difflib
+        close = difflib.get_close_matches(str(missing[0]), [str(k) for k in state], n=1)
+        raise InvalidArgumentError(
+            f"weights names {missing!r}, which the state does not have (its top-level keys: "
+            f"{sorted(map(str, state))[:10]!r})" + (f"; did you mean {close[0]!r}?" if close else "")
+            + ". weights maps a top-level state key to an HF file stem, e.g. weights={'model': 'model'}. "
+            "Nothing was written")
 
 
 def collect(state: Any, weights: dict[str, str]) -> Collected:

@@ -56,7 +56,7 @@ from ..storage.store import LOCAL as LOCAL_STORE, strategy
 from .remote import start_remote_save, wants_store
 from . import dedupe
 from .agree import CHECK_BYTES, array_digest, check_agreement, combined, json_leaves
-from .collect import Collected, collect
+from .collect import Collected, check_weight_keys, collect
 from .dtensor import (check_state, has_dtensor, leads_dtensor_save, mesh_coordinator, mesh_ranks, placement_of,
                       refuse_local_dtensors, with_stand_ins)
 from .pages import PageJob, assign_writers, check_tiling, create_files
@@ -399,6 +399,7 @@ class Saver:
             if sv.single:
                 sv.claim = PathClaim(sv.path)
                 sv.claim.acquire()
+            check_weight_keys(state, opts.weights)
             split = split_state(state, opts.local_keys) if has_split(state, opts.local_keys) else None
             sv.col = collect(split.replicated if split else state, opts.stems)
             sv.sources, sv.frozen, sv.trainable = sv.col.sources, sv.col.frozen, sv.col.trainable
@@ -446,6 +447,7 @@ class Saver:
         loc_specs: list = []
         try:
             route.check(opts)
+            check_weight_keys(state, opts.weights)
             check_target(sv.path, opts.overwrite)
             split = split_state(state, opts.local_keys) if has_split(state, opts.local_keys) else None
             if split is not None:

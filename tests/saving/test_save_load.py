@@ -669,3 +669,14 @@ def test_lr_scheduler_milestones_counter_survives_a_round_trip(tmp_path):
         s2.step()
         got.append(o2.param_groups[0]["lr"])
     assert got == ref[2:]
+
+
+def test_a_weights_key_the_state_lacks_is_refused_before_any_file(tmp_path):
+    """weights={'modle': 'model'} saved no model.safetensors (not an HF folder) and said nothing."""
+    sd = {"w": torch.ones(2)}
+    with pytest.raises(fastckpt.errors.InvalidArgumentError, match="'modle'.*did you mean 'model'"):
+        fastckpt.save({"model": sd}, tmp_path / "ck", weights={"modle": "model"})
+    assert not (tmp_path / "ck").exists()
+    fastckpt.save({"model": sd}, tmp_path / "ck", weights={"model": "model"})
+    assert (tmp_path / "ck" / "model.safetensors").is_file()
+    fastckpt.save({"other": sd}, tmp_path / "ck2")  # the default {"model": "model"} never refuses
