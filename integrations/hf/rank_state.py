@@ -248,12 +248,20 @@ def is_sharded(model) -> bool:
 
 
 def torch_optimizer(optimizer) -> Any:
-    """The ``torch.optim.Optimizer`` inside accelerate's ``AcceleratedOptimizer`` (or ``optimizer``)."""
+    """The ``torch.optim.Optimizer`` inside accelerate's ``AcceleratedOptimizer`` (or ``optimizer``).
+
+    The wrapper is itself a ``torch.optim.Optimizer`` subclass whose ``step()`` does nothing while
+    gradients accumulate (``sync_gradients`` False): torch's ``get_state_dict`` initialises a fresh
+    optimizer's state by calling ``step()``, so it must get the inner one."""
     import torch
 
-    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = getattr(optimizer, "optimizer", None)
-    return optimizer
+    while optimizer is not None:
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is optimizer or not (isinstance(inner, torch.optim.Optimizer)
+                                      or (inner is not None and not isinstance(optimizer, torch.optim.Optimizer))):
+            break
+        optimizer = inner
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
 
 
 def optimizer_state(model, optimizer) -> Any:

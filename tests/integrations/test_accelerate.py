@@ -131,3 +131,21 @@ def test_requires_dir_without_auto_naming(tmp_path):
         acc.save_state()
     acc.save_state(tmp_path / "x")
     assert fastckpt.is_committed(tmp_path / "x")
+
+
+def test_the_torch_optimizer_is_found_inside_accelerates_wrapper_while_accumulating():
+    """AcceleratedOptimizer subclasses torch.optim.Optimizer, and its step() does nothing while
+    gradients accumulate: torch's get_state_dict, which initialises a fresh optimizer by calling
+    step(), got the wrapper and left the state empty, so an FSDP2 load_state mid-accumulation into a
+    never-stepped optimizer was refused (a multi-rank probe; accelerate's own load leaves it empty)."""
+    from accelerate import Accelerator
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from integrations.hf.rank_state import torch_optimizer
+    acc = Accelerator(gradient_accumulation_steps=2)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model, wrapped = acc.prepare(model, opt)
+    acc.gradient_state._set_sync_gradients(False)  # mid-accumulation
+    assert type(wrapped).__name__ == "AcceleratedOptimizer" and torch_optimizer(wrapped) is opt
+    assert len(get_optimizer_state_dict(model, torch_optimizer(wrapped))["state"]) == 2
+    assert torch_optimizer(None) is None and torch_optimizer(opt) is opt
