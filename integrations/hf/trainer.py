@@ -168,6 +168,12 @@ class FastCkptCallback(_trainer_callback_base()):
                 "push_to_hub=False and upload a committed checkpoint folder with "
                 "huggingface_hub.upload_folder after training")
         trainer, resumed_from = find_trainer()
+        if args.deepspeed or getattr(trainer, "is_deepspeed_enabled", False):
+            raise UnsupportedTrainerOptionError(
+                "FastCkptCallback does not checkpoint a DeepSpeed Trainer run (TrainingArguments.deepspeed): the "
+                "DeepSpeed engine owns the optimizer and its partitions (the callback failed at the first step or "
+                "save). Remove the callback to keep the Trainer's own DeepSpeed checkpoints; outside the Trainer, "
+                "fastckpt.integrations.deepspeed.engine.install(engine) saves DeepSpeed engines")
         self._relay.attach(trainer)
         self._trainer = weakref.ref(trainer) if trainer is not None else None
         self._arrange(getattr(trainer, "callback_handler", None))

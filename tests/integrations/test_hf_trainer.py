@@ -449,3 +449,44 @@ def test_defer_params_write_before_the_copy_drops_that_save(tmp_path, monkeypatc
     assert not (tmp_path / "checkpoint-8").exists()
     assert [r["step"] for r in cb.records] == [16] and cb.records[0]["staging_wait_s"] == 0
     assert raw(fastckpt.load(tmp_path / "checkpoint-16")["model"]["lm_head.weight"]) == raw(tr.model.lm_head.weight)
+
+
+_DS_TRAINER = r"""
+import os, sys, torch
+os.environ.update(DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], ACCELERATE_USE_DEEPSPEED="true")
+import deepspeed.comm.torch
+sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # no C++ build on CPU
+import transformers
+from fastckpt.errors import UnsupportedTrainerOptionError
+from fastckpt.integrations.hf.trainer import FastCkptCallback
+class DS(torch.utils.data.Dataset):
+    def __len__(self): return 8
+    def __getitem__(self, i):
+        x = torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(i)); return {"input_ids": x, "labels": x}
+args = transformers.TrainingArguments(output_dir=sys.argv[1], max_steps=2, save_steps=1, per_device_train_batch_size=2,
+    report_to="none", use_cpu=True, ddp_backend="gloo", disable_tqdm=True, optim="adamw_torch",
+    deepspeed={"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+               "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+               "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9})
+cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+t = transformers.Trainer(model=transformers.AutoModelForCausalLM.from_config(cfg), args=args, train_dataset=DS(),
+                         callbacks=[FastCkptCallback()])
+try:
+    t.train()
+except UnsupportedTrainerOptionError as e:
+    print("REFUSED", t.state.global_step, e)
+"""
+
+
+def test_deepspeed_trainer_is_refused_at_train_begin(tmp_path):
+    """A DeepSpeed Trainer run with the callback died at the first step (AttributeError from the step
+    gate on DeepSpeed's optimizer wrapper) or at the first save (a LossScaler in the state); now a typed
+    refusal before any step, naming what to do (a multi-rank probe; ZeRO-2 in one process here)."""
+    pytest.importorskip("deepspeed")
+    script = tmp_path / "ds_trainer.py"
+    script.write_text(_DS_TRAINER)
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "out"), "29631"], capture_output=True, text=True,
+                       timeout=300)
+    assert "REFUSED 0" in p.stdout and "Remove the callback" in p.stdout, (p.stdout[-2000:], p.stderr[-3000:])
