@@ -383,6 +383,8 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
     try:
         _header_checks(src)
         _copy_all_meta(src, tmp, args, checked)  # first: a merge builds the model from the checked config
+        if not LOCAL.isfile(os.path.join(tmp, "config.json")):
+            gate(tmp, to)  # no config.json anywhere: refused now, not after copying every weight byte
         if args.merge_lora and src.adapter_dir:
             scratch = os.path.join(tmp, ".merge-adapter")
             LOCAL.makedirs(scratch)

@@ -534,3 +534,17 @@ def test_export_writes_the_names_save_pretrained_writes_for_renamed_weights(tmp_
     torch.testing.assert_close(_logits(_load(out)), _logits(m), rtol=0, atol=0)
     rc, cmd = _run(capsys, tmp_path / "ck")  # warm only: no command, the reason and the fix on stderr
     assert rc == 0 and cmd == "" and "in-memory names" in _run.err and "--to DIR" in _run.err, _run.err
+
+
+def test_no_config_json_is_refused_before_any_weight_is_copied(tmp_path, capsys, monkeypatch):
+    """A checkpoint without config.json (nor --config / --base): the export copied every weight (a
+    progress bar of minutes on a large model) and only then refused. Now refused before."""
+    import fastckpt.cli.serve as serve
+    fastckpt.save({"model": {"w": torch.ones(64, 64)}}, tmp_path / "ck")
+
+    def never(*a, **k):
+        raise AssertionError("weights copied before the config check")
+    monkeypatch.setattr(serve, "write_shards", never)
+    rc, cmd = _run(capsys, tmp_path / "ck", "--to", tmp_path / "out")
+    assert rc == 2 and cmd == "" and "no config.json" in _run.err, _run.err
+    assert not (tmp_path / "out").exists()
