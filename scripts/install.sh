@@ -52,5 +52,7 @@ if [ "${FASTCKPT_SKIP_LMCACHE:-0}" != 1 ]; then
   inner=$(.venv-lmcache/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "import site; site.addsitedir('$outer')" > "$inner/zz_fastckpt_outer_env.pth"
   .venv-lmcache/bin/python -m pip install -q --disable-pip-version-check lmcache==0.5.6 torch==2.13.0
+else
+  step "LMCache skipped (FASTCKPT_SKIP_LMCACHE=1): its KV-tier tests skip"
 fi
 echo "fastckpt installed: $($PY -c 'import fastckpt, torch; print(fastckpt.__version__, "torch", torch.__version__)')"

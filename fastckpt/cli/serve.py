@@ -634,7 +634,8 @@ def _warm(files: list[str], args: argparse.Namespace, checks: dict | None = None
 def add_load_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``fastckpt load`` to the ``fastckpt`` subcommands (called by :mod:`fastckpt.cli.main`)."""
     p = subparsers.add_parser("load", help="prepare a checkpoint for vllm serve: verify, merge LoRA, export or warm",
-                              description=re.sub(r":[a-z]+:`", "`", __doc__.replace("``", "`")), formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=re.sub(r"`fastckpt load SOURCE .*?`\n\n", "",  # argparse prints the usage itself
+                                                 re.sub(r":[a-z]+:`", "`", __doc__.replace("``", "`")), count=1, flags=re.S), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="run root, checkpoint folder, HF model folder or peft adapter folder")
     p.add_argument("--to", default=None, help="write a servable HF folder here (a fast local disk)")
     p.add_argument("--merge-lora", action="store_true", help="merge the LoRA adapter into the weights (peft)")
