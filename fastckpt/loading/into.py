@@ -289,6 +289,42 @@ def _rebuild(state: Any, path: str, values: dict[str, Any]) -> Any:
     return values[path] if path in values else state
 
 
+def _prefix_hint(missing: list[str], stored: list[str]) -> str:
+    """A line naming a name prefix that the checkpoint's keys carry and the state's lack (or the
+    reverse), when every missing key differs from a stored one by it alone (DDP's ``module.``,
+    ``torch.compile``'s ``_orig_mod.``); "" otherwise."""
+    if not missing or not stored:
+        return ""
+    def split(k: str) -> tuple[str, str]:
+        head, _, last = k.rpartition("/")
+        return head, last
+    by_tail: dict[tuple[str, str], str] = {}
+    for k in stored:
+        head, last = split(k)
+        parts = last.split(".")
+        for i in range(1, len(parts)):
+            by_tail.setdefault((head, ".".join(parts[i:])), ".".join(parts[:i]) + ".")
+    extra = {by_tail.get(split(m)) for m in missing}
+    if len(extra) == 1 and None not in extra:
+        p = extra.pop()
+        return (f"every missing key is a checkpoint key without the prefix {p!r} (e.g. {missing[0]!r}): the "
+                f"checkpoint was saved from a wrapped model (DDP 'module.', torch.compile '_orig_mod.'); save the "
+                f"unwrapped model's state_dict(), or rename the keys (strip {p!r}) before load_into")
+    have = {split(k) for k in stored}
+    fewer = set()
+    for m in missing:
+        head, last = split(m)
+        parts = last.split(".")
+        fewer.add(next((".".join(parts[:i]) + "." for i in range(1, len(parts))
+                        if (head, ".".join(parts[i:])) in have), None))
+    if len(fewer) == 1 and None not in fewer:
+        p = fewer.pop()
+        return (f"every missing key is a checkpoint key with the prefix {p!r} added (e.g. {missing[0]!r}): the state "
+                f"comes from a wrapped model (DDP 'module.', torch.compile '_orig_mod.'); load into the unwrapped "
+                f"model's state_dict() (model.module / model._orig_mod)")
+    return ""
+
+
 def _raise_mismatch(plan: _Plan, unexpected: list[str], root: str) -> None:
     lines = []
     for key, have, stored, f in plan.mismatched:
@@ -302,6 +338,13 @@ def _raise_mismatch(plan: _Plan, unexpected: list[str], root: str) -> None:
             lines.append(f"  missing from the checkpoint: {k!r}{plan.rank_local_hint(k)}")
     for k in unexpected[:20]:
         lines.append(f"  not in the state: {k!r}")
+    others = [k for k in plan.unexpected() if k not in unexpected]  # not listed above (strict is not True)
+    if plan.missing and others:
+        lines.append(f"  the checkpoint holds instead (not read): {', '.join(map(repr, others[:5]))}"
+                     + (f" and {len(others) - 5} more" if len(others) > 5 else ""))
+    hint = _prefix_hint(plan.missing, unexpected or others)
+    if hint:
+        lines.append(f"  {hint}")
     more = len(plan.missing) + len(unexpected) - min(len(plan.missing), 20) - min(len(unexpected), 20)
     raise StateMismatchError(
         f"{root}: the state does not match the checkpoint ({len(plan.mismatched)} mismatched, {len(plan.missing)} "

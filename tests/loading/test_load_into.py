@@ -311,3 +311,19 @@ def test_a_strided_view_the_state_does_not_name_is_not_an_error(tmp_path):
     with pytest.raises(fastckpt.errors.UnsupportedValueError, match="strided view.*fastckpt.load"):
         fastckpt.load_into({"extra": {"t": torch.zeros(5, 4)}}, tmp_path / "ck")
     assert torch.equal(fastckpt.load(tmp_path / "ck")["extra"]["t"], base.t())
+
+
+@pytest.mark.parametrize("saved_with", ["module.", ""])
+def test_a_wrapper_prefix_is_named_in_the_mismatch(tmp_path, saved_with):
+    """A checkpoint of a DDP-wrapped model ('module.0.weight') loaded into the plain model, or the
+    reverse: the default-mode error listed only the missing keys ('build the state from the same
+    config'); it now shows what the checkpoint holds and names the prefix and the fix."""
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    sd = {saved_with + k: v for k, v in m.state_dict().items()}
+    fastckpt.save({"model": sd}, tmp_path / "ck")
+    want = {("module." if not saved_with else "") + k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(StateMismatchError) as ei:
+        fastckpt.load_into({"model": want}, tmp_path / "ck")
+    msg = str(ei.value)
+    assert "the checkpoint holds instead" in msg and "'module.'" in msg, msg
+    assert ("without the prefix" if saved_with else "with the prefix 'module.' added") in msg, msg
