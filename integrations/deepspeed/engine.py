@@ -178,12 +178,12 @@ class FastCkptCheckpointEngine(_Base):
         self._saver = fastckpt.Saver()  # this engine's own (one rank's files, written by this process alone)
 
     def create(self, info: Any) -> None:
-        """Start of a tag (``info.tag``, ``info.save_dir``): rank 0 removes the tag's marker, so a
-        tag saved again counts as committed only after this save's vote."""
+        """Start of a tag (``info.tag``, ``info.save_dir``). Rank 0 removes the tag's marker at its
+        first file inside the tag folder (:meth:`save`), so a tag saved again counts as committed
+        only after this save's vote; an export through the engine (``save_16bit_model``: a file in
+        ``save_dir`` under the next step's tag name) never touches the tag."""
         self._pending, self._paths, self._error = [], [], None
-        tag_dir = self._tag_dir(info)
-        if tag_dir and tag.world()[0] == 0 and os.path.isdir(tag_dir):
-            tag.remove_marker(tag_dir)
+        self._tag_now, self._exports = self._tag_dir(info), []
 
     @staticmethod
     def _tag_dir(info: Any) -> str | None:
@@ -201,6 +201,12 @@ class FastCkptCheckpointEngine(_Base):
         without pickle, or an ``OSError`` of the disk) is kept and raised by :meth:`commit`, on
         every rank; later ``save`` calls of the same tag then write nothing.
         """
+        tag_dir = getattr(self, "_tag_now", None)
+        if tag_dir is not None and not _inside(path, tag_dir):  # save_16bit_model's export file
+            self._export(state_dict, path)
+            return
+        if tag_dir is not None and not self._paths and tag.world()[0] == 0 and os.path.isdir(tag_dir):
+            tag.remove_marker(tag_dir)
         self._paths.append(path)
         if self._error is not None:
             return
@@ -209,6 +215,18 @@ class FastCkptCheckpointEngine(_Base):
             opts = dict(self.save_options, **({"threads": self.threads} if self.threads else {}))
             self._pending.append(self._saver.async_save({"ds": encode(state_dict)}, path, overwrite=True,
                                                         weights={}, **opts))
+        except Exception as e:  # raised by commit, after every rank voted
+            self._error = e
+
+    def _export(self, state_dict: Any, path: str) -> None:
+        """Write ``save_16bit_model``'s file as DeepSpeed's own engine writes it (``torch.save``, the
+        ``pytorch_model.bin`` that ``from_pretrained`` and ``torch.load`` read): an export for
+        other tools, not a checkpoint fastckpt reads back. A failure is raised by :meth:`commit`."""
+        self._exports.append(path)
+        if self._error is not None:
+            return
+        try:
+            torch.save(state_dict, path)
         except Exception as e:  # raised by commit, after every rank voted
             self._error = e
 
@@ -241,7 +259,10 @@ class FastCkptCheckpointEngine(_Base):
                 ``OSError``, :class:`~fastckpt.UnsupportedValueError`).
         """
         paths = list(self._paths)
+        exports, self._exports = list(getattr(self, "_exports", [])), []
         tag_dir = self._tag_dir(info) or (os.path.dirname(os.path.abspath(paths[0])) if paths else None)
+        if exports and not paths:
+            tag_dir = None  # save_16bit_model: no tag to mark (ranks without a file vote alike)
         own: BaseException | None = None
         try:
             self.wait_all()
@@ -261,6 +282,9 @@ class FastCkptCheckpointEngine(_Base):
         if failures:
             for p in paths:
                 shutil.rmtree(p, ignore_errors=True)
+            for p in exports:
+                if os.path.isfile(p):
+                    os.unlink(p)
             if world == 1 and own is not None:
                 raise own  # one process: its own error, with its own type
             tag.raise_failures(failures, tag_dir or "<no files>", own)
@@ -297,6 +321,12 @@ class FastCkptCheckpointEngine(_Base):
     def cleanup(self) -> None:
         """Wait for anything still pending (a failure is raised as by :meth:`wait_all`)."""
         self.wait_all()
+
+
+def _inside(path: str, folder: str) -> bool:
+    """True when ``path`` lies inside ``folder``."""
+    p, f = os.path.abspath(path), os.path.abspath(folder)
+    return p.startswith(f.rstrip(os.sep) + os.sep)
 
 
 def install(engine: Any, **kwargs: Any) -> FastCkptCheckpointEngine:

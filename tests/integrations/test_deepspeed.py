@@ -142,6 +142,17 @@ def test_real_deepspeed_cpu_save_load(tmp_path, monkeypatch):
             eng.module.weight.zero_()
         eng.load_checkpoint(str(tmp_path))
         assert torch.equal(eng.module.weight.detach(), w)
+        # save_16bit_model goes through the checkpoint engine under the tag name of the current step:
+        # it failed (no tag folder for the marker) and, with a committed tag of that name in the folder,
+        # removed that tag's marker. Now the file DeepSpeed's own engine writes (a multi-rank probe).
+        eng.save_checkpoint(str(tmp_path))  # the default tag: global_step{N}, the export's tag name too
+        step_tag = f"global_step{eng.global_steps}"
+        assert eng.save_16bit_model(str(tmp_path), "weights.bin") is True
+        got = torch.load(tmp_path / "weights.bin", weights_only=True)
+        assert got.keys() == eng.module.state_dict().keys()
+        assert all(torch.equal(got[k].float(), v.float()) for k, v in eng.module.state_dict().items())
+        assert (tmp_path / step_tag / "fastckpt_tag.json").is_file()  # the committed tag is still committed
+        eng.load_checkpoint(str(tmp_path), tag=step_tag)
     finally:
         import torch.distributed as dist
         if dist.is_initialized():
