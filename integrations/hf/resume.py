@@ -93,6 +93,47 @@ def find_trainer() -> tuple[Any, Any]:
     return None, None
 
 
+def trainer_being_built() -> Any:
+    """The ``transformers.Trainer`` whose ``__init__`` is running (``on_init_end``), or ``None``."""
+    import sys
+
+    from transformers import Trainer
+
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        me = frame.f_locals.get("self")
+        if isinstance(me, Trainer) and frame.f_code.co_name == "__init__":
+            return me
+        frame = frame.f_back
+    return None
+
+
+def skip_fsdp_model_load(trainer: Any) -> None:
+    """Make ``trainer`` leave a committed fastckpt ``checkpoint-N`` to the callback under FSDP.
+
+    With FSDP the Trainer loads the model itself, before any callback event, through accelerate's
+    ``load_fsdp_model``, which reads only its own layout (``pytorch_model_fsdp_0/.metadata`` or
+    ``pytorch_model_fsdp.bin``) and raises on a fastckpt folder. The callback fills the sharded
+    model in ``on_train_begin`` (``load_into``, any world size), so that load is skipped for
+    committed fastckpt folders; every other folder (the Trainer's own checkpoints) loads as before.
+    Idempotent."""
+    if trainer is None or getattr(trainer, "_fastckpt_fsdp_guard", False):
+        return
+    import fastckpt
+
+    own = trainer._load_from_checkpoint
+
+    def _load_from_checkpoint(resume_from_checkpoint, model=None):
+        if getattr(trainer, "is_fsdp_enabled", False) and fastckpt.is_committed(resume_from_checkpoint):
+            return None
+        return own(resume_from_checkpoint, model)
+
+    trainer._load_from_checkpoint = _load_from_checkpoint
+    trainer._fastckpt_fsdp_guard = True
+
+
 class TrainerResume:
     """The resume half of the Trainer callback: what to restore, and when.
 

@@ -52,7 +52,7 @@ from .checkpoints import (  # noqa: F401  (re-exported: public helpers, tests)
     rotate_checkpoints, update_best_metric, update_stateful_callbacks)
 from .on_save import OnSaveRelay, state_as_of_now
 from .rank_state import is_sharded, optimizer_state, rank_save_options, trainer_group
-from .resume import TrainerResume, find_trainer, resume_checkpoint
+from .resume import TrainerResume, find_trainer, resume_checkpoint, skip_fsdp_model_load, trainer_being_built
 from .snapshot import (  # noqa: F401  (re-exported: accelerate plugin, scripts)
     ModelSnapshotter, capture_rng_state, dedup_tied, is_peft_model, model_snapshot, peft_base_weights,
     restore_rng_state, snapshot_bytes_estimate, tokenizer_files)
@@ -160,6 +160,9 @@ class FastCkptCallback(_trainer_callback_base()):
         self.trainer_callbacks = None  # set by FastCkptTrainerMixin: all callbacks of the Trainer
         self._relay = OnSaveRelay()  # on_save of the other callbacks, after each commit
         self._eval_warned = False
+
+    def on_init_end(self, args, state, control, **kw):
+        skip_fsdp_model_load(trainer_being_built())  # before train() loads a checkpoint under FSDP
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
         if args.push_to_hub:
@@ -612,6 +615,7 @@ class FastCkptTrainerMixin:
             cbs = [cb for cb in self.callback_handler.callbacks if isinstance(cb, FastCkptCallback)]
         self.fastckpt_callback = cbs[0]
         self.fastckpt_callback.trainer_callbacks = self.callback_handler.callbacks
+        skip_fsdp_model_load(self)  # a callback added after __init__ never saw on_init_end
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         resume_from_checkpoint = resume_checkpoint(self.args.output_dir, resume_from_checkpoint)
