@@ -445,3 +445,11 @@ def test_native_dcp_folder_is_named_as_such_by_every_reader(tmp_path, capsys):
         dcp.load({"w": torch.zeros(3)}, storage_reader=FastCkptReader(folder))
     assert cli_main(["load", str(folder), "--to", str(tmp_path / "out")]) == 2
     assert "a native torch.distributed.checkpoint folder" in capsys.readouterr().err
+
+
+def test_saving_under_proc_says_pseudo_file_system_not_full_disk():
+    """/proc has 0 bytes free: the save said 'InsufficientSpaceError: 0 bytes free' (a README-only trial)."""
+    import fastckpt
+    import torch
+    with pytest.raises(fastckpt.errors.FolderNotWritableError, match="without storage"):
+        fastckpt.save({"a": torch.ones(3)}, "/proc/fastckpt-test-ckpt")

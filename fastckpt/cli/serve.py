@@ -62,7 +62,7 @@ from ..loading.source import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Source, adapter_b
 from ..saving.committer import folder_error
 from ..saving.export import Entry, copy_checked, plan_shards, read_checked, warm_files, write_shards
 from ..storage import commit as cm
-from ..storage.model_files import safe_join
+from ..storage.model_files import is_inside, safe_join
 from ..storage.store import LOCAL, strategy
 from ..storage.tier import tier_for
 
@@ -306,10 +306,6 @@ def _header_checks(src: Source) -> None:
             read_checked(p, None, hdr)
 
 
-def _inside(path: str, folder: str) -> bool:
-    return path != folder and os.path.commonpath([path, folder]) == folder
-
-
 def check_to(to: str, src: Source, args: argparse.Namespace) -> None:
     """Refuse a ``--to`` that is, lies inside or contains anything the export reads: the source
     as given (a run root), the checkpoint chosen, its adapter and base model folders (symlinks
@@ -331,8 +327,8 @@ def check_to(to: str, src: Source, args: argparse.Namespace) -> None:
         if not p:
             continue
         rp = LOCAL.realpath(p)
-        how = "is" if real_to == rp else "is inside" if _inside(real_to, rp) else \
-            "contains" if _inside(rp, real_to) else None
+        how = "is" if real_to == rp else "is inside" if is_inside(real_to, rp) else \
+            "contains" if is_inside(rp, real_to) else None
         if how:
             raise ValueError(f"refusing --to {to}: it {how} {what} {os.path.abspath(p)}; writing there (and with "
                              f"--overwrite, replacing it) would destroy what the export reads. Choose a --to "
@@ -504,13 +500,13 @@ def vllm_command(model_dir: str, adapters: list[tuple[str, str]] = ()) -> str:
 
 def cmd_load(args: argparse.Namespace) -> int:
     """Resolve, verify, export or warm, then print the ``vllm serve`` command (stdout's last line)."""
-    rc, command = _load(args)
+    rc, command = _load_command(args)
     if command:
         print(command)
     return rc
 
 
-def _load(args: argparse.Namespace) -> tuple[int, str | None]:
+def _load_command(args: argparse.Namespace) -> tuple[int, str | None]:
     """:func:`cmd_load`'s work: ``(exit status, vllm serve command or None)``."""
     zero_tag = find_zero_tag(args.source)  # refuses native DeepSpeed / DCP folders (pickles)
     if zero_tag is not None:

@@ -103,6 +103,10 @@ def check_space(folder: Path, need: int, store: Store = LOCAL) -> None:
     while not store.exists(str(probe)) and probe.parent != probe:
         probe = probe.parent
     free = store.free_bytes(str(probe))
+    if free < need and store.without_storage(str(probe)):  # /proc, /sys: not a full disk
+        raise FolderNotWritableError(
+            f"{probe} is on a file system without storage (a pseudo file system such as /proc or /sys): no "
+            "checkpoint can be saved under it; save to a folder on a disk", path=str(folder), folder=str(probe))
     if free < need:
         raise InsufficientSpaceError(
             f"{folder}: {free} bytes free, the checkpoint needs {need} bytes; free space or save elsewhere")

@@ -113,3 +113,9 @@ def read_header_fd(fd: int, path: str) -> Header:
         raise HeaderError(f"{path}: not a regular file (a folder, FIFO or device); a safetensors file must be "
                           "a plain file or a symlink to one", path=path)
     return read_header_at(lambda off, n: os.pread(fd, n, off), st.st_size, path)
+
+
+def is_inside(path: str, folder: str) -> bool:
+    """True when ``path`` lies strictly inside ``folder`` (compared as given: pass both absolute,
+    or both real paths)."""
+    return path != folder and os.path.commonpath([path, folder]) == folder

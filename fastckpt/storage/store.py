@@ -189,6 +189,11 @@ class Store:
         """Bytes an unprivileged writer may still write under ``folder`` (a large number where unbounded)."""
         raise NotImplementedError
 
+    def without_storage(self, folder: str) -> bool:
+        """True when ``folder`` is on a file system that stores nothing (``/proc``, ``/sys``: no
+        blocks at all), so 0 bytes free there is not a full disk. Default False."""
+        return False
+
     # -- files -------------------------------------------------------------------------------------
     def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         """The content of file ``path`` (small files: JSON, configs, headers), whole or its first
@@ -428,6 +433,9 @@ class LocalStore(Store):
     def free_bytes(self, folder: str) -> int:
         st = os.statvfs(folder)
         return st.f_bavail * st.f_frsize
+
+    def without_storage(self, folder: str) -> bool:
+        return os.statvfs(folder).f_blocks == 0
 
     def read_bytes(self, path: str, limit: int | None = None) -> bytes:
         with open(path, "rb") as f:

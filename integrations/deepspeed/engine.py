@@ -43,6 +43,7 @@ import torch
 import fastckpt
 from . import tag
 from fastckpt.errors import CheckpointNotFoundError, UnsupportedValueError, UntrustedTypeError
+from fastckpt.storage.model_files import is_inside
 
 #: The only classes :func:`decode` rebuilds (``module:qualname``): those DeepSpeed 0.19 puts in
 #: its ZeRO-1/2/3 model and optimizer states. Saving refuses every other class (names its path),
@@ -202,7 +203,7 @@ class FastCkptCheckpointEngine(_Base):
         every rank; later ``save`` calls of the same tag then write nothing.
         """
         tag_dir = getattr(self, "_tag_now", None)
-        if tag_dir is not None and not _inside(path, tag_dir):  # save_16bit_model's export file
+        if tag_dir is not None and not is_inside(os.path.abspath(path), os.path.abspath(tag_dir)):  # save_16bit_model's export file
             self._export(state_dict, path)
             return
         if tag_dir is not None and not self._paths and tag.world()[0] == 0 and os.path.isdir(tag_dir):
@@ -321,12 +322,6 @@ class FastCkptCheckpointEngine(_Base):
     def cleanup(self) -> None:
         """Wait for anything still pending (a failure is raised as by :meth:`wait_all`)."""
         self.wait_all()
-
-
-def _inside(path: str, folder: str) -> bool:
-    """True when ``path`` lies inside ``folder``."""
-    p, f = os.path.abspath(path), os.path.abspath(folder)
-    return p.startswith(f.rstrip(os.sep) + os.sep)
 
 
 def install(engine: Any, **kwargs: Any) -> FastCkptCheckpointEngine:
