@@ -338,9 +338,18 @@ def check_cli(argv: list[str] | None = None) -> int:
     names = plugin_names(cfg)
     if not warns:
         try:
-            paths = [f"{n} -> {parse_options(cfg, n)[1].store.path}" for n in names]
+            folders = {n: str(parse_options(cfg, n)[1].store.path) for n in names}
+            paths = [f"{n} -> {p}" for n, p in folders.items()]
         except ValueError as e:  # not expected after check_config; one line, never a traceback
-            warns = [str(e)]
+            warns, folders = [str(e)], {}
+        for n, p in folders.items():
+            if "://" not in p and not os.path.isdir(p):
+                parent = os.path.abspath(p)
+                while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+                    parent = os.path.dirname(parent)
+                warns.append(f"storage_plugin.{n}.path {p} does not exist: the backend would create it on the file "
+                             f"system of {parent} (an array that is not mounted yet fills that one); mount it or "
+                             "create the folder first")
     for w in warns:
         print(f"WARNING: {w}")
     if not warns and not names:

@@ -61,10 +61,11 @@ def test_bad_values_are_refused_with_the_key_named(bad):
     assert "fastckpt" in str(ei.value) or "piece_bytes" in str(ei.value)
 
 
-def test_cli_checks_the_environment_form(capsys, monkeypatch):
+def test_cli_checks_the_environment_form(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("LMCACHE_STORAGE_PLUGINS", "fastckpt")
-    monkeypatch.setenv("LMCACHE_EXTRA_CONFIG", json.dumps(GOOD["extra_config"]))
-    assert check_cli([]) == 0 and "fastckpt -> /mnt/array/kv" in capsys.readouterr().out
+    monkeypatch.setenv("LMCACHE_EXTRA_CONFIG", json.dumps({**GOOD["extra_config"],
+                                                           "storage_plugin.fastckpt.path": str(tmp_path)}))
+    assert check_cli([]) == 0 and f"fastckpt -> {tmp_path}" in capsys.readouterr().out
     monkeypatch.delenv("LMCACHE_STORAGE_PLUGINS")
     monkeypatch.setenv("LMCACHE_EXTERNAL_BACKENDS", "fastckpt")
     monkeypatch.setenv("LMCACHE_EXTRA_CONFIG", json.dumps(OLD_03X["extra_config"]))
@@ -145,8 +146,16 @@ def test_cli_refuses_a_malformed_shape_without_a_traceback(_cli, tmp_path):
 
 
 def test_good_config_still_ok_from_the_cli(_cli, tmp_path):
-    rc, out, err = _cli(tmp_path, {})
-    assert rc == 0 and out.strip() == "ok: fastckpt -> /mnt/array/kv", out + err
+    (tmp_path / "kv").mkdir()
+    rc, out, err = _cli(tmp_path, {"storage_plugin.fastckpt.path": str(tmp_path / "kv")})
+    assert rc == 0 and out.strip() == f"ok: fastckpt -> {tmp_path / 'kv'}", out + err
+
+
+def test_a_kv_folder_that_does_not_exist_is_a_warning(_cli, tmp_path):
+    """README's /mnt/array/kv on a host where the array is not mounted: 'ok', and the backend would
+    have filled the root file system (a README-only trial)."""
+    rc, out, err = _cli(tmp_path, {"storage_plugin.fastckpt.path": str(tmp_path / "not-mounted" / "kv")})
+    assert rc == 1 and "does not exist" in out and f"file system of {tmp_path}" in out, out + err
 
 
 def test_bad_values_all_named_by_parse_options():
