@@ -104,7 +104,9 @@ class _Checked:
         if not self.tensors and not self.files:
             return ("NOT verified: the source has no fastckpt manifest, so there are no checksums to compare "
                     "against (headers and index were validated)")
-        out = f"verified while reading: {self.tensors} tensors and {len(self.files)} files matched the manifest xxh3"
+        n = len(self.files)
+        out = (f"verified while reading: {self.tensors} tensor{'s' * (self.tensors != 1)} and {n} "
+               f"file{'s' * (n != 1)} matched the manifest xxh3")
         if self.unchecked:
             out += f"; no checksum for {', '.join(self.unchecked)}"
         return out

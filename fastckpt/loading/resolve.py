@@ -135,8 +135,10 @@ MAIN_INDEX = "model" + INDEX_SUFFIX
 MAIN_FILE = "model.safetensors"
 #: The same two in a diffusers component folder (``unet/``, ``vae/``...), as ``ModelMixin.from_pretrained`` reads them.
 DIFFUSERS_INDEX, DIFFUSERS_FILE = "diffusion_pytorch_model" + INDEX_SUFFIX, "diffusion_pytorch_model.safetensors"
-#: ``{name}.{variant}.safetensors`` / ``{name}-0000k-of-0000n.{variant}.safetensors``: save_pretrained(variant=...)
-_VARIANT = re.compile(r"^(.+?)(-\d{5}-of-\d{5})?\.([A-Za-z0-9_]+)\.safetensors$")
+#: ``{name}.{variant}.safetensors`` / ``{name}-0000k-of-0000n.{variant}.safetensors`` /
+#: ``{name}.{variant}-0000k-of-0000n.safetensors`` (transformers 5's shards): save_pretrained(variant=...)
+_VARIANT = re.compile(r"^(.+?)(?:(-\d{5}-of-\d{5})?\.(?P<v>[A-Za-z0-9_]+)|\.(?P<vs>[A-Za-z0-9_]+)-\d{5}-of-\d{5})"
+                      r"\.safetensors$")
 
 
 #: A native DeepSpeed checkpoint file (a torch.save pickle).
@@ -261,7 +263,7 @@ def _resolve_foreign(path: str) -> Resolved:
         r.headers[name] = h
         for tname, t in h.tensors.items():
             if tname in r.tensors:
-                variants = sorted({m.group(3) for f in files if (m := _VARIANT.match(f))})
+                variants = sorted({m.group("v") or m.group("vs") for f in files if (m := _VARIANT.match(f))})
                 hint = (f": the folder holds variants ({', '.join(variants)}) of one model's weights "
                         f"(save_pretrained(variant=...)); pass the file of the one you want, e.g. "
                         f"{os.path.join(path, name)}") if variants else "; refusing to pick one"

@@ -379,3 +379,17 @@ def test_diffusers_pipeline_root_names_its_model_folders(tmp_path):
     with pytest.raises(fastckpt.errors.CheckpointNotFoundError, match=r"diffusers pipeline.*\(unet\).*pipe/unet"):
         fastckpt.load(root)
     _same(fastckpt.load(root / "unet"), _weights())
+
+
+def test_two_sharded_variant_sets_are_refused_naming_them(tmp_path):
+    """transformers 5 names a sharded variant model.fp16-00001-of-0000n.safetensors; with two such sets
+    (and no default) the refusal said only 'refusing to pick one' instead of naming the variants."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    m = transformers.LlamaForCausalLM(cfg)
+    for variant in ("fp16", "v2"):
+        m.save_pretrained(tmp_path, variant=variant, max_shard_size="40KB")
+    assert any(p.name.startswith("model.fp16-00001-of-") for p in tmp_path.iterdir()), sorted(os.listdir(tmp_path))
+    with pytest.raises(HeaderError, match=r"variants \(fp16, v2\)"):
+        fastckpt.load(tmp_path)
