@@ -78,34 +78,30 @@ def find_trainer() -> tuple[Any, Any]:
         within a few frames (events called by hand, a future transformers); ``resume`` is
         ``None`` when the run does not resume.
     """
-    import sys
-
-    from transformers import Trainer
-
-    frame = sys._getframe(1)
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            break
-        me = frame.f_locals.get("self")
-        if isinstance(me, Trainer) and frame.f_code.co_name == "_inner_training_loop":
-            return me, frame.f_locals.get("resume_from_checkpoint")
-        frame = frame.f_back
-    return None, None
+    frame = _trainer_frame("_inner_training_loop")
+    if frame is None:
+        return None, None
+    return frame.f_locals["self"], frame.f_locals.get("resume_from_checkpoint")
 
 
 def trainer_being_built() -> Any:
     """The ``transformers.Trainer`` whose ``__init__`` is running (``on_init_end``), or ``None``."""
+    frame = _trainer_frame("__init__")
+    return None if frame is None else frame.f_locals["self"]
+
+
+def _trainer_frame(method: str) -> Any:
+    """The nearest call-stack frame (within :data:`_MAX_FRAMES`) of ``Trainer.<method>``, or ``None``."""
     import sys
 
     from transformers import Trainer
 
-    frame = sys._getframe(1)
+    frame = sys._getframe(2)
     for _ in range(_MAX_FRAMES):
         if frame is None:
             break
-        me = frame.f_locals.get("self")
-        if isinstance(me, Trainer) and frame.f_code.co_name == "__init__":
-            return me
+        if isinstance(frame.f_locals.get("self"), Trainer) and frame.f_code.co_name == method:
+            return frame
         frame = frame.f_back
     return None
 
