@@ -14,6 +14,7 @@ from ..errors import CheckpointNotFoundError, FastCkptError
 from ..manager import CheckpointManager
 from ..storage.commit import MANIFEST, read_manifest
 from ..storage.locate import store_for
+from ..storage.store import LOCAL
 from ..storage.retention import is_temp_name
 from .common import (SIZE_UNITS_HELP, Run, find_runs, human_bytes, not_found_message,  # noqa: F401
                      parse_bytes, positive_int, progress_bar)  # parse_bytes re-exported: tests, scripts
@@ -58,6 +59,36 @@ def _one_run(root: str, prefix: str | None, what: str) -> Run | None:
     return runs[0] if runs else None
 
 
+def _zero_tag(path: str) -> str | None:
+    """The committed DeepSpeed tag folder ``path`` is or names (``save_dir`` + ``latest``), written by
+    fastckpt's DeepSpeed engine (one fastckpt folder per ``*_states.pt``), else None."""
+    if store_for(path) is not LOCAL or not LOCAL.isdir(path) or LOCAL.exists(os.path.join(path, MANIFEST)):
+        return None
+    from ..loading.zero import find_zero_tag
+    return find_zero_tag(path)
+
+
+def _verify_zero_tag(tag: str, verify, threads, progress):
+    """Every ``*_states.pt`` fastckpt folder of DeepSpeed tag ``tag``, verified; one combined report."""
+    from ..loading.resolve import DS_FILE_RE
+    folders = [os.path.join(tag, n) for n in sorted(LOCAL.listdir(tag))
+               if DS_FILE_RE.match(n) and LOCAL.isdir(os.path.join(tag, n))]
+    out, before = None, 0
+    for f in folders:
+        rep = verify(f, threads=threads, progress=lambda d, t, b=before: progress(b + d, b + t))
+        before += rep.bytes_checked
+        if out is None:
+            out = rep
+            out.path = tag
+        else:
+            out.bytes_checked += rep.bytes_checked
+            out.problems += rep.problems
+            out.notes += rep.notes
+    if out is None:
+        raise CheckpointNotFoundError(f"{tag}: a DeepSpeed tag without any *_states.pt folder")
+    return out
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     """Re-read every byte against the manifest, with a progress bar on stderr (as ``load --to``; ``-q``:
     none); exit 1 on any mismatch."""
@@ -75,10 +106,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
     def progress(done: int, total: int) -> None:
         if not bars:
             bars.append(progress_bar(total, "verify", args.quiet))
+        if total > (bars[0].total or 0):  # a DeepSpeed tag: one folder after another
+            bars[0].total = total
         bars[0].update(done - bars[0].n)
 
+    tag = _zero_tag(path)
     try:
-        rep = verify(path, threads=args.threads, progress=progress)
+        rep = _verify_zero_tag(tag, verify, args.threads, progress) if tag else \
+            verify(path, threads=args.threads, progress=progress)
+        if tag:
+            print(f"{args.path} is a DeepSpeed save (fastckpt engine): verifying every file of its tag {tag}")
+            path = tag
     except CheckpointNotFoundError:
         if not store.isdir(path):
             raise
@@ -145,8 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the result. "
                                    "Exit 0: all match; 1: a mismatch or damaged file (named); 2: nothing to verify. "
                                    f"{_FOUND}. Sizes in decimal units (1 MB = 10^6 bytes).")
-    v.add_argument("path", help="checkpoint folder, run root, one safetensors file or sub-folder (a second "
-                                "adapter) of a checkpoint (checked against its manifest), or a foreign safetensors file/HF folder "
+    v.add_argument("path", help="checkpoint folder, run root, a DeepSpeed save_dir or tag written by fastckpt's "
+                                "engine (every *_states.pt folder of the tag), one safetensors file or sub-folder "
+                                "(a second adapter) of a checkpoint (checked against its manifest), or a foreign safetensors file/HF folder "
                                 "(headers and index validated only)")
     v.add_argument("--prefix", default=None, help=_PREFIX_HELP)
     v.add_argument("--threads", type=positive_int, default=None, help="parallel readers (default 8-16)")

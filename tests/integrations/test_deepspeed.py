@@ -153,6 +153,17 @@ def test_real_deepspeed_cpu_save_load(tmp_path, monkeypatch):
         assert all(torch.equal(got[k].float(), v.float()) for k, v in eng.module.state_dict().items())
         assert (tmp_path / step_tag / "fastckpt_tag.json").is_file()  # the committed tag is still committed
         eng.load_checkpoint(str(tmp_path), tag=step_tag)
+        # fastckpt verify SAVE_DIR checks every *_states.pt folder of the tag 'latest' names (it exited 2:
+        # 'no checkpoints'), and names a flipped byte (a README-only trial)
+        from fastckpt.cli.main import main as cli_main
+        (tmp_path / "latest").write_text(step_tag)
+        assert cli_main(["verify", str(tmp_path), "-q"]) == 0
+        shard = next((tmp_path / step_tag / "mp_rank_00_model_states.pt").glob("*.safetensors"))
+        raw = bytearray(shard.read_bytes())
+        raw[-2] ^= 0x01
+        shard.write_bytes(bytes(raw))
+        assert cli_main(["verify", str(tmp_path), "-q"]) == 1
+        assert cli_main(["verify", str(tmp_path / step_tag), "-q"]) == 1
     finally:
         import torch.distributed as dist
         if dist.is_initialized():
