@@ -217,6 +217,14 @@ def find_checkpoint(source: str | os.PathLike) -> str:
     return best[1]
 
 
+def _weights_key(weights: dict[str, str]) -> str:
+    """The top-level state key of the model weights in a manifest's ``weights`` map: ``"model"``, else
+    the key written as the ``model`` stem (Lightning's ``state_dict``: ``weights={"state_dict": "model"}``)."""
+    if "model" in weights:
+        return "model"
+    return next((k for k, stem in weights.items() if stem == "model"), "model")
+
+
 def open_source(path: str | os.PathLike, base: str | os.PathLike | None = None) -> Source:
     """Validate ``path`` (headers, index, manifest sizes) and describe its weights and adapter.
 
@@ -237,8 +245,9 @@ def open_source(path: str | os.PathLike, base: str | os.PathLike | None = None) 
         resolve(os.path.join(path, ADAPTER_WEIGHTS))  # header validation of the adapter
     r = resolve(path)
     if r.manifest is not None:
-        stem = r.manifest.weights.get("model", "model")
-        weights = {e.name: k for k, e in r.manifest.tensors.items() if e.file is not None and k.startswith("model/")
+        top = _weights_key(r.manifest.weights)
+        stem = r.manifest.weights.get(top, "model")
+        weights = {e.name: k for k, e in r.manifest.tensors.items() if e.file is not None and k.startswith(top + "/")
                    and (e.file.startswith(stem + "-") or e.file == stem + ".safetensors" or e.file == stem)}
     else:
         weights = {n: n for n, (f, _) in r.tensors.items() if f != ADAPTER_WEIGHTS}

@@ -548,3 +548,15 @@ def test_no_config_json_is_refused_before_any_weight_is_copied(tmp_path, capsys,
     rc, cmd = _run(capsys, tmp_path / "ck", "--to", tmp_path / "out")
     assert rc == 2 and cmd == "" and "no config.json" in _run.err, _run.err
     assert not (tmp_path / "out").exists()
+
+
+def test_weights_saved_under_another_top_level_key_are_found(tmp_path, capsys):
+    """Lightning's strategy saves the module's weights as weights={'state_dict': 'model'}: fastckpt load
+    said 'no model weights found' although model.safetensors is there (a README-only trial)."""
+    m = _tiny_llama(3)
+    state, weights, extra = model_snapshot(m)
+    fastckpt.save({"state_dict": state["model"], "epoch": 0}, tmp_path / "epoch=0-step=4.ckpt",
+                  weights={"state_dict": "model"}, extra_files=extra)
+    out = tmp_path / "out"
+    assert _run(capsys, tmp_path / "epoch=0-step=4.ckpt", "--to", out)[0] == 0, _run.err
+    torch.testing.assert_close(_logits(_load(out)), _logits(m), rtol=0, atol=0)
