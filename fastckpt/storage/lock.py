@@ -133,7 +133,10 @@ class RootLock:
             raise CheckpointLockedError(
                 f"{os.path.dirname(self.path)}: another job is writing checkpoints here "
                 f"(lock {self.path} held by pid {h.get('pid', '?')} on host {h.get('host', '?')}); "
-                "use a different root, stop that job, or pass a larger lock_timeout_s")
+                "use a different root, stop that job, or pass a larger lock_timeout_s"
+                + ("; if that is another rank of this job (same host), only one rank may own a CheckpointManager "
+                   "root: call it on rank 0 (DDP), or pass process_group= to every rank's save"
+                   if h.get("host") == socket.gethostname() and os.environ.get("WORLD_SIZE", "1") != "1" else ""))
 
     def release(self) -> None:
         """Drop one level of the lock; the last release unlocks and closes the file."""

@@ -98,7 +98,7 @@ class _Gate(PosixBackend):
         super().fsync(fd)
 
 
-def test_cleaning_never_removes_a_live_writers_temp(tmp_path):
+def test_cleaning_never_removes_a_live_writers_temp(tmp_path, monkeypatch):
     root = str(tmp_path / "run")
     fastckpt.CheckpointManager(root).save(1, make_state(1), **SAVE_OPTS)
     flag = str(tmp_path / "go")
@@ -114,8 +114,13 @@ def test_cleaning_never_removes_a_live_writers_temp(tmp_path):
         other = fastckpt.CheckpointManager(root)
         with pytest.raises(CheckpointLockedError, match=f"pid {pid}"):
             other.prune(1)
-        with pytest.raises(CheckpointLockedError):
+        with pytest.raises(CheckpointLockedError) as ei:
             other.save(3, make_state(3), **SAVE_OPTS)
+        assert "another rank of this job" not in str(ei.value)
+        monkeypatch.setenv("WORLD_SIZE", "2")  # the usual DDP mistake: every rank owns a manager of one root
+        with pytest.raises(CheckpointLockedError, match="another rank of this job.*rank 0"):
+            other.save(3, make_state(3), **SAVE_OPTS)
+        monkeypatch.delenv("WORLD_SIZE")
         with contextlib.redirect_stderr(io.StringIO()) as err:
             assert cli_main(["prune", root, "--keep", "1"]) == 2
         assert "another job is writing" in err.getvalue()
