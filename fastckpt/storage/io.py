@@ -163,9 +163,13 @@ def read_exact(be: PosixBackend, fd: int, buf: memoryview, offset: int, *, path:
     while done < n:
         r = be.preadv(fd, [buf[done:]], offset + done)
         if r <= 0:
+            try:
+                size = f"is {os.fstat(fd).st_size} bytes long"
+            except OSError:
+                size = f"ends before byte {offset + done}"
             raise CorruptCheckpointError(
-                f"{path}: file ends at byte {offset + done} while reading {what or 'data'} "
-                f"[{offset}, {offset + n})", path=path, tensor=what or None)
+                f"{path}: the file {size}; reading {what or 'data'} needs bytes [{offset}, {offset + n}) "
+                "(truncated)", path=path, tensor=what or None)
         done += r
 
 

@@ -95,9 +95,13 @@ def _raise_if_json_differs(ckpt, name):
 def test_truncated_shard_is_named(ckpt):
     key, e = _tensors(ckpt)[-1]
     fpath = os.path.join(ckpt, e.file)
-    os.truncate(fpath, os.path.getsize(fpath) - 1)
+    size = os.path.getsize(fpath) - 1
+    os.truncate(fpath, size)
     rep = fastckpt.verify(ckpt)
     assert not rep.ok and e.file in rep.problems[0]
+    # the re-reads name the file's real length (they said 'file ends at byte N' with N the read's start)
+    reads = [p for p in rep.problems if "cannot read" in p]
+    assert reads and all(f"is {size} bytes long" in p for p in reads), rep.problems
     with pytest.raises(fastckpt.CorruptCheckpointError) as ei:
         fastckpt.load(ckpt)
     assert e.file in str(ei.value)
