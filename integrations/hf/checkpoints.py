@@ -6,6 +6,7 @@ Used by :mod:`fastckpt.integrations.hf.trainer` (which re-exports the public nam
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -154,9 +155,45 @@ def update_best_metric(args, state, metrics: dict[str, float]) -> bool:
         state.best_metric = float("-inf") if args.greater_is_better else float("inf")
     if better(value, state.best_metric):
         state.best_metric = value
-        state.best_global_step = state.global_step
+        if args.save_strategy in ("steps", "epoch", "best"):  # as the Trainer: no checkpoint step otherwise
+            state.best_global_step = state.global_step
         return True
     return False
+
+
+@contextlib.contextmanager
+def scheduler_as_after_evaluate(args, scheduler, optimizer, metrics: dict[str, float]):
+    """Inside: ``scheduler`` (and the optimizer's learning rates) as ``Trainer._evaluate`` leaves them
+    after this evaluation, for a snapshot taken in ``on_evaluate``; restored on exit, so the Trainer's
+    own step right after gives the same values. Only for schedulers the Trainer steps with the metric
+    (``ReduceLROnPlateau``, transformers' ``GreedyLR``: ``step(metrics[eval_<metric_for_best_model>])``);
+    a missing metric, or a tensor learning rate (changed in place, so a snapshot would not keep it),
+    leaves everything as it is (the Trainer then raises its own KeyError)."""
+    import copy
+
+    import torch
+    kinds = (torch.optim.lr_scheduler.ReduceLROnPlateau,)
+    try:
+        from transformers.optimization import GreedyLR
+        kinds += (GreedyLR,)
+    except ImportError:
+        pass
+    name = args.metric_for_best_model or ""
+    key = name if name.startswith("eval_") else f"eval_{name}"
+    groups = getattr(optimizer, "param_groups", None) or []
+    if not isinstance(scheduler, kinds) or key not in metrics or \
+            any(isinstance(g.get("lr"), torch.Tensor) for g in groups):
+        yield
+        return
+    before = copy.deepcopy(scheduler.state_dict())
+    lrs = [g["lr"] for g in groups]
+    scheduler.step(metrics[key])
+    try:
+        yield
+    finally:
+        scheduler.load_state_dict(before)
+        for g, lr in zip(groups, lrs):
+            g["lr"] = lr
 
 
 def update_stateful_callbacks(state, callbacks, control) -> None:

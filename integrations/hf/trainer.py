@@ -49,7 +49,7 @@ from fastckpt.storage import clean_stale_temps
 
 from .checkpoints import (  # noqa: F401  (re-exported: public helpers, tests)
     PREFIX_CHECKPOINT_DIR, get_last_checkpoint, is_trainers_last, logged_this_step, newer_runs_warning,
-    rotate_checkpoints, update_best_metric, update_stateful_callbacks)
+    rotate_checkpoints, scheduler_as_after_evaluate, update_best_metric, update_stateful_callbacks)
 from .on_save import OnSaveRelay, state_as_of_now
 from .rank_state import is_sharded, optimizer_state, rank_save_options, trainer_group
 from .resume import TrainerResume, find_trainer, resume_checkpoint, skip_fsdp_model_load, trainer_being_built
@@ -160,6 +160,8 @@ class FastCkptCallback(_trainer_callback_base()):
         self.trainer_callbacks = None  # set by FastCkptTrainerMixin: all callbacks of the Trainer
         self._relay = OnSaveRelay()  # on_save of the other callbacks, after each commit
         self._eval_warned = False
+        self._before_loop = False  # between on_train_begin and the first on_epoch_begin (eval_on_start)
+        self._eval_round: tuple[int, int, dict] | None = None  # (step, on_evaluate calls, merged metrics)
 
     def on_init_end(self, args, state, control, **kw):
         skip_fsdp_model_load(trainer_being_built())  # before train() loads a checkpoint under FSDP
@@ -181,6 +183,7 @@ class FastCkptCallback(_trainer_callback_base()):
         self._trainer = weakref.ref(trainer) if trainer is not None else None
         self._arrange(getattr(trainer, "callback_handler", None))
         self._training = True
+        self._before_loop = True
         self._refs(args, state, {**kw, "model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler})
         self._install_sigterm()
         self._tokenizer_files()  # saved once now, not during the first save
@@ -206,6 +209,7 @@ class FastCkptCallback(_trainer_callback_base()):
             self._saver.prime_hashes(snap, weights=weights)
 
     def on_epoch_begin(self, args, state, control, **kw):
+        self._before_loop = False
         self._tick(args, control)
         self._flush_deferred(args, state, control)  # before the sampler draws the next epoch's shuffle
         self._resume.at_epoch_begin()
@@ -309,21 +313,41 @@ class FastCkptCallback(_trainer_callback_base()):
             self._intercept(args, state, control)
 
     def _end_of_evaluate(self, args, state, control, metrics, kw) -> None:
-        """``on_evaluate`` once every other callback has run: best metric, then a deferred save."""
-        if not self._training or metrics is None:
+        """``on_evaluate`` once every other callback has run: best metric, then a deferred save.
+
+        As ``Trainer._maybe_log_save_evaluate``: ``eval_on_start``'s evaluation (before the first
+        epoch) neither counts for the best metric nor steps the scheduler nor saves; with several eval
+        datasets (``eval_dataset`` a dict: one ``on_evaluate`` each) the merged metrics of the last one
+        decide; a ``ReduceLROnPlateau`` scheduler is saved as the Trainer leaves it after this evaluation
+        (it steps it right after ``on_evaluate``)."""
+        if not self._training or metrics is None or self._before_loop:
             return
         self._refs(args, state, kw)
+        n = self._eval_datasets()
+        step, seen, merged = self._eval_round if self._eval_round and self._eval_round[0] == state.global_step \
+            else (state.global_step, 0, {})
+        merged = {**merged, **metrics}
+        if seen + 1 < n:  # more datasets of this evaluation to come
+            self._eval_round = (step, seen + 1, merged)
+            return
+        self._eval_round = None
         # the Trainer's _determine_best_metric runs right after on_evaluate: done here first, the Trainer
         # sees no new best, so its own save_strategy="best" save never runs; the other callbacks'
         # on_evaluate saw state.best_metric as the Trainer shows it (before this evaluation)
-        is_best = update_best_metric(args, state, metrics)
+        is_best = update_best_metric(args, state, merged)
         asked, control.should_save = control.should_save, False
         self._save_after_eval = self._save_after_log = False
-        if args.save_strategy == "best":
-            if is_best:
-                self._save(args, state, control)
-        elif asked:
+        if args.save_strategy == "best" and not is_best or args.save_strategy != "best" and not asked:
+            return
+        with scheduler_as_after_evaluate(args, getattr(self, "_lr_scheduler", None),
+                                         getattr(self, "_optimizer", None), merged):
             self._save(args, state, control)
+
+    def _eval_datasets(self) -> int:
+        """How many ``on_evaluate`` calls one evaluation of the Trainer makes (its ``eval_dataset`` dict)."""
+        trainer = self._trainer() if self._trainer is not None else None
+        ds = getattr(trainer, "eval_dataset", None)
+        return len(ds) if isinstance(ds, dict) and ds else 1
 
     def _intercept(self, args, state, control) -> None:
         """Take over a save request (``control.should_save``): save now, or once this step's log entry
