@@ -42,7 +42,7 @@ import torch
 
 import fastckpt
 from . import tag
-from fastckpt.errors import CheckpointNotFoundError, UnsupportedValueError, UntrustedTypeError
+from fastckpt.errors import CheckpointNotFoundError, StateMismatchError, UnsupportedValueError, UntrustedTypeError
 from fastckpt.storage.model_files import is_inside
 
 #: The only classes :func:`decode` rebuilds (``module:qualname``): those DeepSpeed 0.19 puts in
@@ -299,6 +299,8 @@ class FastCkptCheckpointEngine(_Base):
                 ``fastckpt_tag.json``), or that marker does not list ``path``.
             CheckpointNotFoundError: ``path`` is not a committed fastckpt folder (e.g. a plain
                 ``torch.save`` file: load it with DeepSpeed's own engine).
+            StateMismatchError: a ZeRO-3 model-states file saved by another data-parallel world size
+                (:func:`_refuse_zero3_resize`).
         """
         if not os.path.exists(path):
             raise CheckpointNotFoundError(f"{path}: does not exist")
@@ -309,7 +311,9 @@ class FastCkptCheckpointEngine(_Base):
         if not fastckpt.is_committed(path):
             raise CheckpointNotFoundError(f"{path}: not a committed fastckpt checkpoint")
         device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
-        return decode(fastckpt.load(path, device=device)["ds"], path)
+        state = decode(fastckpt.load(path, device=device)["ds"], path)
+        _refuse_zero3_resize(state, path)
+        return state
 
     def is_decoupled(self) -> bool:
         """DeepSpeed's synchronous protocol: ``commit`` is called inside ``save_checkpoint``."""
@@ -322,6 +326,34 @@ class FastCkptCheckpointEngine(_Base):
     def cleanup(self) -> None:
         """Wait for anything still pending (a failure is raised as by :meth:`wait_all`)."""
         self.wait_all()
+
+
+def _refuse_zero3_resize(state: Any, path: str) -> None:
+    """Refuse a ZeRO-3 model-states file saved by another data-parallel world size than this one.
+
+    DeepSpeed 0.19 refuses such a load only with ``load_optimizer_states``; with
+    ``load_module_only=True`` (or ``load_optimizer_states=False``) each rank takes the fp32 partition
+    of the rank of its number in the old world (``stage3.py``'s rigid load): the weights come back
+    wrong, silently. ZeRO-1/2 merge their partitions elastically and are not refused.
+
+    Raises:
+        StateMismatchError: naming the file, both world sizes and the offline consolidation to use.
+    """
+    if not isinstance(state, dict) or "dp_world_size" not in state:
+        return
+    zero = (state.get("ds_config") or {}).get("zero_optimization") or {}
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    stage = getattr(stage, "value", stage)
+    mp = state.get("mp_world_size") or 1
+    saved, now = state["dp_world_size"], tag.world()[1] // mp
+    if stage == 3 and isinstance(saved, int) and saved != now:
+        raise StateMismatchError(
+            f"{path}: a ZeRO-3 checkpoint saved by {saved} data-parallel ranks, loaded by {now}: DeepSpeed "
+            f"cannot re-split ZeRO-3 partitions (with load_module_only each rank would take the partition "
+            f"of the old rank of its number: wrong weights). Load it with {saved} ranks, or consolidate "
+            f"it (`fastckpt load {os.path.dirname(os.path.dirname(os.path.abspath(path)))} --to DIR`) and "
+            "load DIR's weights into the model before deepspeed.initialize", path=path,
+            mismatched=[("dp_world_size", now, saved, path)])
 
 
 def install(engine: Any, **kwargs: Any) -> FastCkptCheckpointEngine:

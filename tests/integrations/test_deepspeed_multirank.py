@@ -268,6 +268,22 @@ def _logits(folder) -> torch.Tensor:
         return model(input_ids=IDS).logits
 
 
+#: One rank loads a 2-rank ZeRO-3 save with ``load_module_only=True``; prints the message and the
+#: error type (last line), or ``loaded``.
+_ONE_RANK_MODULE_ONLY = """
+import sys, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], 1), rank=0, world_size=1)
+import test_deepspeed_multirank as t
+eng = t._engine(3, seed=1)
+try:
+    eng.load_checkpoint(sys.argv[1], load_module_only=True)
+    print("loaded")
+except Exception as e:
+    print(e)
+    print(type(e).__name__)
+"""
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_save_load_and_consolidate(pool, tmp_path, hf_config_dir, stage):
     from safetensors.torch import load_file
@@ -306,6 +322,25 @@ def test_zero_save_load_and_consolidate(pool, tmp_path, hf_config_dir, stage):
         want = model(input_ids=IDS).logits
     assert torch.equal(_logits(hf), want)
     transformers.AutoTokenizer.from_pretrained(hf)  # servable: the tokenizer came along
+
+    if stage == 2:  # without --to: the tag is warmed (checked while read), no command, exit 0 (README: load warms)
+        res = _fastckpt_load(str(folder))
+        assert res.returncode == 0 and res.stdout == "", res.stderr
+        assert "warmed 3 file(s) of DeepSpeed tag" in res.stderr and "3 checked" in res.stderr, res.stderr
+        assert "pass --to DIR to consolidate" in res.stderr, res.stderr
+        shard = sorted((folder / "s2").glob("*_states.pt/*.safetensors"))[-1]
+        raw = bytearray(shard.read_bytes())
+        raw[-1] ^= 0xFF
+        shard.write_bytes(bytes(raw))
+        res = _fastckpt_load(str(folder))
+        assert res.returncode != 0 and res.stdout == "" and shard.name in res.stderr, res.stderr
+
+    if stage == 3:  # 2 -> 1 rank, load_module_only: DeepSpeed would take old rank 0's partition, silently
+        res = subprocess.run([sys.executable, "-c", _ONE_RANK_MODULE_ONLY, str(folder), str(tmp_path / "store")],
+                             capture_output=True, text=True, timeout=300, cwd=os.path.dirname(__file__))
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.stdout.strip().splitlines()[-1] == "StateMismatchError", res.stdout[-3000:]
+        assert "saved by 2 data-parallel ranks, loaded by 1" in res.stdout, res.stdout[-3000:]
 
     if native is not None:  # DeepSpeed's own torch engine: pickles, refused naming the .pt file
         res = _fastckpt_load(str(native), "--to", str(tmp_path / "hf-native"))
