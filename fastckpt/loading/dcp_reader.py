@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, StorageReader
 from torch.futures import Future
@@ -49,11 +50,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from ..errors import CorruptCheckpointError, DCPPlannerError
 from ..format.dtypes import str_to_dtype
-from ..format.tree import join, path_segments
+from ..format.tree import join
 from ..storage.io import PosixBackend, get_backend
 from ..storage.store import LOCAL
 from .into import Files, byte_view, read_box, verify_region
-from .reader import READ_CHUNK_BYTES, default_read_threads, load
+from .reader import READ_CHUNK_BYTES, default_read_threads, read_subtrees
 from .regions import Stored, intersect
 from .stored import CheckpointIndex, Leaf, TensorDesc, open_index
 
@@ -94,10 +95,7 @@ class StoredSubtree:
 
     def read(self, root: str) -> Any:
         """The subtree at :attr:`path` of the checkpoint at ``root``, as :func:`fastckpt.load` returns it."""
-        v: Any = load(root, keys=[self.path])
-        for seg in path_segments(v, self.path):
-            v = v[seg]
-        return v
+        return read_subtrees(root, [self.path])[self.path]
 
 
 def _holds_marked(v: Any, marks: dict[int, str]) -> bool:
@@ -366,6 +364,20 @@ def _set_values(items: list[ReadItem], planner: LoadPlanner, sd: FastCkptStorage
             planner.state_dict[fqn] = value
 
 
+def _numpy_as_tensors(v: Any) -> Any:
+    """``v`` with every NumPy array (in dicts and lists) replaced by ``torch.from_numpy`` of it (shared
+    memory); ``v`` itself when it holds none. Containers are copied only along the way to an array."""
+    if isinstance(v, np.ndarray):
+        return torch.from_numpy(v)
+    if isinstance(v, dict):
+        out = {k: _numpy_as_tensors(x) for k, x in v.items()}
+        return v if all(out[k] is v[k] for k in v) else out
+    if isinstance(v, list):
+        out = [_numpy_as_tensors(x) for x in v]
+        return v if all(a is b for a, b in zip(out, v)) else out
+    return v
+
+
 class FastCkptLoadPlanner(DefaultLoadPlanner):
     """DCP's ``DefaultLoadPlanner`` that never unpickles: non-tensor values come from
     ``state.json`` (JSON) through :class:`FastCkptReader`'s metadata and are set in the state while
@@ -376,6 +388,16 @@ class FastCkptLoadPlanner(DefaultLoadPlanner):
         DCPPlannerError: used with a reader other than :class:`FastCkptReader` that plans non-tensor
             items, or asked to ``load_bytes`` (never unpickles).
     """
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        """DCP's set-up, with each NumPy array of ``state_dict`` planned as the tensor
+        ``torch.from_numpy`` gives (its memory: the array is filled in place), as
+        :class:`~fastckpt.dcp.FastCkptSavePlanner` stored it; DCP's default planner would plan it
+        as a pickled value. ``state_dict`` itself keeps its arrays."""
+        views = _numpy_as_tensors(state_dict)
+        super().set_up_planner(views, metadata, is_coordinator)
+        if views is not state_dict:
+            self.original_state_dict = state_dict  # non-tensor values are set into the caller's state
 
     def create_local_plan(self) -> LoadPlan:
         """DCP's local plan minus BYTE_IO items, whose values are set from the metadata instead."""

@@ -163,6 +163,18 @@ class FastCkptWriter(StorageWriter):
         self.committed = False
         self.save_id = uuid.uuid4().hex
 
+    def __getstate__(self) -> dict:
+        """Pickled without its staging pool (locks, pinned memory): DCP's
+        ``async_save(async_checkpointer_type=AsyncCheckpointerType.PROCESS)`` sends the writer to its
+        checkpoint process, which stages into a pool of its own."""
+        state = dict(self.__dict__)
+        state.pop("pool", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.pool = StagingPool()
+
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """A new save: ``checkpoint_id`` (a folder path) replaces ``path`` when given."""
         if checkpoint_id is not None:
@@ -547,18 +559,21 @@ def _json_value(planner: Any, item: Any, path: Path) -> Any:
     try:
         skeleton = flatten(obj, lambda key, v: arrays.append(f"a {type(v).__name__} at {key!r}"))
     except UnsupportedValueError as e:
+        inner = "" if "'<root>'" in str(e) else f" ({e})"  # the value itself: its type is named already
         raise UnsupportedValueError(
             f"{path}: non-tensor value {fqn!r} of type {type(obj).__module__}.{type(obj).__qualname__} cannot be "
-            f"stored without pickle ({e}). DCP's FileSystemWriter would torch.save (pickle) it; fastckpt stores "
+            f"stored without pickle{inner}. DCP's FileSystemWriter would torch.save (pickle) it; fastckpt stores "
             "non-tensor values as JSON (None, bool, int, float, str, bytes, list, tuple, dict with str/int keys, "
             "torch.dtype, torch.device) so that no load unpickles: convert it to such values or to a tensor "
             "(e.g. its state_dict()), or leave it out of the state. Nothing was committed") from None
     if arrays:
         raise UnsupportedValueError(
-            f"{path}: non-tensor value {fqn!r} ({type(obj).__name__}) holds {arrays[0]}: DCP's default planner takes a "
-            "tuple (and anything in it) whole, as one value to pickle, so its tensors are not laid out as tensors. "
-            "Pass planner=fastckpt.dcp.FastCkptSavePlanner() (it stores them as tensors, and "
-            "FastCkptReader reads them back), or make it a list. Nothing was committed")
+            f"{path}: non-tensor value {fqn!r} "
+            + (f"is a {type(obj).__name__}" if arrays[0].endswith(" at ''") else f"({type(obj).__name__}) holds {arrays[0]}")
+            + ": DCP's default planner takes a NumPy array, or a tuple and anything in it, whole, as one value to "
+            "pickle, so its arrays and tensors are not laid out as tensors. Pass "
+            "planner=fastckpt.dcp.FastCkptSavePlanner() (it stores them as tensors; FastCkptReader with "
+            "planner=fastckpt.dcp.FastCkptLoadPlanner() reads them back), or make a tuple a list. Nothing was committed")
     return skeleton
 
 

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from ranks import RankPool, full_values  # noqa: E402
 
 import fastckpt  # noqa: E402
-from fastckpt.dcp import FastCkptReader, FastCkptSavePlanner, FastCkptWriter  # noqa: E402
+from fastckpt.dcp import FastCkptLoadPlanner, FastCkptReader, FastCkptSavePlanner, FastCkptWriter  # noqa: E402
 
 TIMEOUT_S = 240
 
@@ -261,21 +261,26 @@ def test_default_planner_tuple_holding_a_tensor_is_refused_naming_the_planner_th
     assert torch.equal(fastckpt.load(tmp_path / "ck")["t"][1], torch.arange(4.0))
 
 
-def test_default_planner_folder_of_int_keyed_optimizer_state_fills_with_load_into(tmp_path):
+@pytest.mark.parametrize("in_list", [False, True])
+def test_default_planner_folder_of_int_keyed_optimizer_state_fills_with_load_into(tmp_path, in_list):
     """DCP's default planner names mapping keys as str (``optim.state.0.step`` -> key ``"0"``), so
     the folder holds ``optim/state/"0"/...`` where ``opt.state_dict()`` has ``state/0``. DCP's own load
     fills the int-keyed state from either; ``fastckpt.load_into`` does too, with the bytes DCP's
-    ``FileSystemReader`` gives (it refused: 'missing from the checkpoint: optim/state/0/step')."""
+    ``FileSystemReader`` gives (it refused: 'missing from the checkpoint: optim/state/0/step').
+    ``in_list``: the optimizer's state under a list (``{"optim": [sd]}``): a list position stays a
+    position (it was flipped to a str key too, and the state refused as missing)."""
+    wrap = (lambda sd: [sd]) if in_list else (lambda sd: sd)
+    unwrap = (lambda v: v[0]) if in_list else (lambda v: v)
     m, opt = _trained(2)
-    saved = {"optim": opt.state_dict(), "step": 4}
+    saved = {"optim": wrap(opt.state_dict()), "step": 4}
     dcp.save(saved, storage_writer=FastCkptWriter(tmp_path / "ours"))
     dcp.save(saved, storage_writer=FileSystemWriter(str(tmp_path / "ref")))
-    stored = fastckpt.load(tmp_path / "ours")["optim"]["state"]
+    stored = unwrap(fastckpt.load(tmp_path / "ours")["optim"])["state"]
     assert sorted(stored) == ["0", "1", "2", "3"]  # what DCP's planner handed the writer
-    ref = {"optim": _trained(5)[1].state_dict(), "step": 0}
+    ref = {"optim": wrap(_trained(5)[1].state_dict()), "step": 0}
     dcp.load(ref, storage_reader=FileSystemReader(str(tmp_path / "ref")))
-    got = fastckpt.load_into({"optim": _trained(5)[1].state_dict(), "step": 0}, tmp_path / "ours", strict=True)
-    assert sorted(got["optim"]["state"]) == [0, 1, 2, 3]
+    got = fastckpt.load_into({"optim": wrap(_trained(5)[1].state_dict()), "step": 0}, tmp_path / "ours", strict=True)
+    assert sorted(unwrap(got["optim"])["state"]) == [0, 1, 2, 3]
     assert _same(got, ref) == [] and _same(got, saved) == []
 
 
@@ -483,3 +488,52 @@ def test_dropin_writes_large_chunks_from_their_memory(pool, tmp_path):
         back = fastckpt.load(tmp_path / how)  # checksums checked
         for k, v in full["model"].items():
             assert torch.equal(back["model"][k], v), (how, k)
+
+
+def test_numpy_array_round_trips_through_the_fastckpt_planners(tmp_path):
+    """A NumPy array in a DCP state: the default planner would pickle it (refused, naming it as an
+    ndarray: the message called it a tuple); FastCkptSavePlanner stores it as a tensor, and
+    dcp.load with FastCkptReader + FastCkptLoadPlanner fills the caller's array in place (it failed
+    with DCP's 'expected BytesStorageMetadata'), as FileSystemWriter/Reader round-trip it."""
+    import numpy as np
+    state = {"arr": np.arange(4, dtype=np.int64), "w": torch.ones(2), "step": 3}
+    with pytest.raises(CheckpointException) as ei:
+        dcp.save(state, storage_writer=FastCkptWriter(tmp_path / "default"))
+    assert "'arr' is a ndarray" in str(ei.value) and "FastCkptLoadPlanner" in str(ei.value), str(ei.value)
+    dcp.save(state, storage_writer=FastCkptWriter(tmp_path / "ck"), planner=FastCkptSavePlanner())
+    tmpl = {"arr": np.zeros(4, dtype=np.int64), "w": torch.zeros(2), "step": 0}
+    arr = tmpl["arr"]
+    dcp.load(tmpl, storage_reader=FastCkptReader(tmp_path / "ck"), planner=FastCkptLoadPlanner())
+    assert tmpl["arr"] is arr and arr.tolist() == [0, 1, 2, 3]  # the caller's array, filled
+    assert tmpl["step"] == 3 and torch.equal(tmpl["w"], torch.ones(2))
+    tmpl2 = {"arr": np.zeros(4, dtype=np.int64), "w": torch.zeros(2), "step": 0}
+    fastckpt.dcp.load(tmpl2, tmp_path / "ck")
+    assert tmpl2["arr"].tolist() == [0, 1, 2, 3] and tmpl2["step"] == 3
+
+
+_PROCESS_ASYNC = """
+import sys, datetime, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from fastckpt.dcp import FastCkptReader, FastCkptWriter
+d = sys.argv[1]
+dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=60))
+S = {"w": torch.arange(6.0), "n": 3}
+dcp.async_save(S, storage_writer=FastCkptWriter(f"{d}/ck"),
+               async_checkpointer_type=AsyncCheckpointerType.PROCESS).result(timeout=120)
+T = {"w": torch.zeros(6), "n": 0}
+dcp.load(T, storage_reader=FastCkptReader(f"{d}/ck"))
+print("LOADED", torch.equal(T["w"], S["w"]), T["n"])
+dist.destroy_process_group()
+"""
+
+
+def test_async_save_in_dcps_checkpoint_process(tmp_path):
+    """dcp.async_save(async_checkpointer_type=PROCESS) pickles the writer to its checkpoint process:
+    FastCkptWriter failed with 'cannot pickle _thread.lock' (its staging pool), where FileSystemWriter
+    works; it now goes without its pool and the child stages into its own."""
+    import subprocess
+    r = subprocess.run([sys.executable, "-c", _PROCESS_ASYNC, str(tmp_path)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "LOADED True 3" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
+    assert fastckpt.is_committed(tmp_path / "ck")

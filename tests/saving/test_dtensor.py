@@ -483,3 +483,40 @@ def test_background_group_is_new_after_the_world_is_destroyed(tmp_path):
     finally:
         p.close()
     assert out == {r: {"same": False, "ranks": [0, 1], "sum": 2.0} for r in range(2)}
+
+
+# -- DCP's HuggingFaceStorageWriter pieces ------------------------------------------------------
+
+def rank_hf_storage_pieces(folder: str, consolidated: str) -> bool:
+    """DCP's own HF writer, distributed, of the uneven state: without consolidation (a piece per rank
+    per file, under the full names) and with it (full tensors)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    model = _distribute(_full_state())["model"]
+    sd = {k: v for k, v in model.items() if k not in ("f.weight", "plain")}  # (a 2-D mesh, and an int tensor
+    # DCP's consolidation cannot size (torch.finfo of an int dtype), are not HuggingFaceStorageWriter's)
+    dcp.save(sd, storage_writer=HuggingFaceStorageWriter(folder, save_distributed=True))
+    dcp.save(sd, storage_writer=HuggingFaceStorageWriter(consolidated, save_distributed=True,
+                                                         enable_consolidation=True))
+    return True
+
+
+def test_hf_storage_writer_pieces_are_refused_and_its_consolidated_folder_reads(pool, tmp_path):
+    """A distributed HuggingFaceStorageWriter save without consolidation holds, in each rank's file,
+    that rank's piece under the full tensor's name: fastckpt.load of one such file returned the piece
+    as the tensor (a [2, 3] for a [4, 3]), exit 0, and the folder was refused as 'stored in both ...
+    refusing to pick one'. Both are refused naming the piece and the ways to read it; the consolidated
+    folder of the same writer reads whole, equal to the state."""
+    from fastckpt.errors import ShardedCheckpointError
+    pieces, whole = tmp_path / "pieces", tmp_path / "whole"
+    pool.run(rank_hf_storage_pieces, folder=str(pieces), consolidated=str(whole), timeout_s=TIMEOUT_S)
+    files = sorted(pieces.glob("*.safetensors"))
+    assert len(files) == 2, os.listdir(pieces)
+    for target in [pieces, *files]:
+        with pytest.raises(ShardedCheckpointError) as ei:
+            fastckpt.load(target)
+        assert "one rank's piece" in str(ei.value) and "HuggingFaceStorageReader" in str(ei.value), str(ei.value)
+    full = _full_state()["model"]
+    got = fastckpt.load(whole)
+    for k in ("a.weight", "b.weight", "c.weight", "d.weight", "e.bias"):
+        assert got[k].dtype == full[k].dtype and torch.equal(got[k], full[k]), k
