@@ -17,6 +17,7 @@ from the destination's is read in its stored dtype and cast with ``copy_`` (valu
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import os
@@ -34,11 +35,11 @@ from ..errors import (ChecksumMismatchError, CorruptCheckpointError, InvalidArgu
 from ..format.dtypes import DTYPE_TO_STR, str_to_dtype
 from ..format.manifest import RangeCheck
 from ..format.stateful import is_stateful, load_back, to_state_dicts
-from ..format.tree import join, path_segments
+from ..format.tree import join
 from ..storage.io import PosixBackend, get_backend, readv_exact
 from ..storage.locate import is_url, store_for
 from .chunks import box_bytes, chunk_problem
-from .reader import READ_CHUNK_BYTES, check_threads, default_read_threads, load
+from .reader import READ_CHUNK_BYTES, check_threads, default_read_threads, read_subtrees
 from .regions import Box, ByteRun, Stored, box_runs, contains, dim0_blocks, intersect, split_runs
 from .stored import CheckpointIndex, TensorDesc, open_index
 
@@ -101,16 +102,41 @@ def local_region(t: torch.Tensor) -> tuple[torch.Tensor, Box, tuple[int, ...]]:
     return t, ((0,) * t.dim(), tuple(t.shape)), tuple(t.shape)
 
 
-def _hf_name(idx: CheckpointIndex, segs: tuple) -> str | None:
-    """Longest suffix of the key's dotted parts that names a stored HF tensor. The parts are the key
-    segments split at ``.``: a nested ``{"model": sd}`` and a flat module-prefixed key
-    (``SentenceTransformer(...).state_dict()``'s ``0.auto_model.embeddings...``) both drop their prefix."""
-    parts = [p for s in segs for p in str(s).split(".")]
-    for i in range(len(parts)):
-        name = ".".join(parts[i:])
-        if name in idx.tensors:
-            return name
-    return None
+def _hf_names(idx: CheckpointIndex, state: Any) -> dict[tuple, str]:
+    """The stored HF tensor each leaf of ``state`` (by its key segments) is filled from: the longest
+    suffix of the key's dotted parts that names one. The parts are the key segments split at ``.``: a
+    nested ``{"model": sd}`` and a flat module-prefixed key (``SentenceTransformer(...).state_dict()``'s
+    ``0.auto_model.embeddings...``) both drop their prefix. A stored tensor fills one key only: the
+    one that drops the fewest parts; keys that tie, or lose to a nearer name, are missing (as torch's
+    ``load_state_dict`` finds them), never filled with another key's tensor (``1.0.weight`` from a file
+    whose ``0.weight`` belongs to the state's own ``0.weight``)."""
+    claims: dict[str, list[tuple[int, tuple]]] = {}
+    for segs in _leaf_segments(state, ()):
+        parts = [p for s in segs for p in str(s).split(".")]
+        for i in range(len(parts)):
+            name = ".".join(parts[i:])
+            if name in idx.tensors:
+                claims.setdefault(name, []).append((i, segs))
+                break
+    out = {}
+    for name, cl in claims.items():
+        nearest = min(i for i, _ in cl)
+        winners = [segs for i, segs in cl if i == nearest]
+        if len(winners) == 1:
+            out[winners[0]] = name
+    return out
+
+
+def _leaf_segments(state: Any, segs: tuple):
+    """The key segments of every leaf of ``state``, as :func:`_plan_leaves` walks it."""
+    if isinstance(state, dict) and state:
+        for k, x in state.items():
+            yield from _leaf_segments(x, segs + (k,))
+    elif isinstance(state, (list, tuple)) and state:
+        for i, x in enumerate(state):
+            yield from _leaf_segments(x, segs + (_ListIndex(i),))
+    else:
+        yield segs
 
 
 class _Plan:
@@ -118,6 +144,8 @@ class _Plan:
 
     def __init__(self, idx: CheckpointIndex):
         self.idx = idx
+        self._keys: list[str] | None = None  # every stored key path, sorted (built on first use)
+        self.hf_names: dict[tuple, str] = {}  # leaf key segments -> stored HF tensor (a non-fastckpt folder)
         self.targets: list[FillTarget] = []
         self.values: dict[str, Any] = {}
         self.used: set[str] = set()
@@ -132,7 +160,7 @@ class _Plan:
         idx = self.idx
         if isinstance(v, np.ndarray):
             v = torch.from_numpy(v)  # shares memory: filling it fills the array
-        name = (self._dcp_name(path, segs) if idx.is_fastckpt else _hf_name(idx, segs))
+        name = self._dcp_name(path, segs) if idx.is_fastckpt else self.hf_names.get(segs)
         if name in idx.unreadable:
             raise UnsupportedValueError(idx.unreadable[name])
         if isinstance(v, torch.Tensor):
@@ -168,7 +196,13 @@ class _Plan:
         idx = self.idx
         if not idx.is_fastckpt or name is None:
             return False
-        under = [k for k in (*idx.tensors, *idx.values, *idx.unreadable) if k.startswith(name + "/")]
+        if self._keys is None:  # sorted once per plan: each empty container is one bisect, not a scan
+            self._keys = sorted({*idx.tensors, *idx.values, *idx.unreadable})
+        under = []
+        for k in self._keys[bisect.bisect_left(self._keys, name + "/"):]:
+            if not k.startswith(name + "/"):
+                break
+            under.append(k)
         entries = idx.resolved.manifest.tensors
         if not under:
             return False
@@ -188,7 +222,7 @@ class _Plan:
         idx = self.idx
         if path in idx.tensors or path in idx.values or not segs:
             return path
-        for flip in (lambda s: str(s) if isinstance(s, int) else s,
+        for flip in (lambda s: str(s) if isinstance(s, int) and not isinstance(s, _ListIndex) else s,
                      lambda s: int(s) if isinstance(s, str) and s.isdigit() and str(int(s)) == s else s):
             alt = ""
             for seg in segs:
@@ -266,13 +300,18 @@ def _describe_desc(d: TensorDesc) -> str:
     return f"shape {list(d.shape)} dtype {d.dtype}"
 
 
+class _ListIndex(int):
+    """A list/tuple position in a key path's segments (a dict's int key is a plain int): DCP's str
+    fqn keys stand for dict keys only, so :meth:`_Plan._dcp_name` never flips a position."""
+
+
 def _plan_leaves(state: Any, path: str, segs: tuple, plan: _Plan) -> None:
     if isinstance(state, dict) and state:
         for k, x in state.items():
             _plan_leaves(x, join(path, k), segs + (k,), plan)
     elif isinstance(state, (list, tuple)) and state:
         for i, x in enumerate(state):
-            _plan_leaves(x, join(path, i), segs + (i,), plan)
+            _plan_leaves(x, join(path, i), segs + (_ListIndex(i),), plan)
     else:
         plan.leaf(state, path, segs)
 
@@ -486,6 +525,11 @@ def _log_keys(plan: _Plan, unexpected: list[str], root: str) -> None:
     if unexpected:
         logger.info("fastckpt: load_into(%s) ignored %d checkpoint key(s) the state does not name: %s%s", root,
                     len(unexpected), unexpected[:10], " ..." if len(unexpected) > 10 else "")
+    truncated = [c for c in plan.cast if c[1].startswith(("F", "BF", "C")) and not c[2].startswith(("F", "BF", "C"))]
+    if truncated:  # as torch's copy_ (load_state_dict, DCP): cast, but a float read into an int or bool is rarely meant
+        logger.warning("fastckpt: load_into(%s) cast %d floating tensor(s) into the state's integer/bool tensors "
+                       "(values truncated, as torch's copy_ does; key, stored, state): %s%s", root, len(truncated),
+                       truncated[:10], " ..." if len(truncated) > 10 else "")
     if plan.cast:
         logger.info("fastckpt: load_into(%s) cast %d tensor(s) to the state's dtype (key, stored, state): %s%s",
                     root, len(plan.cast), plan.cast[:10], " ..." if len(plan.cast) > 10 else "")
@@ -633,6 +677,8 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
         local_rank = _default_rank()
     idx = open_index(path, local_rank)
     plan = _Plan(idx)
+    if not idx.is_fastckpt:
+        plan.hf_names = _hf_names(idx, state)
     _plan_leaves(state, "", (), plan)
     tied = plan.tied()
     if tied:
@@ -662,11 +708,8 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
     finally:
         files.close()
     if plan.subtrees:  # empty containers taking stored subtrees: one read of them all
-        read = load(idx.resolved.root, keys=sorted(set(plan.subtrees.values())), verify=verify, threads=threads,
-                    io_backend=io_backend)
+        read = read_subtrees(idx.resolved.root, plan.subtrees.values(), verify=verify, threads=threads,
+                             io_backend=io_backend)
         for at, name in plan.subtrees.items():
-            tree = read
-            for seg in path_segments(read, name):
-                tree = tree[seg]
-            plan.values[at] = tree
+            plan.values[at] = read[name]
     return load_back(_rebuild(state, "", plan.values), stateful)

@@ -36,7 +36,7 @@ from ..storage.memory import aligned_buffer, host_buffer
 from ..storage.tier import tier_for
 from .resolve import Resolved, resolve
 from .chunks import check_chunks
-from ..format.tree import join, key_filter, unflatten
+from ..format.tree import join, key_filter, path_segments, unflatten
 
 SMALL_BYTES = 1 << 20
 #: Default bytes per read request: 4 MiB requests, many in flight, reach this disk's deep-queue bandwidth.
@@ -381,6 +381,27 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
     if r.manifest.distributed is not None:  # never return {"__rank_local__": ...} placeholders
         _refuse_rank_local(tree, r.manifest, r.root)
     return tree
+
+
+def read_subtrees(root: str, paths: Iterable[str], **load_kwargs: Any) -> dict[str, Any]:
+    """The subtrees at key paths ``paths`` of the checkpoint at ``root``, read in one :func:`load`
+    (tensors on ``load_kwargs``'s device, default CPU; checksums verified unless ``verify=False``).
+
+    Returns:
+        ``{path: subtree}``, each as :func:`load` returns it (nested dicts/lists, new tensors).
+
+    Raises:
+        KeysNotFoundError: a path the checkpoint does not hold. The errors of :func:`load`.
+    """
+    paths = sorted(set(paths))
+    read = load(root, keys=paths, **load_kwargs)
+    out = {}
+    for p in paths:
+        v = read
+        for seg in path_segments(read, p):
+            v = v[seg]
+        out[p] = v
+    return out
 
 
 def _refuse_rank_local(tree: Any, manifest: Manifest, root: str, path: str = "") -> None:

@@ -313,6 +313,32 @@ def test_a_strided_view_the_state_does_not_name_is_not_an_error(tmp_path):
     assert torch.equal(fastckpt.load(tmp_path / "ck")["extra"]["t"], base.t())
 
 
+def test_a_stored_tensor_fills_one_key_only_as_torch_finds_the_rest_missing(tmp_path):
+    """A state key whose dotted suffix names a stored tensor that another key of the state names itself
+    (``1.0.weight`` vs the file's ``0.weight``, the state's own ``0.weight``) was filled with that
+    tensor, strict=True, exit 0; torch's load_state_dict(strict=True) and safetensors' load_model find
+    ``1.0.weight`` / ``1.0.bias`` missing. Keys tying for one stored tensor are missing too."""
+    from safetensors.torch import load_model, save_file
+    torch.manual_seed(0)
+    small = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    save_file(small.state_dict(), tmp_path / "small.safetensors")
+    big = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with pytest.raises(RuntimeError, match="1.0.weight"):  # the reference
+        load_model(big, tmp_path / "small.safetensors")
+    sd = big.state_dict()
+    before = {k: v.clone() for k, v in sd.items()}
+    with pytest.raises(StateMismatchError) as ei:
+        fastckpt.load_into(sd, tmp_path / "small.safetensors", strict=True)
+    assert sorted(ei.value.missing) == ["1.0.bias", "1.0.weight"], ei.value.missing
+    assert all(torch.equal(sd[k], before[k]) for k in sd)  # nothing written
+    got = fastckpt.load_into(sd, tmp_path / "small.safetensors", strict=False)
+    assert torch.equal(got["0.weight"], small.state_dict()["0.weight"]) and torch.equal(got["1.0.weight"], before["1.0.weight"])
+    two = {"a": {"0.weight": torch.zeros(4, 4)}, "b": {"0.weight": torch.zeros(4, 4)}}  # both drop one part
+    with pytest.raises(StateMismatchError) as ei:
+        fastckpt.load_into(two, tmp_path / "small.safetensors", strict=True)
+    assert sorted(ei.value.missing) == ["a/0.weight", "b/0.weight"], ei.value.missing
+
+
 @pytest.mark.parametrize("saved_with", ["module.", ""])
 def test_a_wrapper_prefix_is_named_in_the_mismatch(tmp_path, saved_with):
     """A checkpoint of a DDP-wrapped model ('module.0.weight') loaded into the plain model, or the
@@ -327,3 +353,17 @@ def test_a_wrapper_prefix_is_named_in_the_mismatch(tmp_path, saved_with):
     msg = str(ei.value)
     assert "the checkpoint holds instead" in msg and "'module.'" in msg, msg
     assert ("without the prefix" if saved_with else "with the prefix 'module.' added") in msg, msg
+
+
+def test_float_into_an_integer_state_is_cast_as_copy_does_with_a_warning(tmp_path, caplog):
+    """torch's copy_ (load_state_dict, DCP) casts a float read into an int tensor, truncating; load_into
+    does the same, and now says so at WARNING (it was an INFO line only: every weight 0, silently)."""
+    import logging
+    fastckpt.save({"model": {"w": torch.tensor([0.25, 1.75, -2.5])}}, tmp_path / "ck")
+    state = {"model": {"w": torch.zeros(3, dtype=torch.int64)}}
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        got = fastckpt.load_into(state, tmp_path / "ck")
+    want = torch.zeros(3, dtype=torch.int64).copy_(torch.tensor([0.25, 1.75, -2.5]))  # the reference
+    assert torch.equal(got["model"]["w"], want)
+    assert any("values truncated" in r.getMessage() and "'model/w'" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
