@@ -305,7 +305,8 @@ class StateMismatchError(FastCkptError, ValueError):
 class ShardedCheckpointError(FastCkptError, ValueError):
     """Plain ``fastckpt.load`` met a multi-rank value it cannot return whole (shard pieces that do not
     cover the tensor, or a rank-local subtree); names the key path and what to call instead
-    (``fastckpt.load_into``)."""
+    (``fastckpt.load_into``). Also a file of DCP's ``HuggingFaceStorageWriter(save_distributed=True)``
+    save that was not consolidated (one rank's piece under the full tensor's name)."""
 
 
 class DCPPlannerError(FastCkptError, TypeError):

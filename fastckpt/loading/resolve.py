@@ -21,9 +21,11 @@ import os
 import re
 from dataclasses import dataclass, field
 
+import xxhash
+
 from ..storage import commit as cm
-from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, HeaderError, InvalidArgumentError,
-                      NativeCheckpointError)
+from ..errors import (CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, HeaderError,
+                      InvalidArgumentError, NativeCheckpointError, ShardedCheckpointError)
 from ..format.safetensors import INDEX_SUFFIX, Header, TensorInfo
 from ..storage.model_files import read_header, read_index, safe_join
 from ..format.manifest import Manifest
@@ -73,6 +75,7 @@ def resolve(path: str | os.PathLike) -> Resolved:
     path = os.path.abspath(InvalidArgumentError.check_path(path))
     if LOCAL.isfile(path):
         h = read_header(path)
+        _refuse_dcp_piece(path, h)
         r = Resolved(path, {os.path.basename(path): h})
         r.tensors = {n: (os.path.basename(path), t) for n, t in h.tensors.items()}
         return r
@@ -120,9 +123,18 @@ def _resolve_fastckpt(path: str) -> Resolved:
         r.tensors[key] = (e.file, t)
     spath = safe_join(path, cm.STATE_JSON)
     try:
-        r.skeleton = json.loads(LOCAL.read_bytes(spath))
+        raw = LOCAL.read_bytes(spath)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{spath}: missing; the checkpoint is damaged", path=spath) from None
+    want = m.files[cm.STATE_JSON].xxh3 if cm.STATE_JSON in m.files else None
+    got = xxhash.xxh3_64(raw).hexdigest() if want is not None else None
+    if got != want:  # the values every load returns (small): always checked
+        raise ChecksumMismatchError(
+            f"{spath}: xxh3 {got}, manifest says {want}: the checkpoint's non-tensor values (steps, learning "
+            "rates, ...) are damaged; restore it from a copy or load an earlier checkpoint (`fastckpt verify` "
+            "checks every file)", path=spath)
+    try:
+        r.skeleton = json.loads(raw)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, too deep
         raise CorruptCheckpointError(f"{spath}: not valid JSON ({type(e).__name__}: {e}); the checkpoint is "
                                      "damaged (run `fastckpt verify`)", path=spath) from None
@@ -170,7 +182,7 @@ def refuse_native(path: str) -> None:
             raise NativeCheckpointError(
                 f"{meta}: a native torch.distributed.checkpoint folder (its .metadata is a pickle, and so are "
                 "the *.distcp records); fastckpt never unpickles. Re-save with fastckpt's DCP writer "
-                "(fastckpt.integrations FastCkptWriter) or fastckpt.save, or knowingly convert it with "
+                "(fastckpt.dcp.FastCkptWriter) or fastckpt.save, or knowingly convert it with "
                 "torch.distributed.checkpoint.format_utils.dcp_to_torch_save (which unpickles)", pickle_file=meta)
 
 
@@ -240,16 +252,75 @@ def _foreign_header(path: str, name: str) -> Header:
         raise HeaderError(f"{full}: missing{target}", path=full) from None
 
 
+#: ``__metadata__`` key of DCP's ``HuggingFaceStorageWriter`` files: ``{tensor: {"saved_offsets": [...]}}``
+#: (torch.distributed.checkpoint._hf_utils.CUSTOM_METADATA_KEY).
+DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
+
+
+def _refuse_dcp_piece(file: str, h: Header, also: str | None = None) -> None:
+    """Refuse a file of a distributed ``HuggingFaceStorageWriter`` save that was not consolidated:
+    each holds one rank's piece of every tensor under the full tensor's name (offsets in its
+    ``__metadata__``), which read alone is a smaller, wrong tensor. A piece is known by a non-zero
+    offset, another file in the folder holding the same name (``also``), or, for a file read alone,
+    a sibling file of the same save that does.
+
+    Raises:
+        ShardedCheckpointError: naming the file, the tensor, its piece and how to read the save.
+    """
+    raw = (h.metadata or {}).get(DCP_SHARDING_INFO)
+    if raw is None:
+        return
+    try:
+        info = json.loads(raw)
+        offsets = {k: list(v["saved_offsets"]) for k, v in info.items()}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return  # not DCP's layout: read as the plain safetensors file it also is
+    piece = next(((k, o) for k, o in offsets.items() if any(o) and k in h.tensors), None)
+    where = also
+    if piece is None and also is not None:
+        piece = next(((k, o) for k, o in offsets.items() if k in h.tensors), None)
+    if piece is None and also is None:  # one file asked for: a sibling holding one of its names?
+        folder = os.path.dirname(file)
+        for sib in sorted(LOCAL.glob(folder, "*.safetensors")):
+            if os.path.basename(sib) == os.path.basename(file):
+                continue
+            try:
+                sh = read_header(sib)
+            except (HeaderError, OSError):
+                continue
+            common = sorted(set(sh.tensors) & set(h.tensors))
+            if common and DCP_SHARDING_INFO in (sh.metadata or {}):
+                piece, where = (common[0], offsets.get(common[0], [])), os.path.basename(sib)
+                break
+    if piece is None:
+        return
+    k, o = piece
+    raise ShardedCheckpointError(
+        f"{file}: tensor {k!r} ({list(h.tensors[k].shape)} at offsets {o}) is one rank's piece of a tensor that "
+        f"DCP's HuggingFaceStorageWriter(save_distributed=True) saved without consolidation"
+        + (f" ({where} holds another piece)" if where else "")
+        + "; read alone it is a smaller, wrong tensor, so fastckpt refuses it. Consolidate the folder into full "
+        "tensors first (torch.distributed.checkpoint._consolidate_hf_safetensors.consolidate_safetensors_files("
+        "FOLDER, OUT), or save with enable_consolidation=True), or read it with "
+        "dcp.load(state, storage_reader=HuggingFaceStorageReader(FOLDER))")
+
+
 def _resolve_foreign(path: str) -> Resolved:
     r = Resolved(path)
     files, wanted = _foreign_files(path)
     if not files:
         refuse_native(path)  # a native DCP / DeepSpeed folder: say so (as the CLI does), not "nothing to load"
-        pickled = sorted(n for n in LOCAL.listdir(path) if n.endswith((".bin", ".pt", ".pth", ".ckpt")))
+        names = LOCAL.listdir(path)
+        ours = sorted(n for n in names if LOCAL.isfile(os.path.join(path, n, cm.MANIFEST)))
+        pickled = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt"))
+                         and LOCAL.isfile(os.path.join(path, n)))
         hint = (f"; it holds {', '.join(pickled[:3])}{' ...' if len(pickled) > 3 else ''}: torch.save (pickle) "
                 "files, which fastckpt never unpickles. If you trust them, convert once: "
                 "fastckpt.save(torch.load(FILE, weights_only=True), FOLDER), or load the model with "
                 "transformers and save_pretrained(FOLDER) (safetensors)") if pickled else ""
+        if ours:  # e.g. Lightning's ModelCheckpoint names: epoch=E-step=S.ckpt, last.ckpt (folders here)
+            hint = (f"; it holds fastckpt checkpoints {', '.join(ours[:4])}{' ...' if len(ours) > 4 else ''}: "
+                    f"pass one of them (e.g. {os.path.join(path, ours[-1])})") + hint
         if not hint and LOCAL.isfile(os.path.join(path, "model_index.json")):  # a diffusers pipeline
             parts = sorted(n for n in LOCAL.listdir(path) if LOCAL.isdir(os.path.join(path, n))
                            and LOCAL.glob(os.path.join(path, n), "*.safetensors"))
@@ -263,6 +334,7 @@ def _resolve_foreign(path: str) -> Resolved:
         r.headers[name] = h
         for tname, t in h.tensors.items():
             if tname in r.tensors:
+                _refuse_dcp_piece(os.path.join(path, name), h, also=r.tensors[tname][0])
                 variants = sorted({m.group("v") or m.group("vs") for f in files if (m := _VARIANT.match(f))})
                 hint = (f": the folder holds variants ({', '.join(variants)}) of one model's weights "
                         f"(save_pretrained(variant=...)); pass the file of the one you want, e.g. "

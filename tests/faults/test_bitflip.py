@@ -79,17 +79,26 @@ def test_random_flips_anywhere_never_pass(ckpt):
             rep = fastckpt.verify(ckpt)
             assert not rep.ok, f"flip of bit {bit} at byte {off} of {name} went unnoticed"
             assert any(name in p for p in rep.problems), rep.problems
-            with pytest.raises(fastckpt.CorruptCheckpointError):
-                fastckpt.load(ckpt, verify=True) if name.endswith(".safetensors") else _raise_if_json_differs(
-                    ckpt, name)
+            if name.endswith(".safetensors") or name == "state.json":  # what a load reads: it objects too
+                with pytest.raises(fastckpt.CorruptCheckpointError):
+                    fastckpt.load(ckpt, verify=True)
         finally:
             _flip(fpath, off, bit)
     assert fastckpt.verify(ckpt).ok
 
 
-def _raise_if_json_differs(ckpt, name):
-    """Small JSON files are covered by whole-file checksums in verify; load may still parse them."""
-    raise fastckpt.CorruptCheckpointError(f"{name} flipped (reported by verify)")
+def test_flip_in_state_json_fails_every_load(ckpt):
+    """A flip in state.json (a step 5 read as 4, an lr 0.001 as 0.000) loaded silently with checks on
+    (only verify named it); load, load_into and load(verify=False) refuse it, verify names it once."""
+    path = os.path.join(ckpt, "state.json")
+    data = open(path, "rb").read()
+    _flip(path, data.index(b'"step":3') + len(b'"step":'), 0)  # '3' -> '2': still valid JSON
+    for call in (lambda: fastckpt.load(ckpt), lambda: fastckpt.load(ckpt, verify=False),
+                 lambda: fastckpt.load_into(make_state(3), ckpt)):
+        with pytest.raises(fastckpt.errors.ChecksumMismatchError, match="state.json"):
+            call()
+    rep = fastckpt.verify(ckpt)
+    assert [p for p in rep.problems if "state.json" in p] == rep.problems and len(rep.problems) == 1, rep.problems
 
 
 def test_truncated_shard_is_named(ckpt):
