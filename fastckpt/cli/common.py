@@ -211,4 +211,10 @@ def not_found_message(root: str | os.PathLike, prefix: str | None = None) -> str
     hint = ""
     if LOCAL.exists(os.path.join(root, MANIFEST)):
         hint = f" ({root} is itself a checkpoint: `fastckpt verify {root}`)"
+    else:  # committed checkpoints named otherwise (Lightning's ModelCheckpoint: epoch=E-step=S.ckpt, last.ckpt)
+        ours = sorted(n for n in LOCAL.listdir(root) if LOCAL.isfile(os.path.join(root, n, MANIFEST)))
+        if ours:
+            hint = (f"; it holds fastckpt checkpoints named otherwise ({', '.join(ours[:4])}"
+                    f"{' ...' if len(ours) > 4 else ''}): pass one of them, e.g. "
+                    f"`fastckpt verify {os.path.join(root, ours[-1])}`")
     return f"{root}: no checkpoints: no {what} folders in {where}{hint}"

@@ -179,6 +179,7 @@ def vllm_lora_problem(folder: str) -> str | None:
         return f"modules_to_save {cfg['modules_to_save']} (vLLM's LoRA does not load whole trained modules)"
     if cfg.get("bias", "none") != "none":
         return f"bias={cfg['bias']!r} (vLLM's LoRA does not load trained biases)"
-    if vllm_max_lora_rank(adapter_rank(folder)) is None:
-        return f"rank {adapter_rank(folder)} (vLLM's --max-lora-rank is at most 512)"
+    rank = adapter_rank(folder)
+    if vllm_max_lora_rank(rank) is None:
+        return f"rank {rank} (vLLM's --max-lora-rank is at most 512)"
     return None

@@ -6,11 +6,12 @@ Exit codes: 0 success, 1 a check failed (verify mismatch), 2 bad usage or nothin
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
 
-from ..errors import CheckpointNotFoundError, FastCkptError
+from ..errors import CheckpointNotFoundError, FastCkptError, FolderNotWritableError
 from ..manager import CheckpointManager
 from ..storage.commit import MANIFEST, read_manifest
 from ..storage.locate import store_for
@@ -117,12 +118,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if tag:
             print(f"{args.path} is a DeepSpeed save (fastckpt engine): verifying every file of its tag {tag}")
             path = tag
-    except CheckpointNotFoundError:
+    except CheckpointNotFoundError as e:
         if not store.isdir(path):
             raise
         if run is None:  # nothing of ours and nothing foreign: say what was looked for
+            hint = str(e).partition("nothing to load; ")[2]  # pickled weights, a diffusers pipeline: named
             raise CheckpointNotFoundError(not_found_message(path, args.prefix) + "; no manifest.json, "
-                                          "*.safetensors.index.json or *.safetensors files in it either") from None
+                                          "*.safetensors.index.json or *.safetensors files in it either"
+                                          + (f"; {hint}" if "fastckpt checkpoints" not in hint and hint else "")
+                                          ) from None
         why = "; ".join(f"{n}: {w}" for n, w in run.scan.skipped())
         raise CheckpointNotFoundError(f"{run.describe()}: no committed checkpoint (skipped: {why})") from None
     finally:
@@ -153,7 +157,15 @@ def cmd_prune(args: argparse.Namespace) -> int:
     mgr = CheckpointManager(run.folder, prefix=run.prefix)
     store = store_for(str(run.folder))
     temps = [n for n in store.listdir(str(run.folder)) if is_temp_name(n)]
-    removed = mgr.prune(args.keep)
+    try:
+        removed = mgr.prune(args.keep)
+    except OSError as e:
+        if isinstance(e, FastCkptError) or e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        raise FolderNotWritableError(
+            f"{run.folder}: not writable ({e.strerror}: {e.filename}): prune removes folders there and takes the run "
+            "root's lock file; nothing was pruned. Prune where the tier is mounted read-write, or as a user "
+            "who may write the run root", path=str(run.folder), folder=str(run.folder), errno=e.errno) from None
     gone = [n for n in temps if not store.lexists(store.join(str(run.folder), n))]
     left = f"; removed {len(gone)} leftover folder(s) of dead writers: {', '.join(sorted(gone))}" if gone else ""
     print(f"{run.describe()}: removed steps: {removed or 'none'}; kept: {mgr.steps()}{left}")

@@ -68,7 +68,7 @@ from ..storage.tier import tier_for
 
 #: Exports are built in a hidden folder and renamed into place (never half-visible at --to).
 _COMMIT = strategy("rename")
-from ..loading.servable import check_servable, saved_names
+from ..loading.servable import check_servable, module_prefix, saved_names
 from ..loading.zero import find_zero_tag
 from . import lora
 from .common import check_export_target, matching_files, parse_bytes, positive_int, progress_bar
@@ -428,19 +428,29 @@ def export(src: Source, to: str, args: argparse.Namespace) -> str:
 
 
 def _as_saved(entries: list[Entry], fetch, config_dir: str):
-    """``(entries, fetch)`` with the weights named as ``save_pretrained`` names them on disk
+    """``(entries, fetch)`` with the weights named as ``save_pretrained`` of the model names them on
+    disk: a wrapper's attribute prefix dropped (:func:`fastckpt.loading.servable.module_prefix`: a
+    LightningModule's ``llama.model...`` is ``model...``), then transformers' save-time renaming
     (:func:`fastckpt.loading.servable.saved_names`: GPT-NeoX's in-memory ``lm_head.weight`` is
-    ``embed_out.weight``, which vLLM and the gate look for); a checkpoint holds the in-memory names
+    ``embed_out.weight``, which vLLM and the gate look for). A checkpoint holds the in-memory names
     (``model.state_dict()``), an HF folder already the saved ones (then nothing changes)."""
     names = {e[0] for e in entries}
-    ren = {a: b for a, b in saved_names(config_dir).items() if a in names and b not in names}
-    if not ren:
+    pre = module_prefix(config_dir, names)
+    if pre:
+        print(f"fastckpt load: every weight is named under {pre!r} (the attribute of a wrapper module, e.g. a "
+              f"LightningModule, that holds the model): written without it, as the model's save_pretrained "
+              f"names them", file=sys.stderr)
+    bare = {n: n[len(pre):] for n in names}
+    ren = {a: b for a, b in saved_names(config_dir).items() if a in bare.values() and b not in bare.values()}
+    if ren:
+        print(f"fastckpt load: {len(ren)} weight(s) named as save_pretrained names them on disk (transformers' "
+              f"conversion mapping): {', '.join(f'{a} -> {b}' for a, b in list(ren.items())[:4])}", file=sys.stderr)
+    final = {n: ren.get(b, b) for n, b in bare.items()}
+    if all(a == b for a, b in final.items()):
         return entries, fetch
-    back = {b: a for a, b in ren.items()}
-    print(f"fastckpt load: {len(ren)} weight(s) named as save_pretrained names them on disk (transformers' "
-          f"conversion mapping): {', '.join(f'{a} -> {b}' for a, b in list(ren.items())[:4])}", file=sys.stderr)
-    return ([(ren.get(e[0], e[0]), *e[1:]) for e in entries],
-            lambda want: (lambda got: {n: got[back.get(n, n)] for n in want})(fetch([back.get(n, n) for n in want])))
+    back = {b: a for a, b in final.items()}
+    return ([(final[e[0]], *e[1:]) for e in entries],
+            lambda want: (lambda got: {n: got[back[n]] for n in want})(fetch([back[n] for n in want])))
 
 
 def _layout_adapter(adapter_dir: str, dst: str, base: str, checked: _Checked) -> None:
@@ -501,23 +511,20 @@ def vllm_command(model_dir: str, adapters: list[tuple[str, str]] = ()) -> str:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    """Resolve, verify, export or warm, then print the ``vllm serve`` command (stdout's last line)."""
-    rc, command = _load_command(args)
-    if command:
-        print(command)
-    return rc
-
-
-def _load_command(args: argparse.Namespace) -> tuple[int, str | None]:
-    """:func:`cmd_load`'s work: ``(exit status, vllm serve command or None)``."""
+    """Resolve, verify, export or warm, then print the ``vllm serve`` command (stdout's only line;
+    none when the source is not servable as it is, or fails ``--verify``). Returns the exit status."""
     zero_tag = find_zero_tag(args.source)  # refuses native DeepSpeed / DCP folders (pickles)
     if zero_tag is not None:
-        if not args.to:
-            raise ValueError(f"{args.source} is a DeepSpeed ZeRO checkpoint: pass --to DIR to consolidate it into "
-                             "a servable HF folder")
+        if not args.to:  # warming is the job without --to; the ZeRO partitions are not servable as they are
+            _warm_zero_tag(zero_tag, args)
+            print(f"fastckpt load: WARNING: warmed, but {zero_tag} is a DeepSpeed ZeRO checkpoint (partitioned "
+                  "weights): no vllm serve command; pass --to DIR to consolidate it into a servable HF folder",
+                  file=sys.stderr)
+            return 0
         out = export_zero(zero_tag, os.path.abspath(args.to), args, META_PATTERNS, gate)
         print(f"wrote {out}", file=sys.stderr)
-        return 0, vllm_command(out)
+        print(vllm_command(out))
+        return 0
     src = resolve_source(args.source, base=args.base)
     adapters = adapters_of(src)
     print(f"source: {src.path} ({len(src.weights)} weight tensors"
@@ -537,7 +544,7 @@ def _load_command(args: argparse.Namespace) -> tuple[int, str | None]:
               f"{adapters[1][1]} --base {src.path} --merge-lora --to DIR)", file=sys.stderr)
     if args.verify:
         if not _verify_source(src):
-            return 1, None
+            return 1
     if args.to:
         out = export(src, os.path.abspath(args.to), args)
         served = [] if args.merge_lora else [(n, os.path.join(out, adapter_folder_name(n))) for n, _ in adapters]
@@ -556,8 +563,9 @@ def _load_command(args: argparse.Namespace) -> tuple[int, str | None]:
             gate(out, out)
         except NotServableError as e:
             print(f"fastckpt load: WARNING: warmed, but {e}", file=sys.stderr)
-            return 0, None
-    return 0, vllm_command(out, served)
+            return 0
+    print(vllm_command(out, served))
+    return 0
 
 
 def gate(folder: str, shown: str) -> None:
@@ -606,6 +614,28 @@ def _warm_source(src: Source, args: argparse.Namespace) -> None:
                 _read_side_file(d, name, checked)
     _warm(files, args, checks)
     print(f"fastckpt load: warmed; {checked.summary()}", file=sys.stderr)
+
+
+def _warm_zero_tag(tag: str, args: argparse.Namespace) -> None:
+    """Warm every weight file of DeepSpeed tag folder ``tag`` (one fastckpt folder per ``*_states.pt``),
+    each checked against its folder's manifest xxh3 while reading (so ``--verify`` reads nothing twice).
+
+    Raises:
+        ChecksumMismatchError: a file whose bytes differ from its manifest, naming file and range.
+    """
+    from ..loading.resolve import DS_FILE_RE
+    checks, files = {}, []
+    for n in sorted(LOCAL.listdir(tag)):
+        d = os.path.join(tag, n)
+        if DS_FILE_RE.match(n) and LOCAL.isdir(d):
+            for p in sorted(LOCAL.glob(d, "*.safetensors")):
+                files.append(p)
+                fc = file_checks(d, os.path.basename(p))
+                if fc and fc[1]:
+                    checks[p] = fc[1]
+    _warm(files, args, checks)
+    print(f"fastckpt load: warmed {len(files)} file(s) of DeepSpeed tag {tag}, {len(checks)} checked against "
+          "their manifests while reading", file=sys.stderr)
 
 
 def _verify_source(src: Source) -> bool:

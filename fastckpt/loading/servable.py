@@ -33,10 +33,11 @@ parameters were not checked.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -108,7 +109,14 @@ def _name_problems(cfg: dict) -> list[str]:
 
 def _meta_model(cfg: dict, folder: str) -> Any:
     """The architecture ``cfg["architectures"][0]`` built by transformers from ``folder/config.json`` on
-    the meta device (no weights, no code from the folder), or why it cannot be (a str)."""
+    the meta device (no weights, no code from the folder), or why it cannot be (a str). Built once
+    per folder and config (an export asks for its saved names, then gates the folder)."""
+    return _meta_model_of(os.path.abspath(folder), json.dumps(cfg, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=2)
+def _meta_model_of(folder: str, cfg_json: str) -> Any:
+    cfg = json.loads(cfg_json)
     import transformers
     arch = cfg["architectures"][0]
     cls = getattr(transformers, arch, None)
@@ -155,6 +163,36 @@ def saved_names(folder: str | os.PathLike) -> dict[str, str]:
     except Exception:  # noqa: BLE001 - a conversion that cannot run on meta tensors: not a renaming
         return {}
     return {by_id[id(t)]: n for n, t in out.items() if id(t) in by_id and by_id[id(t)] != n}
+
+
+def module_prefix(folder: str | os.PathLike, names: Iterable[str]) -> str:
+    """The attribute path (``"llama."``) every one of ``names`` carries in front of the names the
+    architecture in ``folder/config.json`` has, or ``""``. A LightningModule (or any wrapper module)
+    holding the HF model as ``self.llama`` saves ``llama.model.layers.0...``; ``save_pretrained`` of
+    the model it holds writes ``model.layers.0...``. Found only when it is unambiguous: every name
+    has the prefix, every name without it is one of the architecture's (parameters, buffers, tied
+    or in-memory names), and every parameter ``save_pretrained`` writes is then present."""
+    names = sorted(set(names))
+    try:
+        cfg = _read_config(os.fspath(folder))
+    except NotServableError:
+        return ""
+    if not names or _name_problems(cfg):
+        return ""
+    params, buffers, tied, skip = _expected(cfg, os.fspath(folder))
+    if skip or not params or set(params) <= set(names):
+        return ""
+    in_memory = saved_names(folder)
+    known = {*params, *buffers, *(n for g in tied for n in g), *in_memory}
+    parts = names[0].split(".")
+    for i in range(1, len(parts)):
+        pre = ".".join(parts[:i]) + "."
+        if not all(n.startswith(pre) for n in names):
+            break
+        bare = {in_memory.get(n[len(pre):], n[len(pre):]) for n in names}
+        if {n[len(pre):] for n in names} <= known and set(params) <= bare:
+            return pre
+    return ""
 
 
 def _expected(cfg: dict, folder: str) -> tuple[dict, dict, list[list[str]], str | None]:
@@ -260,6 +298,11 @@ def check_servable(folder: str | os.PathLike) -> ServableReport:
         hint = (f"The folder holds transformers' in-memory names ({', '.join(f'{renamed[m]} for {m}' for m in missing[:3])}), "
                 "as a checkpoint of model.state_dict() does; save_pretrained renames them on disk. Export it with "
                 "fastckpt load SOURCE --to DIR, which writes the saved names")
+    pre = module_prefix(folder, have) if missing and not bad else ""
+    if pre:
+        hint = (f"Every weight is named under {pre!r}, the attribute of a wrapper module (e.g. a LightningModule) "
+                "that held the model; save_pretrained of the model names them without it. Export it with "
+                "fastckpt load SOURCE --to DIR, which drops the prefix")
     if not problems:
         problems = _tie_values(src, tied, have, cfg)
         hint = "Set tie_word_embeddings in config.json to what the weights are, or save them tied"

@@ -70,6 +70,19 @@ def test_verify_truncated_and_missing_file(tmp_path, capsys):
     assert "state.json" in capsys.readouterr().out
 
 
+def test_ls_names_a_dcp_folder_among_the_steps_and_prune_leaves_it(tmp_path, capsys):
+    """A step-N folder DCP's FileSystemWriter wrote was listed as 'never committed (crashed save or not
+    fastckpt)'; it is named as a DCP checkpoint, and prune leaves it alone."""
+    import torch.distributed.checkpoint as dcp
+    root, mgr = make_root(tmp_path, steps=(2, 3))
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(root / "step-1"), no_dist=True)
+    assert main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "skipped step-1: a torch.distributed.checkpoint (DCP) folder (.metadata)" in out, out
+    assert main(["prune", str(root), "--keep", "1"]) == 0
+    assert (root / "step-1" / ".metadata").exists() and mgr.steps() == [3]
+
+
 def test_prune(tmp_path, capsys):
     root, mgr = make_root(tmp_path, steps=(1, 2, 3, 4))
     assert main(["prune", str(root), "--keep", "2"]) == 0

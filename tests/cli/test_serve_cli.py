@@ -560,3 +560,36 @@ def test_weights_saved_under_another_top_level_key_are_found(tmp_path, capsys):
     out = tmp_path / "out"
     assert _run(capsys, tmp_path / "epoch=0-step=4.ckpt", "--to", out)[0] == 0, _run.err
     torch.testing.assert_close(_logits(_load(out)), _logits(m), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weights_under_a_wrapper_attribute_export_as_save_pretrained_names_them(tmp_path, capsys, tied):
+    """A LightningModule holding the HF model as ``self.llama`` saves ``llama.model.layers...``; the
+    export was refused telling the user the config did not describe the weights. Now the prefix is
+    dropped and the folder equals the held model's save_pretrained, tensor for tensor."""
+    torch.manual_seed(4)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=tied)
+    cfg.architectures, cfg.dtype = ["LlamaForCausalLM"], torch.float32
+    wrapper = torch.nn.Module()
+    wrapper.llama = transformers.LlamaForCausalLM(cfg).eval()
+    wrapper.llama.save_pretrained(tmp_path / "ref")
+    fastckpt.save({"state_dict": wrapper.state_dict(), "epoch": 0}, tmp_path / "epoch=0-step=4.ckpt",
+                  weights={"state_dict": "model"},
+                  extra_files={"config.json": (tmp_path / "ref" / "config.json").read_bytes()})
+    rc, cmd = _run(capsys, tmp_path / "epoch=0-step=4.ckpt")  # warm only: not servable as is; says why
+    assert rc == 0 and not cmd.startswith("vllm serve"), (cmd, _run.err)  # (stdout may hold DeepSpeed's import log)
+    assert "named under 'llama.'" in _run.err and "--to DIR" in _run.err, _run.err
+    out = tmp_path / "out"
+    rc, cmd = _run(capsys, tmp_path / "epoch=0-step=4.ckpt", "--to", out, "--config", tmp_path / "ref")
+    assert rc == 0 and cmd == f"vllm serve {out}", _run.err
+    assert "named under 'llama.'" in _run.err, _run.err
+    mine, ref = load_file(out / "model.safetensors"), load_file(tmp_path / "ref" / "model.safetensors")
+    assert mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in ref)
+    torch.testing.assert_close(_logits(_load(out)), _logits(wrapper.llama), rtol=0, atol=0)
+    # a prefix that does not leave the architecture's names is not guessed: refused as before
+    fastckpt.save({"state_dict": {**wrapper.state_dict(), "metric.total": torch.zeros(1)}}, tmp_path / "other",
+                  weights={"state_dict": "model"})
+    rc, _ = _run(capsys, tmp_path / "other", "--to", tmp_path / "out2", "--config", tmp_path / "ref")
+    assert rc == 2 and not (tmp_path / "out2").exists(), _run.err
