@@ -115,6 +115,29 @@ def test_save_under_a_read_only_folder_names_the_folder_asked_for(read_only_fold
     assert leftovers(read_only_folder) == []
 
 
+def test_prune_of_a_read_only_run_root_is_a_typed_error_naming_it(tmp_path):
+    """fastckpt prune of a run root it cannot write failed with a raw '[Errno 30] ... .fastckpt.storage.lock'
+    (a README-only trial); it names the root, says nothing was pruned, and deletes nothing."""
+    root = tmp_path / "run"
+    mgr = fastckpt.CheckpointManager(root)
+    for step in (1, 2):
+        mgr.save(step, state())
+    lock = root / ".fastckpt.storage.lock"
+    if lock.exists():
+        lock.unlink()  # a fresh tier copy: prune must create the lock file, which the read-only root refuses
+    r = subprocess.run(["chattr", "+i", str(root)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot set the immutable attribute here: {r.stderr.decode().strip()}")
+    try:
+        p = subprocess.run([sys.executable, "-m", "fastckpt", "prune", str(root), "--keep", "1"], capture_output=True,
+                           text=True, timeout=120)
+    finally:
+        subprocess.run(["chattr", "-i", str(root)], check=True)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    assert f"{root}: not writable" in p.stderr and "nothing was pruned" in p.stderr, p.stderr
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-1", "step-2"]
+
+
 def test_save_where_a_parent_is_a_file_names_the_file(tmp_path):
     (tmp_path / "file.txt").write_text("x")
     with pytest.raises(NotAFolderError) as ei:
@@ -205,6 +228,28 @@ def test_hf_folder_of_pytorch_model_bin_says_why_not(tmp_path):
         fastckpt.load(folder)
     msg = str(ei.value)
     assert str(folder) in msg and "pytorch_model.bin" in msg and "torch.save" in msg and "weights_only=True" in msg
+    r = subprocess.run([sys.executable, "-m", "fastckpt", "verify", str(folder)], capture_output=True, text=True,
+                       timeout=120)  # verify named no pickle (a README-only trial)
+    assert r.returncode == 2 and "pytorch_model.bin" in r.stderr and "never unpickles" in r.stderr, r.stderr
+
+
+def test_folder_of_checkpoints_named_as_lightning_names_them_says_pass_one(tmp_path):
+    """Lightning's ModelCheckpoint names its checkpoints ``epoch=E-step=S.ckpt`` / ``last.ckpt``; with
+    fastckpt's checkpoint IO each is a fastckpt folder. Given their parent, load/ls/verify name them
+    (load called them torch.save pickle files; ls said only 'no step-N folders')."""
+    parent = tmp_path / "checkpoints"
+    for n in ("epoch=0-step=4.ckpt", "last.ckpt"):
+        fastckpt.save(state(), parent / n)
+    with pytest.raises(CheckpointNotFoundError) as ei:
+        fastckpt.load(parent)
+    msg = str(ei.value)
+    assert "fastckpt checkpoints epoch=0-step=4.ckpt, last.ckpt" in msg and str(parent / "last.ckpt") in msg, msg
+    assert "pickle" not in msg, msg
+    for cmd in ("ls", "verify"):
+        r = subprocess.run([sys.executable, "-m", "fastckpt", cmd, str(parent)], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2, (cmd, r.stderr)
+        assert "fastckpt checkpoints named otherwise (epoch=0-step=4.ckpt, last.ckpt)" in r.stderr, (cmd, r.stderr)
 
 
 def test_json_file_given_as_a_checkpoint_says_pass_the_folder(tmp_path):

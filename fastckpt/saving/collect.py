@@ -26,6 +26,7 @@ A ``weights`` tensor that shares storage with others loads as a tensor of its ow
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,8 @@ from ..format.dtypes import dtype_to_str
 from ..errors import InvalidArgumentError, UnsupportedDtypeError, UnsupportedValueError
 from ..format.layout import STATE_STEM, ArraySpec
 from ..format.tree import flatten, join
+
+logger = logging.getLogger(__name__)
 
 #: Key-path prefix of storage blobs; ``%s`` can never come out of :func:`fastckpt.format.tree.encode_segment`.
 BLOB_PREFIX = "%storage/"
@@ -101,7 +104,21 @@ def check_weight_keys(state: Any, weights: dict[str, str] | None) -> None:
     Raises:
         InvalidArgumentError: naming the keys, the state's top-level keys and the closest one.
     """
-    if not weights or not isinstance(state, dict):
+    if not isinstance(state, dict):
+        return
+    for key, stem in (weights or ({"model": "model"} if "model" in state else {})).items():
+        v = state.get(key)
+        if isinstance(v, dict) and v and not any(_is_array(x) for x in v.values()):
+            nested = _first_array_path(v, str(key))
+            if nested is not None:
+                msg = (f"state[{key!r}] holds its tensors in nested dicts (e.g. {nested!r}), so no {stem}.safetensors "
+                       f"is written for it: an HF weights file needs flat tensor names (model.state_dict() gives "
+                       f"them); its tensors are saved under their key paths in state-*.safetensors instead")
+                if weights:
+                    raise InvalidArgumentError(f"weights={{{key!r}: {stem!r}}}: {msg}. Pass the flat state dict "
+                                               f"as state[{key!r}], or drop weights=. Nothing was written")
+                logger.warning("fastckpt: %s", msg)
+    if not weights:
         return
     missing = [k for k in weights if k not in state]
     if missing:
@@ -112,6 +129,23 @@ def check_weight_keys(state: Any, weights: dict[str, str] | None) -> None:
             f"{sorted(map(str, state))[:10]!r})" + (f"; did you mean {close[0]!r}?" if close else "")
             + ". weights maps a top-level state key to an HF file stem, e.g. weights={'model': 'model'}. "
             "Nothing was written")
+
+
+def _is_array(v: Any) -> bool:
+    return isinstance(v, (torch.Tensor, np.ndarray))
+
+
+def _first_array_path(v: Any, path: str, depth: int = 0) -> str | None:
+    """Key path of the first tensor/array under dict ``v`` (a few levels deep), or None."""
+    if depth > 4 or not isinstance(v, dict):
+        return None
+    for k, x in v.items():
+        if _is_array(x):
+            return f"{path}/{k}"
+        found = _first_array_path(x, f"{path}/{k}", depth + 1)
+        if found is not None:
+            return found
+    return None
 
 
 def collect(state: Any, weights: dict[str, str]) -> Collected:

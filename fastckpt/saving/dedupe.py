@@ -14,6 +14,7 @@ This module is pure decision logic plus one ``os.link``; the saver calls it.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import weakref
@@ -27,14 +28,19 @@ from ..errors import CorruptCheckpointError, LinkedTensorChangedError
 from ..format.layout import FilePlan
 from ..format.manifest import Manifest
 
+logger = logging.getLogger(__name__)
+
 
 def previous_manifest(link_from: str | os.PathLike | None) -> Manifest | None:
-    """The manifest of ``link_from`` if it is a committed checkpoint, else ``None`` (never raises)."""
+    """The manifest of ``link_from`` if it is a committed checkpoint, else ``None`` (never raises: the
+    save writes every file then, and a WARNING says why nothing was linked)."""
     if link_from is None:
         return None
     try:
         return read_manifest_shared(os.fspath(link_from))
-    except (OSError, CorruptCheckpointError):
+    except (OSError, CorruptCheckpointError) as e:
+        logger.warning("fastckpt: link_from=%s is not a committed checkpoint (%s): nothing hard-linked, every file "
+                       "written", os.fspath(link_from), e)
         return None
 
 

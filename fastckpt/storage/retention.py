@@ -88,7 +88,7 @@ class CheckpointScan:
         """
         store = self.store or store_for(None)
         out = [(n, describe_leftover(store.join(str(self.root), n), store)) for n in self.leftovers]
-        out += [(store.basename(str(p)), "no valid manifest.json: never committed (crashed save or not fastckpt)")
+        out += [(store.basename(str(p)), _uncommitted_reason(store, store.join(str(self.root), store.basename(str(p)))))
                 for _, p in self.uncommitted]
         return sorted(out)
 
@@ -397,3 +397,14 @@ def prune_checkpoints(root: str | os.PathLike, prefix: str, keep: int,
     else:
         victims = select_victims(scan.steps, keep, protect)
     return [s for s in victims if delete_checkpoint(folders[s], store)]
+
+
+def _uncommitted_reason(store, folder: str) -> str:
+    """Why a step folder without a valid manifest is skipped: a checkpoint another tool wrote (DCP's
+    ``.metadata``, DeepSpeed's ``latest`` tags hold ``*_states.pt``), or a save that never committed."""
+    try:
+        if store.exists(store.join(folder, ".metadata")):
+            return "a torch.distributed.checkpoint (DCP) folder (.metadata), not fastckpt's: left alone"
+    except OSError:
+        pass
+    return "no valid manifest.json: never committed (crashed save or not fastckpt)"

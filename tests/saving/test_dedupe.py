@@ -51,13 +51,18 @@ def test_unchanged_files_are_linked_changed_rewritten(tmp_path):
     assert _raw(out["adapter"]["a"]) == _raw(lora["a"])
 
 
-def test_link_from_uncommitted_or_missing_is_ignored(tmp_path):
+def test_link_from_uncommitted_or_missing_is_ignored_with_a_warning(tmp_path, caplog):
+    """Ignored (every file written), and said: a mistyped link_from was accepted silently."""
+    import logging
     t = {"w": torch.arange(10.0)}
     (tmp_path / "junk").mkdir()
-    fastckpt.save({"model": t}, tmp_path / "a", link_from=tmp_path / "junk")
-    fastckpt.save({"model": t}, tmp_path / "b", link_from=tmp_path / "nope")
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        fastckpt.save({"model": t}, tmp_path / "a", link_from=tmp_path / "junk")
+        fastckpt.save({"model": t}, tmp_path / "b", link_from=tmp_path / "nope")
     assert torch.equal(fastckpt.load(tmp_path / "b")["model"]["w"], t["w"])
     assert os.stat(tmp_path / "b" / "model.safetensors").st_nlink == 1
+    said = [r.getMessage() for r in caplog.records if "nothing hard-linked" in r.getMessage()]
+    assert len(said) == 2 and str(tmp_path / "nope") in said[1], said
 
 
 def test_manager_link_unchanged_and_retention(tmp_path):

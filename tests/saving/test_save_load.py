@@ -680,3 +680,24 @@ def test_a_weights_key_the_state_lacks_is_refused_before_any_file(tmp_path):
     fastckpt.save({"model": sd}, tmp_path / "ck", weights={"model": "model"})
     assert (tmp_path / "ck" / "model.safetensors").is_file()
     fastckpt.save({"other": sd}, tmp_path / "ck2")  # the default {"model": "model"} never refuses
+
+
+def test_a_nested_model_dict_says_no_hf_file_is_written(tmp_path, caplog):
+    """USAGE.md: state["model"] becomes model.safetensors. A nested one ({"enc": {"w": t}}) cannot (HF
+    files need flat names) and was saved into state-*.safetensors silently, even with weights= given.
+    Now: weights= given -> refused before any file; the default -> a WARNING naming a nested key."""
+    import logging
+    nested = {"model": {"enc": {"w": torch.ones(2)}}}
+    with pytest.raises(fastckpt.errors.InvalidArgumentError, match="nested dicts.*'model/enc/w'"):
+        fastckpt.save(nested, tmp_path / "ck", weights={"model": "model"})
+    assert not (tmp_path / "ck").exists()
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        fastckpt.save(nested, tmp_path / "ck")
+    assert any("no model.safetensors is written" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "ck" / "model.safetensors").exists()
+    assert torch.equal(fastckpt.load(tmp_path / "ck")["model"]["enc"]["w"], torch.ones(2))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        fastckpt.save({"model": {"w": torch.ones(2)}, "opt": {"a": {"b": torch.ones(1)}}}, tmp_path / "flat")
+    assert not [r for r in caplog.records if "nested dicts" in r.getMessage()]
+    assert (tmp_path / "flat" / "model.safetensors").is_file()
