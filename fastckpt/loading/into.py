@@ -111,7 +111,7 @@ def _hf_names(idx: CheckpointIndex, state: Any) -> dict[tuple, str]:
     ``load_state_dict`` finds them), never filled with another key's tensor (``1.0.weight`` from a file
     whose ``0.weight`` belongs to the state's own ``0.weight``)."""
     claims: dict[str, list[tuple[int, tuple]]] = {}
-    for segs in _leaf_segments(state, ()):
+    for _, _, segs in _leaves(state):
         parts = [p for s in segs for p in str(s).split(".")]
         for i in range(len(parts)):
             name = ".".join(parts[i:])
@@ -127,16 +127,18 @@ def _hf_names(idx: CheckpointIndex, state: Any) -> dict[tuple, str]:
     return out
 
 
-def _leaf_segments(state: Any, segs: tuple):
-    """The key segments of every leaf of ``state``, as :func:`_plan_leaves` walks it."""
+def _leaves(state: Any, path: str = "", segs: tuple = ()):
+    """Every leaf of ``state`` as ``(value, key path, key segments)``, depth first in insertion order;
+    an empty dict/list/tuple is a leaf (a fresh optimizer's ``state: {}``), a list position is a
+    :class:`_ListIndex` segment."""
     if isinstance(state, dict) and state:
         for k, x in state.items():
-            yield from _leaf_segments(x, segs + (k,))
+            yield from _leaves(x, join(path, k), segs + (k,))
     elif isinstance(state, (list, tuple)) and state:
         for i, x in enumerate(state):
-            yield from _leaf_segments(x, segs + (_ListIndex(i),))
+            yield from _leaves(x, join(path, i), segs + (_ListIndex(i),))
     else:
-        yield segs
+        yield state, path, segs
 
 
 class _Plan:
@@ -303,17 +305,6 @@ def _describe_desc(d: TensorDesc) -> str:
 class _ListIndex(int):
     """A list/tuple position in a key path's segments (a dict's int key is a plain int): DCP's str
     fqn keys stand for dict keys only, so :meth:`_Plan._dcp_name` never flips a position."""
-
-
-def _plan_leaves(state: Any, path: str, segs: tuple, plan: _Plan) -> None:
-    if isinstance(state, dict) and state:
-        for k, x in state.items():
-            _plan_leaves(x, join(path, k), segs + (k,), plan)
-    elif isinstance(state, (list, tuple)) and state:
-        for i, x in enumerate(state):
-            _plan_leaves(x, join(path, i), segs + (_ListIndex(i),), plan)
-    else:
-        plan.leaf(state, path, segs)
 
 
 def _rebuild(state: Any, path: str, values: dict[str, Any]) -> Any:
@@ -679,7 +670,8 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
     plan = _Plan(idx)
     if not idx.is_fastckpt:
         plan.hf_names = _hf_names(idx, state)
-    _plan_leaves(state, "", (), plan)
+    for v, p, segs in _leaves(state):
+        plan.leaf(v, p, segs)
     tied = plan.tied()
     if tied:
         logger.info("fastckpt.load_into %s: %d tensor(s) filled through their tie (they share memory with a "

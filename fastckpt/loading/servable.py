@@ -146,6 +146,14 @@ def saved_names(folder: str | os.PathLike) -> dict[str, str]:
         return {}
     if _name_problems(cfg) or cfg.get("quantization_config") or "auto_map" in cfg:
         return {}
+    return dict(_saved_names_of(os.path.abspath(folder), json.dumps(cfg, sort_keys=True, default=str)))
+
+
+@functools.lru_cache(maxsize=2)
+def _saved_names_of(folder: str, cfg_json: str) -> dict[str, str]:
+    """:func:`saved_names` computed once per folder and config: an export asks for it when it names
+    the weights (a wrapper's prefix, then the renaming) and again when it gates the folder."""
+    cfg = json.loads(cfg_json)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     if cfg.get("model_type") not in CONFIG_MAPPING:
         return {}
