@@ -56,12 +56,15 @@ class Resolved:
         return self.root if LOCAL.isfile(self.root) else os.path.join(self.root, name)
 
 
-def resolve(path: str | os.PathLike) -> Resolved:
+def resolve(path: str | os.PathLike, *, values: bool = True) -> Resolved:
     """Validate ``path`` and describe every tensor in it (see module docstring).
 
     Args:
         path: a checkpoint or model folder (a hub cache snapshot included), or one
             safetensors file; symlinks are followed for reading.
+        values: read a fastckpt checkpoint's ``state.json`` (its non-tensor values) into
+            ``skeleton``, checked against the manifest's xxh3 (default ``True``: every load);
+            ``False`` leaves ``skeleton`` ``None`` (``verify``, which re-reads every file itself).
 
     Raises:
         CheckpointNotFoundError: nothing loadable there, or an uncommitted fastckpt folder.
@@ -71,6 +74,9 @@ def resolve(path: str | os.PathLike) -> Resolved:
             ``..``, or through a sub-folder that is a symlink out of it).
         InvalidArgumentError: ``path`` is not a ``str`` / ``os.PathLike``.
         NotSafetensorsError: ``path`` is a file of another format (``torch.save``, pickle, JSON).
+        ChecksumMismatchError: ``state.json``'s bytes differ from the manifest's xxh3 (``values``).
+        ShardedCheckpointError: a file of DCP's ``HuggingFaceStorageWriter(save_distributed=True)``
+            save that was not consolidated (one rank's piece under the full tensor's name).
     """
     path = os.path.abspath(InvalidArgumentError.check_path(path))
     if LOCAL.isfile(path):
@@ -88,14 +94,14 @@ def resolve(path: str | os.PathLike) -> Resolved:
                 f"{os.path.dirname(path)} instead (or one of its shard files)")
         raise CheckpointNotFoundError(f"{path}: no such checkpoint, folder or safetensors file")
     if LOCAL.exists(os.path.join(path, cm.MANIFEST)):
-        return _resolve_fastckpt(path)
+        return _resolve_fastckpt(path, values)
     if LOCAL.exists(os.path.join(path, cm.STATE_JSON)):
         raise CheckpointNotFoundError(f"{path}: fastckpt folder without manifest.json: the save never "
                                       "committed (crashed or still running); it is not a checkpoint")
     return _resolve_foreign(path)
 
 
-def _resolve_fastckpt(path: str) -> Resolved:
+def _resolve_fastckpt(path: str, values: bool = True) -> Resolved:
     if os.path.basename(path).startswith("."):
         raise CheckpointNotFoundError(f"{path}: hidden folders are uncommitted temporaries, not checkpoints")
     m = cm.read_manifest(path)
@@ -121,6 +127,8 @@ def _resolve_fastckpt(path: str) -> Resolved:
             raise CorruptCheckpointError(f"{path}: tensor {key!r} in manifest does not match the header of "
                                          f"{e.file!r}", path=os.path.join(path, e.file), tensor=key)
         r.tensors[key] = (e.file, t)
+    if not values:
+        return r
     spath = safe_join(path, cm.STATE_JSON)
     try:
         raw = LOCAL.read_bytes(spath)
