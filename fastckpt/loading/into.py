@@ -239,15 +239,38 @@ class _Plan:
         stores once (``save_pretrained``'s tied ``lm_head.weight``, ``safetensors.torch.save_model``'s
         dropped duplicates) is filled through its tie, as ``from_pretrained`` and
         ``safetensors.torch.load_model`` (strict) accept it."""
-        def sig(t: torch.Tensor) -> tuple:
-            t = local_region(t)[0] if hasattr(t, "to_local") else t
-            return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-                    t.dtype)
-        filled = {sig(t.local) for t in self.targets if t.local.device.type != "meta"}
+        filled = {_memory(t.local) for t in self.targets if t.local.device.type != "meta"}
         tied = [p for p in self.missing if p in self.missing_tensors and self.missing_tensors[p].numel()
-                and self.missing_tensors[p].device.type != "meta" and sig(self.missing_tensors[p]) in filled]
+                and self.missing_tensors[p].device.type != "meta" and _memory(self.missing_tensors[p]) in filled]
         self.missing = [p for p in self.missing if p not in tied]
         return tied
+
+    def fill_ties_once(self) -> list[tuple[list[str], bool | None]]:
+        """Keep one target per memory the state ties (tensors sharing storage, offset, shape, strides
+        and dtype: ``lm_head.weight`` and ``embed_tokens.weight`` of a tied model) when the checkpoint
+        holds each of them: the last in state order is filled, as ``load_state_dict`` copies each key in
+        turn and the last write stays. Filling them all would write one memory from several threads
+        at once and check it against every key's checksum (a false mismatch when the stored values differ).
+
+        Returns:
+            ``(keys of the group, in state order; whether their stored values differ: True / False from
+            the manifest's checksums, None when the file has none)`` per tied group.
+        """
+        groups: dict[tuple, list[FillTarget]] = {}
+        for t in self.targets:
+            if t.local.numel():
+                groups.setdefault(_memory(t.local), []).append(t)
+        out, drop = [], set()
+        for g in groups.values():
+            if len(g) < 2:
+                continue
+            drop.update(id(t) for t in g[:-1])
+            sums = [tuple(c.xxh3 for c in t.desc.checks) for t in g]
+            differ = None if not all(sums) else len(set(sums)) > 1 or len({t.desc.dtype for t in g}) > 1
+            out.append(([t.key for t in g], differ))
+        if drop:
+            self.targets = [t for t in self.targets if id(t) not in drop]
+        return out
 
     def rank_local_hint(self, path: str) -> str:
         """Why ``path`` may be missing: it lies under a rank-local subtree the asked rank lacks."""
@@ -300,6 +323,13 @@ def _describe(t: torch.Tensor) -> str:
 
 def _describe_desc(d: TensorDesc) -> str:
     return f"shape {list(d.shape)} dtype {d.dtype}"
+
+
+def _memory(t: torch.Tensor) -> tuple:
+    """What identifies the memory a tensor (a DTensor: its local shard) views: two tensors with the
+    same are one parameter tied under two names."""
+    t = local_region(t)[0] if hasattr(t, "to_local") else t
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 class _ListIndex(int):
@@ -672,6 +702,14 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
         plan.hf_names = _hf_names(idx, state)
     for v, p, segs in _leaves(state):
         plan.leaf(v, p, segs)
+    for keys, differ in plan.fill_ties_once():
+        if differ is not False:
+            logger.log(logging.WARNING if differ else logging.INFO,
+                "fastckpt.load_into %s: the state ties %s (one memory) and the checkpoint holds %s for them; "
+                "filled from %r, the last key, as load_state_dict does. A checkpoint of an untied model into a "
+                "tied one loses the other values: untie the model (config tie_word_embeddings=False) to keep both",
+                idx.resolved.root, keys, "different values" if differ else "each (its values not compared: no "
+                "checksums)", keys[-1])
     tied = plan.tied()
     if tied:
         logger.info("fastckpt.load_into %s: %d tensor(s) filled through their tie (they share memory with a "

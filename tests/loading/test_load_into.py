@@ -212,6 +212,45 @@ def test_tied_weights_stored_once_fill_through_their_tie(tmp_path):
         fastckpt.load_into(untied, f, strict=True)
 
 
+def test_an_untied_checkpoint_into_tied_weights_fills_the_last_key_as_load_state_dict(tmp_path, caplog):
+    """A checkpoint holding different values for two keys the state ties (an untied model's
+    embed/lm_head into a tied model) is valid: torch's load_state_dict copies each key in turn and
+    the last stays. load_into raised ChecksumMismatchError (both filled into one memory from two
+    threads, then checked against each key's checksum) while `fastckpt verify` passed; now it fills
+    the last key once, with a WARNING naming the tie, and equal values stay silent."""
+    class M(torch.nn.Module):
+        def __init__(self, tied):
+            super().__init__()
+            self.emb = torch.nn.Embedding(64, 32)
+            self.head = torch.nn.Linear(32, 64, bias=False)
+            if tied:
+                self.head.weight = self.emb.weight
+
+    torch.manual_seed(0)
+    untied = M(tied=False)
+    ck = tmp_path / "untied"
+    fastckpt.save({"model": untied.state_dict()}, ck)
+    assert fastckpt.verify(ck).ok
+    ref = M(tied=True)
+    ref.load_state_dict(untied.state_dict())  # the reference: the last key (head.weight) wins
+    for form in ("state_dict", "module"):
+        mine = M(tied=True)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="fastckpt"):
+            fastckpt.load_into({"model": mine.state_dict() if form == "state_dict" else mine}, ck)
+        assert torch.equal(mine.emb.weight, ref.emb.weight) and torch.equal(mine.emb.weight, untied.head.weight)
+        assert mine.head.weight.data_ptr() == mine.emb.weight.data_ptr()
+        assert any("ties" in r.message and "model/head.weight" in r.message for r in caplog.records), caplog.text
+    same = tmp_path / "tied"  # a tied model's own checkpoint: one value, no warning
+    src = M(tied=True)
+    fastckpt.save({"model": {"emb.weight": src.emb.weight, "head.weight": src.emb.weight.clone()}}, same)
+    mine = M(tied=True)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        fastckpt.load_into({"model": mine.state_dict()}, same)
+    assert torch.equal(mine.emb.weight, src.emb.weight) and not caplog.records, caplog.text
+
+
 def test_a_module_itself_is_filled_like_load_model(tmp_path):
     """load_into(model, file) fills the module as safetensors.torch.load_model(model, file) does (it
     returned the module unfilled, 'missing: ""'); strict applies to its state_dict's keys."""
