@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import (ChecksumMismatchError, CorruptCheckpointError, InvalidArgumentError, StateMismatchError,
-                      UnsupportedValueError)
+from ..errors import ChecksumMismatchError, CorruptCheckpointError, InvalidArgumentError, StateMismatchError
 from ..format.dtypes import DTYPE_TO_STR, str_to_dtype
 from ..format.manifest import RangeCheck
 from ..format.stateful import is_stateful, load_back, to_state_dicts
@@ -156,6 +155,7 @@ class _Plan:
         self.mismatched: list[tuple] = []
         self.cast: list[tuple[str, str, str]] = []
         self.subtrees: dict[str, str] = {}  # state path of an empty container -> stored key path it takes
+        self.views: dict[str, tuple[torch.Tensor, str]] = {}  # path -> (state tensor, stored strided view's key)
         self.sharded_subtrees: set[str] = set()  # empty containers over DTensor-saved subtrees (missing)
 
     def leaf(self, v: Any, path: str, segs: tuple) -> None:
@@ -163,8 +163,9 @@ class _Plan:
         if isinstance(v, np.ndarray):
             v = torch.from_numpy(v)  # shares memory: filling it fills the array
         name = self._dcp_name(path, segs) if idx.is_fastckpt else self.hf_names.get(segs)
-        if name in idx.unreadable:
-            raise UnsupportedValueError(idx.unreadable[name])
+        if name in idx.views and isinstance(v, torch.Tensor):
+            self._view(v, path, name)
+            return
         if isinstance(v, torch.Tensor):
             desc = idx.tensors.get(name) if name is not None else None
             if desc is None:
@@ -199,7 +200,7 @@ class _Plan:
         if not idx.is_fastckpt or name is None:
             return False
         if self._keys is None:  # sorted once per plan: each empty container is one bisect, not a scan
-            self._keys = sorted({*idx.tensors, *idx.values, *idx.unreadable})
+            self._keys = sorted({*idx.tensors, *idx.values, *idx.views})
         under = []
         for k in self._keys[bisect.bisect_left(self._keys, name + "/"):]:
             if not k.startswith(name + "/"):
@@ -312,9 +313,25 @@ class _Plan:
                 f"{list(desc.shape)}): the checkpoint's shards are incomplete", path=self.idx.resolved.root, tensor=path)
         self.targets.append(t)
 
+    def _view(self, v: torch.Tensor, path: str, name: str) -> None:
+        """A tensor the checkpoint stores as a strided view of another's storage (``w.t()`` beside
+        ``w``): checked now, read whole after the fills and copied (cast as ``copy_`` casts)."""
+        shape, dtype = self.idx.views[name]
+        local, region, gshape = local_region(v)
+        if gshape != shape:
+            self.mismatched.append((path, _describe(v), f"shape {list(shape)} dtype {dtype}", ""))
+            return
+        if local.device.type == "meta":
+            raise ValueError(f"{path!r}: the state tensor is on the meta device; allocate it (e.g. "
+                             "model.to_empty(device=...)) before load_into")
+        self.used.add(name)
+        if dtype != DTYPE_TO_STR.get(v.dtype):
+            self.cast.append((path, dtype, DTYPE_TO_STR.get(v.dtype, str(v.dtype))))
+        self.views[path] = (v, name)
+
     def unexpected(self) -> list[str]:
         idx = self.idx
-        return sorted(k for k in list(idx.tensors) + list(idx.values) + list(idx.unreadable) if k not in self.used)
+        return sorted(k for k in list(idx.tensors) + list(idx.values) + list(idx.views) if k not in self.used)
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -737,9 +754,14 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
                 _verify_targets(plan.targets, files, ex, chunk)
     finally:
         files.close()
-    if plan.subtrees:  # empty containers taking stored subtrees: one read of them all
-        read = read_subtrees(idx.resolved.root, plan.subtrees.values(), verify=verify, threads=threads,
-                             io_backend=io_backend)
+    if plan.subtrees or plan.views:  # empty containers taking stored subtrees, strided views: one read
+        read = read_subtrees(idx.resolved.root, [*plan.subtrees.values(), *(n for _, n in plan.views.values())],
+                             verify=verify, threads=threads, io_backend=io_backend)
         for at, name in plan.subtrees.items():
             plan.values[at] = read[name]
+        for v, name in plan.views.values():
+            local, (off, shape), _ = local_region(v)
+            with torch.no_grad():
+                local.copy_(read[name][tuple(slice(o, o + n) for o, n in zip(off, shape))])
+            torch.autograd.graph.increment_version(local)
     return load_back(_rebuild(state, "", plan.values), stateful)

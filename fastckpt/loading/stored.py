@@ -59,8 +59,9 @@ class CheckpointIndex:
         values: key path -> non-tensor leaf value from ``state.json`` (fastckpt only).
         rank_local: key path -> top-level key of each rank-local subtree (``local_keys`` saves) that
             was not filled in from a saved rank (see ``local_rank`` of :func:`open_index`).
-        unreadable: key path -> why its tensor cannot be filled region by region (a strided view
-            of another tensor's storage: :func:`fastckpt.load` reads it); raised only when asked for.
+        views: key path -> ``(shape, safetensors dtype)`` of each tensor stored as a strided view of
+            another tensor's storage (``w.t()`` beside ``w``): not a dense region of a file, so it is
+            read whole (:func:`fastckpt.load`), then copied.
         tree: the saved state with each tensor as a :class:`Leaf` (fastckpt),
             or ``{name: Leaf}`` (HF files).
     """
@@ -69,7 +70,7 @@ class CheckpointIndex:
     tensors: dict[str, TensorDesc] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     rank_local: dict[str, Any] = field(default_factory=dict)
-    unreadable: dict[str, str] = field(default_factory=dict)
+    views: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
     tree: Any = None
 
     @property
@@ -183,8 +184,9 @@ def _index_value(idx: CheckpointIndex, v: Any, path: str) -> None:
     if isinstance(v, Leaf):
         try:
             st = _stored(r, v.key)
-        except UnsupportedValueError as e:  # a strided view: only an error for whoever asks for it
-            idx.unreadable[path] = str(e)
+        except UnsupportedValueError:  # a strided view: read whole by whoever asks for it
+            e = r.manifest.resolve(v.key)[1]
+            idx.views[path] = (tuple(e.shape), e.dtype)
             return
         idx.tensors[path] = TensorDesc(path, st.shape, st.dtype, [st], _checks(r, v.key, st))
         return

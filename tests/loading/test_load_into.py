@@ -336,10 +336,13 @@ def test_fresh_optimizer_takes_the_stored_state_as_torch_load_gives_it(tmp_path,
         assert torch.equal(a, b), k
 
 
-def test_a_strided_view_the_state_does_not_name_is_not_an_error(tmp_path):
-    """A checkpoint holding strided views of one storage (a transpose) under keys the state does not
-    name: load_into refused the whole checkpoint ('stored as a strided view') although, as dcp.load,
-    the state names what is read. Asking for the view itself still says how to read it."""
+def test_a_strided_view_is_filled_as_load_reads_it(tmp_path):
+    """A checkpoint holding strided views of one storage (a transpose, a slice) saved from a state
+    that `fastckpt.save` accepts: load_into refused the whole checkpoint ('stored as a strided view')
+    even under keys the state does not name, then (a format differential probe) still refused a
+    state naming them, where fastckpt.load reads them. Each is read whole and copied (cast as copy_,
+    a shape mismatch named before anything is written); the keys the state does not name are
+    unexpected, as any other."""
     base = torch.arange(20.0).reshape(4, 5)
     fastckpt.save({"model": {"w": torch.ones(3)}, "extra": {"t": base.t(), "s": base[1:3, 2:]}}, tmp_path / "ck")
     dst = {"model": {"w": torch.zeros(3)}}
@@ -347,9 +350,14 @@ def test_a_strided_view_the_state_does_not_name_is_not_an_error(tmp_path):
     assert torch.equal(dst["model"]["w"], torch.ones(3))
     with pytest.raises(fastckpt.errors.StateMismatchError, match="extra/t"):
         fastckpt.load_into({"model": {"w": torch.zeros(3)}}, tmp_path / "ck", strict=True)
-    with pytest.raises(fastckpt.errors.UnsupportedValueError, match="strided view.*fastckpt.load"):
-        fastckpt.load_into({"extra": {"t": torch.zeros(5, 4)}}, tmp_path / "ck")
+    dst = {"model": {"w": torch.zeros(3)}, "extra": {"t": torch.zeros(5, 4), "s": torch.zeros(2, 3, dtype=torch.float64)}}
+    fastckpt.load_into(dst, tmp_path / "ck", strict=True)
+    assert torch.equal(dst["extra"]["t"], base.t()) and torch.equal(dst["extra"]["s"], base[1:3, 2:].double())
     assert torch.equal(fastckpt.load(tmp_path / "ck")["extra"]["t"], base.t())
+    keep = torch.zeros(3)
+    with pytest.raises(fastckpt.errors.StateMismatchError, match="extra/t"):
+        fastckpt.load_into({"model": {"w": keep}, "extra": {"t": torch.zeros(4, 5)}}, tmp_path / "ck")
+    assert torch.equal(keep, torch.zeros(3))  # nothing written before the mismatch was found
 
 
 def test_a_stored_tensor_fills_one_key_only_as_torch_finds_the_rest_missing(tmp_path):
