@@ -52,6 +52,24 @@ def test_extra_files_of_the_wrong_type_is_refused_at_the_call_naming_the_key(tmp
     assert (path / "notes.txt").read_bytes() == b"hello" and (path / "b.txt").read_bytes() == b"x"
 
 
+@pytest.mark.parametrize("name, weights", [
+    ("state-00001-of-00001.safetensors", None), ("model.safetensors", None), ("model.safetensors.index.json", None),
+    ("model-00001-of-00002.safetensors", None), ("state-rank00000.json", None),
+    ("adapter_model.safetensors", {"model": "adapter_model.safetensors"}),
+    ("base-00002-of-00003.safetensors", {"model": "base"})])
+def test_extra_files_named_as_a_file_the_save_writes_are_refused_at_the_call(tmp_path, name, weights):
+    """A README-only trial: ``extra_files={"state-00001-of-00001.safetensors": b"x"}`` committed a
+    checkpoint that fastckpt.load refused (HeaderError) and verify failed; ``"model.safetensors"``
+    raised a raw FileExistsError naming the hidden temporary folder. Both sync and async, at the call."""
+    path = tmp_path / "ck"
+    for save in (fastckpt.save, fastckpt.async_save):
+        with pytest.raises(InvalidArgumentError, match=f"extra file name {name!r} is a file this save writes"):
+            save(state(), path, extra_files={name: b"x"}, weights=weights)
+        assert leftovers(tmp_path) == []
+    fastckpt.save(state(), path, extra_files={"model-notes.json": b"{}"}, weights=weights)
+    assert fastckpt.verify(path).ok
+
+
 def test_save_and_load_with_a_path_of_the_wrong_type_name_the_argument(tmp_path):
     for bad in (None, 123):
         with pytest.raises(InvalidArgumentError, match=rf"path must be a str or os.PathLike.*{type(bad).__name__}"):

@@ -10,6 +10,7 @@ same unit, so many small tensors cost one large write.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .dtypes import itemsize, str_to_dtype
@@ -101,6 +102,29 @@ def shard_file_names(stem: str, n: int, *, peft: bool = False) -> list[str]:
     if n == 1 and not _INTERNAL_STEM.fullmatch(stem) and not peft:
         return [f"{stem}.safetensors"]
     return [f"{stem}-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+
+
+#: Files of a checkpoint folder that only fastckpt writes besides its shards: per-rank skeletons of
+#: ``local_keys`` subtrees (``state-rank0000r.json``) and the DCP drop-in's ``dcp_metadata.json``.
+_INTERNAL_FILE = re.compile(r"(?:state|rank\d+)-\d{5}-of-\d{5}\.safetensors|state-rank\d{5}\.json|dcp_metadata\.json")
+
+
+def written_by_save(name: str, stems: Iterable[str]) -> bool:
+    """True when a save whose weights groups have file stems ``stems`` may write a file called
+    ``name`` (a path relative to the checkpoint folder) besides ``manifest.json`` and ``state.json``:
+    any of fastckpt's own files, or a weights group's file, shard or index, as
+    :func:`shard_file_names` and the index name them. A user's extra file by such a name would
+    be overwritten by the save or make the checkpoint unreadable."""
+    if _INTERNAL_FILE.fullmatch(name):
+        return True
+    for stem in stems:
+        if stem.endswith(".safetensors"):
+            if name == stem:
+                return True
+        elif name in (f"{stem}.safetensors", f"{stem}.safetensors.index.json") or re.fullmatch(
+                re.escape(stem) + r"-\d{5}-of-\d{5}\.safetensors", name):
+            return True
+    return False
 
 
 @dataclass(frozen=True)

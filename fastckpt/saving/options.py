@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import InvalidArgumentError
+from ..format.layout import written_by_save
 from ..format.safetensors import check_metadata
 from ..storage import commit as cm
 from ..storage.io import DEFAULT_CHUNK_BYTES, PosixBackend
@@ -206,6 +207,13 @@ class SaveOptions:
             if not _plain_path(n) or n in (cm.MANIFEST, cm.STATE_JSON):
                 raise InvalidArgumentError(f"extra file name {n!r} is reserved or not a plain file name (a sub-folder "
                                  "is written as 'folder/name', as peft writes a second adapter)")
+            if written_by_save(n, self.stems.values()):
+                raise InvalidArgumentError(
+                    f"extra file name {n!r} is a file this save writes itself (its weights groups "
+                    f"{sorted(self.stems.values())}: {{stem}}.safetensors, {{stem}}-0000k-of-0000n.safetensors and "
+                    "their index; fastckpt's own state-*.safetensors, rank*-*.safetensors, state-rank*.json); "
+                    "the weights come from the state, not from extra_files: rename the file or pass the tensors "
+                    "in the state")
         for name in ("early_writes", "defer_frozen"):
             if not isinstance(getattr(c, name), bool):
                 raise InvalidArgumentError(f"{name} must be True or False, got {getattr(c, name)!r}")
