@@ -223,9 +223,8 @@ def load_tensors(r: Resolved, keys: Iterable[str], device: str | torch.device, *
     # each destination is allocated once, in the returned dtype: no stored-dtype twin
     dests = [engine.empty(t.nbytes if cv is None else t.nbytes // cv.stored.itemsize * cv.out.itemsize)
              for t, cv in zip(targets, convs)]
-    want = {}
-    if verify and r.manifest is not None:
-        want = {i: r.manifest.tensors[t.key].xxh3 for i, t in enumerate(targets) if t.slice is None}
+    entries = r.entries() if verify else {}  # one file of a checkpoint: its manifest's checksums too
+    want = {i: entries[t.key].xxh3 for i, t in enumerate(targets) if t.slice is None and t.key in entries}
     use_kv = kvikio_usable(engine.device) if use_kvikio is None else use_kvikio
     direct = [i for i, t in enumerate(targets)
               if use_kv and i not in want and convs[i] is None and flat_ranges(t)]
@@ -248,11 +247,10 @@ def load_tensors(r: Resolved, keys: Iterable[str], device: str | torch.device, *
             raise ChecksumMismatchError(f"{t.file}: tensor {t.key!r} has xxh3 {h.hexdigest()}, manifest says "
                                         f"{want[i]}", path=t.file, tensor=t.key)
     out = {t.key: _finish(t, d, cv) for t, d, cv in zip(targets, dests, convs)}
-    if verify and r.manifest is not None:  # format 2: per-chunk checksums of whole, unconverted tensors
-        for i, t in enumerate(targets):
-            e = r.manifest.tensors[t.key]
-            if t.slice is None and convs[i] is None and e.chunks is not None and e.xxh3 is None:
-                check_chunks(out[t.key], t.key, e, t.file)
+    for i, t in enumerate(targets):  # format 2: per-chunk checksums of whole, unconverted tensors
+        e = entries.get(t.key)
+        if e is not None and t.slice is None and convs[i] is None and e.chunks is not None and e.xxh3 is None:
+            check_chunks(out[t.key], t.key, e, t.file)
     return out
 
 

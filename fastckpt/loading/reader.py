@@ -272,8 +272,8 @@ def read_tensors(r: Resolved, keys: Iterable[str], *, threads: int | None = None
                      for f, off, bufs, w in _requests(rest, chunk)]
             for fu in futs:
                 fu.result()
-            if verify and r.manifest is not None:
-                list(ex.map(lambda d: _check(d, r.manifest.tensors[d.key]), dests))
+            entries = r.entries() if verify else {}  # one file of a checkpoint: its manifest's checksums too
+            list(ex.map(lambda d: _check(d, entries[d.key]), [d for d in dests if d.key in entries]))
     finally:
         for fd in list(fds.values()) + list(dfds.values()):
             be.close(fd)
@@ -310,10 +310,11 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
             (``"optimizer"`` selects ``optimizer/state/0/exp_avg``). ``None``: everything. Every
             key must match something.
         threads: reads in flight (default :func:`default_read_threads`).
-        verify: check each tensor's xxh3 against the manifest (fastckpt checkpoints; format 2:
-            each chunk's xxh3, a mismatch naming the key and the chunk's offsets). Default ``True``:
-            a damaged byte never comes back as a value; ``False`` skips the hashing (HF folders and
-            safetensors files carry no checksums either way).
+        verify: check each tensor's xxh3 against the manifest (fastckpt checkpoints, and one file
+            of one, ``CKPT/model.safetensors``, against ``CKPT/manifest.json``; format 2: each chunk's
+            xxh3, a mismatch naming the key and the chunk's offsets). Default ``True``: a damaged
+            byte never comes back as a value; ``False`` skips the hashing (HF folders and safetensors
+            files no manifest lists carry no checksums either way).
         chunk_bytes: bytes per read request (default 4 MiB).
         io_backend: I/O backend name or instance (default ``"posix"``).
 
@@ -345,7 +346,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
     if r.manifest is None:
         names = [n for n in r.tensors if keep is None or keep(n)]
         _check_keys_found(keys, r.tensors, r.root)
-        out = _read(r, names, device, threads=threads, chunk_bytes=chunk_bytes, io_backend=io_backend)
+        out = _read(r, names, device, threads=threads, chunk_bytes=chunk_bytes, io_backend=io_backend, verify=verify)
         return {n: _to(out[n], device) for n in names}
     if keep is not None:
         seen: set[str] = set()

@@ -28,7 +28,7 @@ from ..errors import (CheckpointNotFoundError, ChecksumMismatchError, CorruptChe
                       InvalidArgumentError, NativeCheckpointError, ShardedCheckpointError)
 from ..format.safetensors import INDEX_SUFFIX, Header, TensorInfo
 from ..storage.model_files import read_header, read_index, safe_join
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, TensorEntry
 from ..storage.store import LOCAL
 
 
@@ -43,6 +43,10 @@ class Resolved:
             fastckpt checkpoints, tensor names for foreign files).
         manifest: the fastckpt manifest, or ``None`` for foreign files.
         skeleton: the state skeleton (``state.json``), or ``None`` for foreign files.
+        owner: for one safetensors file of a committed fastckpt checkpoint (``CKPT/model.safetensors``,
+            ``CKPT/second/adapter_model.safetensors``): ``(checkpoint folder, its manifest, the file's
+            name in it)``, whose entries the file was checked against and whose checksums a load
+            verifies; else ``None``.
     """
 
     root: str
@@ -50,6 +54,21 @@ class Resolved:
     tensors: dict[str, tuple[str, TensorInfo]] = field(default_factory=dict)
     manifest: Manifest | None = None
     skeleton: object = None
+    owner: tuple[str, Manifest, str] | None = None
+
+    def file_entries(self) -> dict[str, tuple[str, TensorEntry]]:
+        """``{tensor name in the file: (manifest key, entry)}`` of an :attr:`owner`'s file (empty otherwise)."""
+        if self.owner is None:
+            return {}
+        _, m, fname = self.owner
+        return {e.name: (k, e) for k, e in m.tensors.items() if e.stored and e.file == fname and e.name is not None}
+
+    def entries(self) -> dict[str, TensorEntry]:
+        """The manifest entry (checksums) of each key of :attr:`tensors` that has one: a checkpoint's
+        own manifest, an :attr:`owner`'s for one of its files, none for other files."""
+        if self.manifest is not None:
+            return self.manifest.tensors
+        return {n: e for n, (_, e) in self.file_entries().items()}
 
     def file_path(self, name: str) -> str:
         """Absolute path of file ``name``."""
@@ -84,6 +103,7 @@ def resolve(path: str | os.PathLike, *, values: bool = True) -> Resolved:
         _refuse_dcp_piece(path, h)
         r = Resolved(path, {os.path.basename(path): h})
         r.tensors = {n: (os.path.basename(path), t) for n, t in h.tensors.items()}
+        r.owner = _owning_manifest(path, h)
         return r
     if not LOCAL.isdir(path):
         index = path + ".index.json" if path.endswith(".safetensors") else None
@@ -147,6 +167,42 @@ def _resolve_fastckpt(path: str, values: bool = True) -> Resolved:
         raise CorruptCheckpointError(f"{spath}: not valid JSON ({type(e).__name__}: {e}); the checkpoint is "
                                      "damaged (run `fastckpt verify`)", path=spath) from None
     return r
+
+
+def _owning_manifest(path: str, h: Header) -> tuple[str, Manifest, str] | None:
+    """``(checkpoint folder, manifest, name)`` when the file ``path`` is one a committed fastckpt
+    checkpoint's manifest lists (in its folder, or ``<sub>/<file>`` in the parent's: peft's second
+    adapter), after checking the file against it: its size and every stored tensor's dtype, shape
+    and byte range. ``None`` for a file no manifest lists.
+
+    Raises:
+        CorruptCheckpointError: the manifest is damaged, or the file differs from what it lists
+            (truncated, replaced), naming both.
+    """
+    folder = os.path.dirname(path)
+    for root, name in ((folder, os.path.basename(path)),
+                       (os.path.dirname(folder), f"{os.path.basename(folder)}/{os.path.basename(path)}")):
+        if os.path.basename(root).startswith(".") or not LOCAL.isfile(os.path.join(root, cm.MANIFEST)):
+            continue
+        m = cm.read_manifest(root)
+        if name not in m.files:
+            continue
+        size = LOCAL.size(path)
+        if size != m.files[name].bytes:
+            raise CorruptCheckpointError(f"{path}: {size} bytes on disk, {os.path.join(root, cm.MANIFEST)} says "
+                                         f"{m.files[name].bytes} (truncated or replaced); run `fastckpt verify {root}`",
+                                         path=path)
+        for key, e in m.tensors.items():
+            if not e.stored or e.file != name:
+                continue
+            t = h.tensors.get(e.name) if e.name is not None else None
+            if t is None or t.dtype != e.dtype or tuple(t.shape) != e.shape \
+                    or (h.data_offset + t.start, h.data_offset + t.end) != e.offsets:
+                raise CorruptCheckpointError(f"{path}: tensor {e.name!r} differs from {key!r} in "
+                                             f"{os.path.join(root, cm.MANIFEST)} (replaced?); run `fastckpt verify "
+                                             f"{root}`", path=path, tensor=key)
+        return root, m, name
+    return None
 
 
 #: The index transformers and vLLM read in a model folder; when present it alone says what to load.

@@ -142,11 +142,18 @@ def open_index(path: str | os.PathLike, local_rank: int | None = None) -> Checkp
     r = resolve(path)
     idx = CheckpointIndex(r)
     if r.manifest is None:
+        checks: dict[str, list[RangeCheck]] = {}
+        if r.owner is not None:  # one file of a checkpoint: its tensors' checksums from the manifest
+            _, m, fname = r.owner
+            by_key = {k: n for n, (k, _) in r.file_entries().items()}
+            for c in m.checks(fname):
+                if c.key in by_key:
+                    checks.setdefault(by_key[c.key], []).append(c)
         for name, (fname, info) in r.tensors.items():
             isz = itemsize(str_to_dtype(info.dtype, tensor=name, path=r.file_path(fname)))
             st = Stored(name, r.file_path(fname), r.headers[fname].data_offset + info.start,
                         tuple(info.shape), info.dtype, isz, (0,) * len(info.shape))
-            idx.tensors[name] = TensorDesc(name, st.shape, info.dtype, [st])
+            idx.tensors[name] = TensorDesc(name, st.shape, info.dtype, [st], checks.get(name, []))
         idx.tree = {name: Leaf(name) for name in r.tensors}
         return idx
     idx.tree = unflatten(r.skeleton, lambda k, kind: Leaf(k))

@@ -114,3 +114,35 @@ def test_truncated_shard_is_named(ckpt):
     with pytest.raises(fastckpt.CorruptCheckpointError) as ei:
         fastckpt.load(ckpt)
     assert e.file in str(ei.value)
+
+
+def test_one_file_of_a_checkpoint_is_checked_against_its_manifest(tmp_path):
+    """README's Quick start loads ``CKPT/model.safetensors`` by itself: a flipped bit in it came back
+    as a value (``verify=True`` is the default) while ``fastckpt verify FILE`` named it (a README-only
+    trial). The file's tensors are now checked against the checkpoint's manifest by load and
+    load_into, also for a second adapter's file (``CKPT/second/adapter_model.safetensors``); a file
+    replaced by one of another size is named; ``verify=False`` and files no manifest lists read as before."""
+    import torch
+    from safetensors.torch import save_file
+    w = torch.arange(4096, dtype=torch.float32)
+    state = {"model": {"w": w}, "second": {"lora_A.weight": w[:64].clone()}, "step": 2}
+    ck = fastckpt.save(state, tmp_path / "ck", weights={"model": "model", "second": "second/adapter_model.safetensors"})
+    model_file = fastckpt.read_manifest(ck).tensors["model/w"].file  # a peft layout: model-00001-of-00001
+    for fname, key, value in ((model_file, "w", w), ("second/adapter_model.safetensors", "lora_A.weight", w[:64])):
+        f = os.path.join(ck, fname)
+        assert torch.equal(fastckpt.load(f)[key], value)
+        e = next(e for e in fastckpt.read_manifest(ck).tensors.values() if e.file == fname)
+        _flip(f, e.offsets[0] + 4 * 3, 6)
+        with pytest.raises(fastckpt.ChecksumMismatchError, match=key):
+            fastckpt.load(f)
+        with pytest.raises(fastckpt.ChecksumMismatchError, match=key):
+            fastckpt.load_into({key: torch.zeros_like(value)}, f)
+        assert not torch.equal(fastckpt.load(f, verify=False)[key], value)  # asked not to check: read as stored
+        _flip(f, e.offsets[0] + 4 * 3, 6)
+    f = os.path.join(ck, model_file)
+    save_file({"w": torch.zeros(8)}, f)  # replaced behind the manifest's back
+    with pytest.raises(fastckpt.CorruptCheckpointError, match="bytes on disk"):
+        fastckpt.load(f)
+    plain = tmp_path / "plain.safetensors"  # no manifest: read as any safetensors file
+    save_file({"w": w}, str(plain))
+    assert torch.equal(fastckpt.load(plain)["w"], w)
