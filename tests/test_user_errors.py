@@ -516,3 +516,14 @@ def test_saving_under_proc_says_pseudo_file_system_not_full_disk():
     import torch
     with pytest.raises(fastckpt.errors.FolderNotWritableError, match="without storage"):
         fastckpt.save({"a": torch.ones(3)}, "/proc/fastckpt-test-ckpt")
+
+
+def test_load_into_given_a_path_as_the_state_says_what_a_state_is(tmp_path):
+    """``fastckpt.load_into("m1", "m1")`` (a README-only trial) said "missing from the checkpoint: ''"
+    and suggested strict=False; it names the argument and points at fastckpt.load."""
+    path = fastckpt.save(state(), tmp_path / "ck")
+    for bad in (str(path), path, torch.zeros(6), None):
+        with pytest.raises(InvalidArgumentError, match=r"state must be what to fill in place.*fastckpt.load\(path\)"):
+            fastckpt.load_into(bad, path)
+    filled = fastckpt.load_into({"model": {"w": torch.zeros(6)}}, path)
+    assert torch.equal(filled["model"]["w"], torch.arange(6, dtype=torch.float32))

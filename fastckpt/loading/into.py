@@ -676,6 +676,7 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
     a temporary.
 
     Raises:
+        InvalidArgumentError: ``state`` is none of those (a path given as the state), or a bad option.
         StateMismatchError: keys disagree as ``strict`` forbids, or a shape / tensor-vs-value
             disagreement (names key, both shapes and dtypes, and the file); nothing written.
         CheckpointNotFoundError, HeaderError, CorruptCheckpointError, UnsafePathError: as
@@ -698,6 +699,11 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
     """
     if strict not in (None, True, False):
         raise InvalidArgumentError(f"strict must be None, True or False, got {strict!r}")
+    if not isinstance(state, (dict, list, tuple)) and not is_stateful(state):
+        raise InvalidArgumentError(
+            f"state must be what to fill in place: a dict/list/tuple of tensors (model.state_dict(), "
+            f"{{'model': ..., 'optim': ...}}), a module, an optimizer or a DCP Stateful; got a "
+            f"{type(state).__name__}: {state!r:.80}. To read a checkpoint into new tensors use fastckpt.load(path)")
     check_threads(threads)
     if is_url(path):  # a non-local store (s3://...): read a local copy (Store.local_folder)
         with store_for(path).local_folder(path) as local:
