@@ -221,7 +221,9 @@ def check_config(cfg) -> list[str]:
     """Return one warning per mistake in an LMCache config (empty if none).
 
     Detects: 0.3.x ``external_backend.*`` keys (ignored by 0.5.x), a plugin listed in
-    ``storage_plugins`` without ``module_path``/``class_name``, our plugin configured
+    ``storage_plugins`` without ``module_path``/``class_name``, a plugin meant for fastckpt (a
+    ``fastckpt`` module, a class name close to ours, or a ``path`` option) whose module or class
+    name has a typo, our plugin configured
     but not listed, our plugin without a ``path``, a malformed option value (one line
     naming the key and the expected form: the backend refuses to start with it), and
     unknown option keys (with the closest known one).
@@ -247,6 +249,20 @@ def check_config(cfg) -> list[str]:
             warns.append(f"extra_config configures plugin {parts[1]!r} but storage_plugins {listed} does not "
                          f"list it; LMCache will not load it")
     ours = plugin_names(cfg)
+    for name in listed:  # meant to be ours (a fastckpt module, our class name nearly, our options) but a typo
+        mod = str(extra.get(f"storage_plugin.{name}.module_path") or "")
+        cls = str(extra.get(f"storage_plugin.{name}.class_name") or "")
+        if name in ours or not mod or not cls:
+            continue
+        if mod.startswith("fastckpt") or difflib.get_close_matches(cls, [CLASS_NAME], cutoff=0.8) \
+                or extra.get(f"storage_plugin.{name}.path"):
+            bad = []
+            if not mod.endswith("integrations.lmcache.backend"):
+                bad.append(f"module_path {mod!r}")
+            if cls != CLASS_NAME:
+                bad.append(f"class_name {cls!r}")
+            warns.append(f"storage plugin {name!r} looks meant for fastckpt, but LMCache cannot load its "
+                         f"{' and '.join(bad)}: did you mean module_path {MODULE_PATH}, class_name {CLASS_NAME}?")
     for name in ours:
         if not extra.get(f"storage_plugin.{name}.path"):
             warns.append(f"storage_plugin.{name}.path is not set: give the shared folder for KV chunks")

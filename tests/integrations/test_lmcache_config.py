@@ -189,3 +189,16 @@ def test_lmcache_really_ignores_the_old_keys(tmp_path):
                            timeout=120, env=dict(os.environ, PYTHONHASHSEED="0"))
         assert r.returncode == 0, r.stderr[-3000:]
         assert ("fastckpt" in json.loads(r.stdout.strip().splitlines()[-1])) is want
+
+
+@pytest.mark.parametrize("key, typo", [("class_name", "FastCkptKVBackendX"),
+                                       ("module_path", "fastckpt.integrations.lmcache.backnd"),
+                                       ("class_name", "FastckptKVBackend")])
+def test_cli_flags_a_typo_in_our_module_or_class_name(_cli, tmp_path, key, typo):
+    """README's yaml with a typo in class_name or module_path said "ok, but ... configures no fastckpt
+    storage plugin", exit 0 (a README-only trial): LMCache would fail to load the plugin."""
+    (tmp_path / "kv").mkdir()
+    rc, out, err = _cli(tmp_path, {"storage_plugin.fastckpt.path": str(tmp_path / "kv"), f"storage_plugin.fastckpt.{key}": typo})
+    assert rc == 1 and "Traceback" not in out + err, out + err
+    assert f"{key} {typo!r}" in out and "did you mean module_path fastckpt.integrations.lmcache.backend, " \
+        "class_name FastCkptKVBackend?" in out, out
