@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import logging
 import math
 import pathlib
 from typing import Any, Callable
@@ -25,6 +26,10 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError, UnsupportedValueError
+
+logger = logging.getLogger("fastckpt")
+_PLAIN = (bool, int, float, str)  # JSON values as they are
+_told: set[type] = set()  # subclasses of plain types already named in a WARNING (once per process)
 
 _TAGS = ("__tensor__", "__ndarray__", "__dict__", "__tuple__", "__float__", "__dtype__",
          "__np__", "__bytes__", "__device__")
@@ -85,21 +90,38 @@ def flatten(state: Any, on_array: Callable[[str, Any], None]) -> Any:
     return _enc(state, "", on_array)
 
 
+def _as_plain(v: Any, path: str, plain: Any) -> Any:
+    """``plain``: the plain value of ``v``, a subclass of a plain type (``IntEnum``, a ``str``-mixin
+    ``Enum``, a ``str`` subclass, ``bytearray``), stored as ``json.dumps`` writes it and read back as
+    the plain type: no class named by a checkpoint is ever instantiated on load (DCP's pickle
+    restores the class). Said in a WARNING once per class and process, naming a key path."""
+    t = type(v)
+    if t not in _told:
+        _told.add(t)
+        logger.warning("fastckpt: state value at key path %r is a %s.%s, stored as its plain %s value %.60r and "
+                       "read back as one (fastckpt never instantiates a class named by a checkpoint); convert it "
+                       "back after loading (e.g. MyEnum(value)) where the type matters", path or "<root>",
+                       t.__module__, t.__qualname__, type(plain).__name__, plain)
+    return plain
+
+
 def _enc(v: Any, path: str, on_array: Callable[[str, Any], None]) -> Any:
+    if type(v) in _PLAIN or v is None:
+        return _float(v) if type(v) is float else v
     if isinstance(v, torch.Tensor):
         on_array(path, v)
         return {"__tensor__": path}
     if isinstance(v, np.ndarray):
         on_array(path, v)
         return {"__ndarray__": path}
-    if v is None or isinstance(v, (bool, str)):
-        return v
     if isinstance(v, np.generic):
         return {"__np__": v.dtype.str, "v": _enc(v.item(), path, on_array)}
+    if isinstance(v, str):  # subclasses of the plain types (bool has none)
+        return _as_plain(v, path, str.__str__(v))
     if isinstance(v, int):
-        return v
+        return _as_plain(v, path, int.__int__(v))
     if isinstance(v, float):
-        return _float(v)
+        return _float(_as_plain(v, path, float.__float__(v)))
     if isinstance(v, dict):
         return _enc_dict(v, path, on_array)
     if isinstance(v, list):
@@ -111,6 +133,8 @@ def _enc(v: Any, path: str, on_array: Callable[[str, Any], None]) -> Any:
     if isinstance(v, torch.device):
         return {"__device__": str(v)}
     if isinstance(v, (bytes, bytearray)):
+        if type(v) is not bytes:
+            _as_plain(v, path, bytes(v))
         return {"__bytes__": base64.b64encode(bytes(v)).decode("ascii")}
     if isinstance(v, pathlib.PurePath):  # a hyperparameter (Lightning's hparams, a config dataclass's dict)
         return {"__path__": str(v)}

@@ -101,3 +101,45 @@ def test_roundtrip_any_tree(state):
     out, arrays = roundtrip(state)
     assert_tree_same(state, out)
     assert len(set(arrays)) == len(arrays)
+
+
+def test_subclasses_of_plain_types_are_stored_as_their_plain_value_with_a_warning(caplog):
+    """IntEnum, str/float-mixin Enums, str subclasses and bytearray came back as the plain type
+    with no word (a torchtitan/DCP differential probe: DCP's pickle restores the class). fastckpt
+    never instantiates a class a checkpoint names, so they stay plain (as json.dumps writes them),
+    now with one WARNING per class naming a key path; a plain Enum is still refused."""
+    import enum
+
+    class Phase(enum.IntEnum):
+        WARMUP = 1
+        DECAY = 2
+
+    class Mode(str, enum.Enum):
+        TRAIN = "train"
+
+    class Ratio(float, enum.Enum):
+        HALF = 0.5
+
+    class Tag(str):
+        pass
+
+    class Color(enum.Enum):
+        RED = 1
+
+    state = {"phase": Phase.DECAY, "mode": Mode.TRAIN, "r": Ratio.HALF, "tag": Tag("run-a"),
+             "buf": bytearray(b"ab"), "more": [Phase.WARMUP], "b": b"xy", "n": 3, "s": "x"}
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        skel = json.loads(json.dumps(flatten(state, lambda k, v: None)))
+    out = unflatten(skel, lambda k, kind: None)
+    assert out == {"phase": 2, "mode": "train", "r": 0.5, "tag": "run-a", "buf": b"ab", "more": [1], "b": b"xy",
+                   "n": 3, "s": "x"}
+    assert [type(out[k]) for k in ("phase", "mode", "r", "tag", "buf")] == [int, str, float, str, bytes]
+    told = [r.message for r in caplog.records]
+    assert len(told) == 5 and any("'phase'" in m and "Phase" in m and "int value 2" in m for m in told), told
+    assert any("'mode'" in m and "str value 'train'" in m for m in told), told  # not "Mode.TRAIN"
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        flatten({"again": Phase.WARMUP}, lambda k, v: None)
+    assert not caplog.records  # once per class and process
+    with pytest.raises(UnsupportedValueError, match="'c'"):
+        flatten({"c": Color.RED}, lambda k, v: None)
