@@ -18,6 +18,10 @@ writes one atomic, committed folder per step: the model (torchtitan's flat FQNs,
 under ``"model"``) as HF-layout full-tensor ``model.safetensors`` (``model-*`` + index past one shard), optimizer /
 lr-scheduler / train state beside it, non-tensor values as JSON, no pickle (no ``.metadata``).
 
+The ranks' dataloader states (torchtitan's ``ParallelAwareDataloader``: a ``dp_rank_<r>`` key each)
+are exchanged over a gloo group of the manager's own and saved as one union (:func:`_gathered`):
+fastckpt's ranks save one state that must agree, where DCP's writer stores each rank's items.
+
 Also changed, because fastckpt's folders are committed by a rename: the newest step is the newest
 *committed* ``step-N`` (a hidden temporary of a save in flight, or one left by a crash, never
 counts) and ``keep_latest_k`` deletes only committed steps, never the newest
@@ -124,7 +128,8 @@ def _build_manager_class():
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-    from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
+    import torch.distributed as dist
+    from torchtitan.components.checkpoint import DATALOADER, MODEL, AsyncMode, CheckpointManager
 
     class FastCkptCheckpointManager(CheckpointManager):
         """torchtitan's ``CheckpointManager`` writing and reading fastckpt folders through DCP.
@@ -166,6 +171,9 @@ def _build_manager_class():
             if self.enable and self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
                 # set before torchtitan's _save would make its DefaultStager (shared + pinned memory)
                 self.stager = self.async_stager()
+            self._gather_pg = None  # gloo group of its own for the per-rank dataloader states: torchtitan's
+            if self.enable and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                self._gather_pg = dist.new_group(backend="gloo")  # self.pg may carry an async save's collectives
 
         def async_stager(self):
             """The stager of ``async_mode="async_with_pinned_mem"``: one ``FastCkptStager`` for the
@@ -197,6 +205,8 @@ def _build_manager_class():
                 return super().dcp_save(state_dict, checkpoint_id, async_mode,
                                         enable_garbage_collection, to_hf)
             state = self._nest(state_dict)
+            if state.get(DATALOADER) is not None and self._gather_pg is not None:
+                state[DATALOADER] = _gathered(state[DATALOADER], self._gather_pg)
             kw = {"storage_writer": self.storage_writer(checkpoint_id), "planner": self.save_planner()}
             if async_mode == AsyncMode.DISABLED:
                 ret = dcp_call(dcp.save, state, **kw)
@@ -259,6 +269,52 @@ def _build_manager_class():
 
     FastCkptCheckpointManager.__module__ = __name__
     return FastCkptCheckpointManager
+
+
+def _gathered(dataloader: Any, group: Any) -> dict:
+    """Every rank's dataloader state merged into one dict, the same on every rank.
+
+    torchtitan's ``ParallelAwareDataloader.state_dict()`` is ``{"dp_rank_<r>": bytes, "world_size": n}``:
+    a key per data-parallel rank. DCP's own writer stores each rank's items; fastckpt's ranks save
+    one state that must agree, so the ranks exchange theirs (JSON of fastckpt's value encoding over
+    ``group``, a gloo group; never pickled) and each saves the union (a key that several ranks hold,
+    e.g. ``world_size`` or a tensor-parallel peer's copy, keeps the lowest rank's value, as DCP's
+    deduplication keeps one rank's). On load each rank's own ``state_dict()`` names the keys it reads.
+
+    Raises:
+        fastckpt.errors.UnsupportedValueError: the state holds a tensor or a value fastckpt does not store.
+    """
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from fastckpt.errors import UnsupportedValueError
+    from fastckpt.format.tree import flatten, unflatten
+
+    sd = dataloader.state_dict() if hasattr(dataloader, "state_dict") else dataloader
+
+    def no_tensor(key: str, v: Any) -> None:
+        raise UnsupportedValueError(f"torchtitan dataloader state: a {type(v).__name__} at {key!r}; the per-rank "
+                                    "dataloader states are exchanged as JSON values (bytes, numbers, strings)")
+
+    raw = torch.frombuffer(bytearray(json.dumps(flatten(sd, no_tensor)).encode()), dtype=torch.uint8)
+    n = torch.tensor([raw.numel()], dtype=torch.int64)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, n, group=group)
+    most = int(max(int(x) for x in sizes))
+    mine = torch.zeros(most, dtype=torch.uint8)
+    mine[:raw.numel()] = raw
+    bufs = [torch.zeros(most, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(bufs, mine, group=group)
+    merged: dict = {}
+    for b, size in zip(bufs, sizes):
+        theirs = unflatten(json.loads(bytes(b[:int(size)].numpy())), lambda k, kind: None)
+        if isinstance(theirs, dict):
+            for k, v in theirs.items():
+                merged.setdefault(k, v)
+    return merged
 
 
 def __getattr__(name: str) -> Any:
