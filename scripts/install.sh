@@ -56,3 +56,4 @@ else
   step "LMCache skipped (FASTCKPT_SKIP_LMCACHE=1): its KV-tier tests skip"
 fi
 echo "fastckpt installed: $($PY -c 'import fastckpt, torch; print(fastckpt.__version__, "torch", torch.__version__)')"
+echo "(pip's 'ERROR: ... torchtitan ... requires' / '... lightning ... requires' lines above, after steps 6-9, are expected: both are installed --no-deps on purpose)"

@@ -211,6 +211,10 @@ def not_found_message(root: str | os.PathLike, prefix: str | None = None) -> str
     hint = ""
     if LOCAL.exists(os.path.join(root, MANIFEST)):
         hint = f" ({root} is itself a checkpoint: `fastckpt verify {root}`)"
+    elif (tag := _deepspeed_tag(root)) is not None:
+        hint = (f"; it is a DeepSpeed save_dir written by fastckpt's engine (tag {os.path.basename(tag)}, which "
+                f"'latest' names): DeepSpeed keeps its own tags. `fastckpt verify {root}` checks that tag, "
+                f"`fastckpt load {root} --to DIR` exports its weights")
     else:  # committed checkpoints named otherwise (Lightning's ModelCheckpoint: epoch=E-step=S.ckpt, last.ckpt)
         ours = sorted(n for n in LOCAL.listdir(root) if LOCAL.isfile(os.path.join(root, n, MANIFEST)))
         if ours:
@@ -218,3 +222,13 @@ def not_found_message(root: str | os.PathLike, prefix: str | None = None) -> str
                     f"{' ...' if len(ours) > 4 else ''}): pass one of them, e.g. "
                     f"`fastckpt verify {os.path.join(root, ours[-1])}`")
     return f"{root}: no checkpoints: no {what} folders in {where}{hint}"
+
+
+def _deepspeed_tag(root: str) -> str | None:
+    """The committed tag of a DeepSpeed ``save_dir`` that fastckpt's engine wrote, else None (never raises)."""
+    from ..errors import FastCkptError
+    from ..loading.zero import find_zero_tag
+    try:
+        return find_zero_tag(root)
+    except (FastCkptError, OSError):
+        return None

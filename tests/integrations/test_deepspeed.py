@@ -3,6 +3,8 @@ one-process failure path, and consolidation of hand-made ZeRO-1/2/3 partitions (
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 
@@ -158,6 +160,11 @@ def test_real_deepspeed_cpu_save_load(tmp_path, monkeypatch):
         from fastckpt.cli.main import main as cli_main
         (tmp_path / "latest").write_text(step_tag)
         assert cli_main(["verify", str(tmp_path), "-q"]) == 0
+        for cmd in (["ls", str(tmp_path)], ["prune", str(tmp_path), "--keep", "1"]):  # they said only
+            err = io.StringIO()  # 'no step-N, checkpoint-N ... folders' (a README-only trial)
+            with contextlib.redirect_stderr(err):
+                assert cli_main(cmd) == 2
+            assert "DeepSpeed save_dir written by fastckpt's engine" in err.getvalue() and step_tag in err.getvalue()
         shard = next((tmp_path / step_tag / "mp_rank_00_model_states.pt").glob("*.safetensors"))
         raw = bytearray(shard.read_bytes())
         raw[-2] ^= 0x01
