@@ -63,6 +63,7 @@ from ..saving.committer import folder_error
 from ..saving.export import Entry, copy_checked, plan_shards, read_checked, warm_files, write_shards
 from ..storage import commit as cm
 from ..storage.model_files import is_inside, safe_join
+from ..storage.locate import is_url, store_for
 from ..storage.store import LOCAL, strategy
 from ..storage.tier import tier_for
 
@@ -513,6 +514,14 @@ def vllm_command(model_dir: str, adapters: list[tuple[str, str]] = ()) -> str:
 def cmd_load(args: argparse.Namespace) -> int:
     """Resolve, verify, export or warm, then print the ``vllm serve`` command (stdout's only line;
     none when the source is not servable as it is, or fails ``--verify``). Returns the exit status."""
+    if is_url(args.source):  # s3://...: a local copy, exported from there
+        if not args.to:
+            raise ValueError(f"{args.source}: a load without --to warms the page cache of local files; an object "
+                             "store's checkpoint is downloaded: pass --to DIR to export it into a local folder")
+        with store_for(args.source).local_folder(args.source) as local:
+            print(f"fastckpt load: downloaded {args.source} into {local} (removed afterwards)", file=sys.stderr)
+            args.source = local
+            return cmd_load(args)
     zero_tag = find_zero_tag(args.source)  # refuses native DeepSpeed / DCP folders (pickles)
     if zero_tag is not None:
         if not args.to:  # warming is the job without --to; the ZeRO partitions are not servable as they are

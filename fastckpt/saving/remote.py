@@ -14,10 +14,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..errors import CheckpointExistsError
 from ..storage.fsspec_store import make_spool, upload_checkpoint
 from ..storage.locate import store_for
 from ..storage.store import LOCAL, Store
+from .committer import check_target
 from .future import SaveFuture
 
 
@@ -32,7 +32,8 @@ def start_remote_save(saver: Any, state: Any, path: str, pg: Any, options: dict)
 
     Raises:
         ValueError: ``process_group`` (multi-rank), ``link_from`` or a ``commit`` the store lacks.
-        CheckpointExistsError: ``path`` exists and ``overwrite`` is false.
+        CheckpointExistsError: ``path`` exists and ``overwrite`` is false, or holds objects that are
+            not a checkpoint (never deleted, as a local save never deletes other files).
     """
     options = dict(options)
     store: Store = store_for(path, options.pop("store", None))
@@ -48,14 +49,14 @@ def start_remote_save(saver: Any, state: Any, path: str, pg: Any, options: dict)
             or options.get("link_from"):
         raise ValueError(f"{url}: link_from= needs hard links on one file system; not with the {store.name} store")
     overwrite = bool(options.get("overwrite", False))
-    if not overwrite and store.exists(url):
-        raise CheckpointExistsError(f"{url} already exists; pass overwrite=True to replace it")
+    check_target(url, overwrite, store)  # a checkpoint or an empty prefix only: never someone else's objects
     user_hook = options.pop("on_commit", None)
     top = make_spool()
     local = os.path.join(top, store.basename(url) or "checkpoint")
 
     def commit_remote(_local_path) -> None:  # the save's background thread, after the local commit
         try:
+            check_target(url, overwrite, store)  # again: objects may have appeared at url since the call
             upload_checkpoint(local, store, url, overwrite=overwrite, commit=commit)
         finally:
             LOCAL.remove(top)

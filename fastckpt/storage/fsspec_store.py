@@ -29,7 +29,7 @@ import tempfile
 import threading
 from typing import Any, Iterator
 
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointExistsError, CheckpointNotFoundError
 from . import commit as cm
 from .io import FileWriter, PosixBackend, get_backend
 from .store import Store, strategy
@@ -218,12 +218,34 @@ class FsspecStore(Store):
         self.fs.makedirs(self._p(folder), exist_ok=True)
 
     def remove(self, path: str) -> bool:
+        """Delete the object or every object under the prefix ``path``, one key at a time: fsspec's
+        ``rm`` would expand ``*``, ``?`` and ``[...]`` in the key as a glob (``run*/step-1`` would
+        delete ``runZ/step-1``), and s3fs's bulk delete ignores per-key failures.
+
+        Raises:
+            PermissionError: objects are still there afterwards (no delete permission, an object
+                lock, a bucket policy): names the URL; the caller's removal did not happen.
+        """
         p = self._p(path)
         self.fs.invalidate_cache(p)
         if not self.fs.exists(p):
             return False
-        self.fs.rm(p, recursive=self.fs.isdir(p))
+        if self.fs.isdir(p):
+            found = self.fs.find(p, withdirs=True, detail=True)
+            files = sorted(k for k, info in found.items() if info.get("type") != "directory")
+            for f in files:
+                self.fs.rm_file(f)
+            dirs = sorted({k for k in found if k not in files} | {p}, key=len, reverse=True)
+            for d in dirs:  # emptied folders of file systems that keep them (memory://); never a bucket
+                self.fs.invalidate_cache(d)
+                if "/" in d and self.fs.exists(d):
+                    self.fs.rmdir(d)
+        else:
+            self.fs.rm_file(p)
         self.fs.invalidate_cache(p)
+        if self.fs.exists(p):
+            raise PermissionError(13, "objects are still there after deleting them (no delete permission, an "
+                                      "object lock or a bucket policy?)", self.normalize(path))
         return True
 
     def link(self, src: str, dst: str) -> bool:
@@ -236,21 +258,62 @@ class FsspecStore(Store):
 
     @contextlib.contextmanager
     def local_folder(self, path: str) -> Iterator[str]:
-        """Download checkpoint folder ``path`` into a local spool folder, yield it, remove it.
+        """Download checkpoint folder ``path`` (or one file of it, with its folder's ``manifest.json``
+        so that its checksums apply) into a local spool folder, yield the local path, remove it.
+        Errors raised inside name ``path``'s URL, not the spool copy.
 
         Raises:
-            CheckpointNotFoundError: no object under ``path``.
+            CheckpointNotFoundError: no object under ``path``, or a run root (folders of committed
+                checkpoints, named; nothing downloaded).
         """
         top = make_spool()
-        local = os.path.join(top, self.basename(path) or "checkpoint")
+        url, p = self.normalize(path), self._p(path)
+        name = self.basename(path) or "checkpoint"
+        local = os.path.join(top, name)
         try:
-            if not self.isdir(path):
-                raise CheckpointNotFoundError(f"{self.normalize(path)}: nothing there (no object under this "
-                                              f"prefix); check the bucket and prefix")
-            self.fs.get(self._p(path) + "/", local + "/", recursive=True)
-            yield local
+            if self.isfile(path):  # one file of a checkpoint (README's CKPT/model.safetensors)
+                parent = p.rsplit("/", 1)[0]
+                local = os.path.join(top, parent.rsplit("/", 1)[-1] or "checkpoint", name)
+                pairs = [(p, local)] + [(f"{parent}/{cm.MANIFEST}", os.path.join(os.path.dirname(local), cm.MANIFEST))
+                                        for _ in [0] if self.fs.exists(f"{parent}/{cm.MANIFEST}")]
+            elif self.isdir(path):
+                found = self.fs.find(p, withdirs=False)  # listed, never glob-expanded (run*/step-1)
+                if not self.fs.exists(f"{p}/{cm.MANIFEST}"):
+                    ours = sorted({k[len(p) + 1:].split("/", 1)[0] for k in found
+                                   if k.endswith("/" + cm.MANIFEST) and k.count("/") == p.count("/") + 2})
+                    if ours and not any(k.endswith(".safetensors") and k.count("/") == p.count("/") + 1
+                                        for k in found):
+                        raise CheckpointNotFoundError(
+                            f"{url}: a run root holding checkpoints ({', '.join(ours[:4])}"
+                            f"{' ...' if len(ours) > 4 else ''}), not one checkpoint: pass one of them, e.g. "
+                            f"{url}/{ours[-1]} (nothing was downloaded)")
+                pairs = [(k, os.path.join(local, k[len(p) + 1:])) for k in found]
+            else:
+                raise CheckpointNotFoundError(f"{url}: nothing there (no object under this prefix); check the "
+                                              f"bucket and prefix")
+            for d in sorted({os.path.dirname(lp) for _, lp in pairs} | {local if not pairs else top}):
+                os.makedirs(d, exist_ok=True)
+            if pairs:
+                self.fs.get([r for r, _ in pairs], [lp for _, lp in pairs])  # lists: no glob expansion
+            try:
+                yield local
+            except BaseException as e:
+                _name_url(e, local, url)
+                raise
         finally:
             shutil.rmtree(top, ignore_errors=True)
+
+
+def _name_url(e: BaseException, local: str, url: str) -> None:
+    """Rewrite the spool copy's path ``local`` as ``url`` in ``e``'s message and path attributes."""
+    e.args = tuple(a.replace(local, url) if isinstance(a, str) else a for a in e.args)
+    for attr in ("path", "filename"):
+        v = getattr(e, attr, None)
+        if isinstance(v, str) and local in v:
+            try:
+                setattr(e, attr, v.replace(local, url))
+            except (AttributeError, TypeError):
+                pass
 
 
 def upload_checkpoint(local: str, store: Store, path: str, *, overwrite: bool, commit: str = "marker") -> None:
@@ -267,12 +330,34 @@ def upload_checkpoint(local: str, store: Store, path: str, *, overwrite: bool, c
         names += [f if rel == "." else f"{rel}/{f}" for f in files]
     names = sorted(n for n in names if n not in (cm.MANIFEST, cm.OWNER))
     how = strategy(commit)
-    folder = how.begin(store, path, overwrite=overwrite, subfolders=names)
+    url = store.normalize(path)
+    try:
+        folder = how.begin(store, path, overwrite=overwrite, subfolders=names)
+    except FileExistsError as e:  # another writer's marker appeared since the check
+        if isinstance(e, CheckpointExistsError):
+            raise
+        raise CheckpointExistsError(f"{url}: another save is writing there ({e}); nothing was uploaded") from None
+    except Exception as e:
+        raise _upload_error(e, url, "starting the upload") from e
     try:
         for n in names:
             store.put_file(os.path.join(local, n), store.join(folder, n))
         store.put_file(os.path.join(local, cm.MANIFEST), store.join(folder, cm.MANIFEST))
         how.finish(store, folder, path, overwrite=overwrite)
-    except BaseException:
-        how.abort(store, folder)
+    except BaseException as e:
+        try:
+            how.abort(store, folder)
+        except Exception:  # noqa: BLE001 - the store is unreachable: the uncommitted prefix stays (no manifest)
+            pass
+        if isinstance(e, Exception) and not isinstance(e, OSError):
+            raise _upload_error(e, url, "uploading") from e
         raise
+
+
+def _upload_error(e: Exception, url: str, doing: str) -> OSError:
+    """An error of the store's client library (botocore's ``EndpointConnectionError`` is not an
+    ``OSError``) as an ``OSError`` naming the checkpoint's URL."""
+    if isinstance(e, OSError):
+        return e
+    return OSError(5, f"{doing} failed ({type(e).__name__}: {e}); nothing was committed (no manifest.json at "
+                      "it); check the endpoint and credentials, then save again", url)

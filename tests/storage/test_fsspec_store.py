@@ -395,3 +395,99 @@ def test_cli_ls_verify_prune_on_s3(bucket, tmp_path, capsys):
         assert cli_main(["prune", root, "--keep", "1"]) == 0
     assert [scan_checkpoints(r, "step-").steps for r in roots] == [[3], [3]]
     assert cli_main(["ls", f"s3://{name}/nothing"]) == 2
+
+
+def test_overwrite_never_deletes_objects_that_are_not_a_checkpoint(bucket):
+    """A local save with overwrite=True refuses a folder of other files; on s3 it deleted every object
+    under the prefix (an object-store differential probe). Refused on both, nothing deleted."""
+    name, fs, _ = bucket
+    fastckpt.save(make_state(1), f"s3://{name}/run/step-1")
+    fs.pipe_file(f"{name}/run/notes.txt", b"mine")
+    fs.pipe_file(f"{name}/afile", b"an object")
+    for url in (f"s3://{name}/run", f"s3://{name}/afile"):
+        for save in (fastckpt.save, fastckpt.async_save):
+            with pytest.raises(CheckpointExistsError, match="not a fastckpt checkpoint"):
+                save(make_state(2), url, overwrite=True)
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{name}/run/notes.txt") == b"mine" and fs.cat_file(f"{name}/afile") == b"an object"
+    assert fastckpt.is_committed(f"s3://{name}/run/step-1")
+    fastckpt.save(make_state(3), f"s3://{name}/run/step-1", overwrite=True)  # a checkpoint: replaced
+    assert_state_equal(fastckpt.load(f"s3://{name}/run/step-1"), make_state(3))
+
+
+def test_glob_characters_in_a_prefix_touch_only_that_prefix(bucket):
+    """fsspec's rm and get expand * ? [ ] as globs: overwriting s3://b/run*/step-1 deleted runZ/step-1,
+    pruning s3://b/run* deleted runZ's steps, and loads of such prefixes failed (an object-store
+    differential probe). Keys are listed and removed one by one now, as a local folder's names."""
+    name, fs, _ = bucket
+    for run in ("runZ", "run*", "r[1]"):
+        for s in (1, 2, 3):
+            fastckpt.save(make_state(s), f"s3://{name}/{run}/step-{s}")
+    fastckpt.save(make_state(9), f"s3://{name}/run*/step-1", overwrite=True)
+    assert prune_checkpoints(f"s3://{name}/run*", "step-", 1) == [1, 2]
+    fs.invalidate_cache()
+    assert sorted({p.split("/")[2] for p in fs.find(f"{name}/runZ")}) == ["step-1", "step-2", "step-3"]
+    assert sorted({p.split("/")[2] for p in fs.find(f"{name}/run*/")}) == ["step-3"]
+    assert_state_equal(fastckpt.load(f"s3://{name}/runZ/step-1"), make_state(1))
+    assert_state_equal(fastckpt.load(f"s3://{name}/run*/step-3"), make_state(3))
+    assert_state_equal(fastckpt.load(f"s3://{name}/r[1]/step-2"), make_state(2))
+    assert fastckpt.verify(f"s3://{name}/r[1]/step-2").ok
+
+
+def test_a_delete_the_store_ignores_is_an_error_not_a_removal(bucket, monkeypatch):
+    """s3fs's bulk delete ignores per-key errors (read-only credentials, an object lock): prune said
+    'removed steps: [1]', exit 0, and step 1 stayed committed (an object-store differential probe).
+    A delete that leaves the objects there raises PermissionError naming the URL."""
+    name, fs, _ = bucket
+    for s in (1, 2):
+        fastckpt.save(make_state(s), f"s3://{name}/run/step-{s}")
+    store = store_for(f"s3://{name}/run")
+    monkeypatch.setattr(store.fs, "rm_file", lambda path, **kw: None)  # the store drops the delete
+    with pytest.raises(PermissionError, match=f"s3://{name}/run/step-1"):
+        prune_checkpoints(f"s3://{name}/run", "step-", 1)
+    assert fastckpt.is_committed(f"s3://{name}/run/step-1")
+
+
+def test_one_file_of_an_s3_checkpoint_loads_and_errors_name_the_url(bucket, tmp_path):
+    """README's one-file load worked locally and said 'nothing there' on s3; `fastckpt load s3://...
+    --to DIR` took the URL for a local path; errors named the deleted spool copy; a run root was
+    downloaded whole before it was refused (an object-store differential probe)."""
+    name, fs, _ = bucket
+    url = f"s3://{name}/run/step-1"
+    state = make_state(1)
+    fastckpt.save(state, url)
+    got = fastckpt.load(f"{url}/model.safetensors")
+    assert all(torch.equal(got[k], state["model"][k]) for k in state["model"])
+    assert fastckpt.verify(f"{url}/model.safetensors").ok
+    with pytest.raises(KeyError, match=f"s3://{name}/run/step-1"):
+        fastckpt.load(url, keys="nope")
+    with pytest.raises(CheckpointNotFoundError, match=rf"s3://{name}/run: a run root .*step-1.*nothing was downloaded"):
+        fastckpt.load(f"s3://{name}/run")
+    fs.pipe_file(f"{name}/run/step-1/model.safetensors", fs.cat_file(f"{name}/run/step-1/model.safetensors")[:-1] + b"\x01")
+    with pytest.raises(fastckpt.CorruptCheckpointError):  # the file is checked against its manifest
+        fastckpt.load(f"{url}/model.safetensors")
+
+
+def test_a_client_error_mid_upload_is_an_oserror_naming_the_url(bucket, monkeypatch, capsys):
+    """The endpoint lost mid-upload raised botocore's EndpointConnectionError (no OSError, no fastckpt
+    error) from the cleanup, hiding the upload's own error and naming an encoded endpoint URL (an
+    object-store differential probe). Also: `fastckpt load s3://... ` without --to says to pass one."""
+    name, fs, _ = bucket
+    url = f"s3://{name}/run/step-5"
+
+    class EndpointGone(Exception):  # botocore's errors are no OSError
+        pass
+
+    def gone(*a, **kw):
+        raise EndpointGone("Could not connect to the endpoint URL")
+
+    monkeypatch.setattr(FsspecStore, "put_file", gone)
+    monkeypatch.setattr(FsspecStore, "remove", gone)  # the cleanup cannot reach the store either
+    with pytest.raises(OSError, match=rf"uploading failed \(EndpointGone: Could not connect.*") as ei:
+        fastckpt.save(make_state(5), url)
+    assert ei.value.filename == url
+    monkeypatch.undo()
+    assert not fastckpt.is_committed(url)
+    fastckpt.save(make_state(5), url, overwrite=True)
+    assert cli_main(["load", url]) == 2
+    assert "pass --to DIR" in capsys.readouterr().err
