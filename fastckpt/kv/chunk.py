@@ -35,8 +35,9 @@ class KVStoreOptions:
         verify: check the per-piece checksums on every read. Default True.
         min_rescan_interval_s: least time between two full folder scans done before
             an eviction, in seconds. Default 1.0.
-        stale_tmp_s: a temp file older than this (or whose writer on this host is
-            dead) is deleted by a scan, in seconds. Default 600.
+        stale_tmp_s: a temp file of another host older than this is deleted by a scan,
+            in seconds (one of this host is deleted when its writer is dead, never while it
+            lives). Default 600.
     """
 
     path: str
@@ -137,3 +138,27 @@ def chunk_name(key_string: str) -> str:
 def piece_hashes(buf: memoryview, piece_bytes: int) -> list[str]:
     """xxh3-64 hex digest of each ``piece_bytes`` piece of ``buf``."""
     return [xxhash.xxh3_64_hexdigest(buf[s:s + piece_bytes]) for s in range(0, len(buf), piece_bytes)]
+
+
+def chunk_groups(tensors: dict, nbytes: int, path: str) -> list[tuple[str, tuple[int, ...]]]:
+    """``[(safetensors dtype, shape)]`` of a chunk file's KV groups, from its header's ``tensors``
+    (name -> ``TensorInfo``), checked to be what :meth:`KVFileStore.write` writes: names exactly
+    ``kv.0 .. kv.<n-1>``, their bytes back to back in that order over the whole data region of
+    ``nbytes``. The piece checksums cover the data only: a flipped header byte that renamed
+    ``kv.0`` to ``kv.2`` would otherwise serve the groups in another order over the same bytes.
+
+    Raises:
+        ValueError: anything else (the caller treats the file as corrupt: a miss, dropped).
+    """
+    want = [f"kv.{i}" for i in range(len(tensors))]
+    if sorted(tensors) != sorted(want):
+        raise ValueError(f"{path}: tensor names {sorted(tensors)[:4]} are not kv.0 .. kv.{len(tensors) - 1}")
+    end = 0
+    for n in want:
+        t = tensors[n]
+        if t.start != end:
+            raise ValueError(f"{path}: {n} starts at data byte {t.start}, the group before it ends at {end}")
+        end = t.end
+    if end != nbytes:
+        raise ValueError(f"{path}: the groups cover {end} of the {nbytes} data bytes")
+    return [(tensors[n].dtype, tuple(tensors[n].shape)) for n in want]

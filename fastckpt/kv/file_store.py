@@ -54,7 +54,7 @@ from fastckpt.storage.model_files import read_header_fd
 from fastckpt.storage import ALIGN, FileWriter, buffer_address, fsync_dir, get_backend, read_exact
 from fastckpt.storage.store import LOCAL
 
-from .chunk import FORMAT_TAG, HEADER_ALIGN, ChunkHandle, KVStoreOptions, chunk_name, piece_hashes
+from .chunk import FORMAT_TAG, HEADER_ALIGN, ChunkHandle, KVStoreOptions, chunk_groups, chunk_name, piece_hashes
 from .folder_index import KVFolderIndex
 
 
@@ -191,7 +191,7 @@ class KVFileStore(KVFolderIndex):
             return None
         try:
             h = self._parse(fd, name, path)
-        except (CorruptCheckpointError, ValueError, KeyError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - any header that does not parse as ours is a bad file: a miss
             ino = self._be.inode(fd)
             self._be.close(fd)
             self.drop_corrupt(ChunkHandle(name, path, -1, -1, 0, [], 0, "", "", 1, [], ino), str(e))
@@ -211,13 +211,12 @@ class KVFileStore(KVFolderIndex):
             raise CorruptCheckpointError(f"{path}: format tag {meta.get('format')!r} != {FORMAT_TAG!r}", path=path)
         if chunk_name(meta["key"]) != name:
             raise CorruptCheckpointError(f"{path}: holds key {meta['key']!r}, not chunk {name}", path=path)
-        infos = list(hdr.tensors.values())
         nbytes = hdr.file_size - hdr.data_offset
         piece = int(meta["piece_bytes"])
         hashes = json.loads(meta["xxh3_64"])
         if piece <= 0 or len(hashes) != -(-nbytes // piece):
             raise CorruptCheckpointError(f"{path}: {len(hashes)} checksums for {nbytes} bytes", path=path)
-        groups = [(i.dtype, i.shape) for i in sorted(infos, key=lambda i: int(i.name.split(".")[1]))]
+        groups = chunk_groups(hdr.tensors, nbytes, path)
         return ChunkHandle(name, path, fd, -1, hdr.data_offset, groups, nbytes, meta["fmt"], meta["key"],
                            piece, hashes, self._be.inode(fd))
 

@@ -271,14 +271,16 @@ class KVFolderIndex:
             return []
 
     def _tmp_is_stale(self, m: re.Match, mtime: float, now: float) -> bool:
-        if now - mtime > self.opts.stale_tmp_s:
-            return True
+        """A temp file of this host is stale when its writer is gone (this process: not being
+        written; another: its pid dead or reused), whatever its age: a live writer's file is never
+        deleted, however slow its write. Another host's (a shared network tier) when older than
+        ``stale_tmp_s``: its writer cannot be asked."""
         if m.group(2) == host_tag():
             pid = int(m.group(3))
             if pid == os.getpid():
                 return m.group(1) not in self._writing
             return not pid_alive(pid, mtime)  # its writer started before it was last written
-        return False
+        return now - mtime > self.opts.stale_tmp_s
 
     def _rescan_locked(self) -> None:
         """Rebuild the index and re-derive the shared used-bytes counter from the folder (lock held).

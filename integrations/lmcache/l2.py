@@ -64,7 +64,7 @@ from fastckpt.format import dtype_to_str, parse_header
 from fastckpt.storage import ALIGN, buffer_address
 
 from fastckpt.kv import ChunkHandle, KVFileStore, KVStoreOptions, chunk_name
-from fastckpt.kv.chunk import FORMAT_TAG, HEADER_ALIGN
+from fastckpt.kv.chunk import FORMAT_TAG, HEADER_ALIGN, chunk_groups
 
 from .config import OPTIONS
 
@@ -142,23 +142,17 @@ class FastCkptL2AdapterConfig(L2AdapterConfigBase):
 
 
 class _WholeChunkStore(KVFileStore):
-    """The chunk store, noting the chunks that eviction removed (to tell LMCache's listeners)."""
+    """The chunk store, noting every chunk this process removed (to tell LMCache's listeners): LRU
+    evictions for a put, evictions for the tier's shared budget (a checkpoint needing room), chunks
+    dropped as corrupt, and deletes LMCache asked for (those it reports itself; see :meth:`take_removed`)."""
 
     def __init__(self, options: KVStoreOptions):
         self.removed: list[str] = []
-        self._in_room = False
         super().__init__(options)
-
-    def _make_room_locked(self, need: int) -> None:
-        self._in_room = True
-        try:
-            super()._make_room_locked(need)
-        finally:
-            self._in_room = False
 
     def _unlink_chunk_locked(self, name: str, ino: int | None = None) -> int | None:
         freed = super()._unlink_chunk_locked(name, ino)
-        if freed is not None and self._in_room:
+        if freed is not None:
             with self._tlock:
                 self.removed.append(name)
         return freed
@@ -213,15 +207,14 @@ class _WholeChunkStore(KVFileStore):
             piece, hashes = int(meta["piece_bytes"]), json.loads(meta["xxh3_64"])
             if piece <= 0 or len(hashes) != -(-len(buf) // piece):
                 raise CorruptCheckpointError(f"{path}: {len(hashes)} checksums for {len(buf)} bytes", path=path)
-            infos = sorted(hdr.tensors.values(), key=lambda i: int(i.name.split(".")[1]))
-            return ChunkHandle(name, path, -1, -1, hdr.data_offset, [(i.dtype, i.shape) for i in infos],
+            return ChunkHandle(name, path, -1, -1, hdr.data_offset, chunk_groups(hdr.tensors, len(buf), path),
                                len(buf), meta["fmt"], meta["key"], piece, hashes, st.st_ino)
-        except (CorruptCheckpointError, ValueError, KeyError) as e:
+        except Exception as e:  # noqa: BLE001 - any header that does not parse as ours is a bad file: a miss
             self.drop_corrupt(ChunkHandle(name, path, -1, -1, 0, [], 0, "", "", 1, [], st.st_ino), str(e))
             return None
 
     def take_removed(self) -> list[str]:
-        """Names evicted since the last call."""
+        """Names removed since the last call (the adapter reports those it still lists as stored)."""
         with self._tlock:
             out, self.removed = self.removed, []
         return out
@@ -415,6 +408,7 @@ class FastCkptL2Adapter(L2AdapterInterface):
         with self._lock:
             self._done_lookups[tid] = bm
         self._lookup_efd.notify()
+        self._report_evicted()  # chunks evicted for the tier's budget since the last task
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         """The lookup bitmap of ``task_id`` once (None before it is ready and after it was taken)."""
@@ -446,6 +440,12 @@ class FastCkptL2Adapter(L2AdapterInterface):
         return tid
 
     def _run_load(self, tid: L2TaskId, keys: list, objects: list) -> None:
+        try:
+            self._load(tid, keys, objects)
+        finally:
+            self._report_evicted()  # chunks dropped as corrupt by this load, evicted for the tier meanwhile
+
+    def _load(self, tid: L2TaskId, keys: list, objects: list) -> None:
         t0 = time.perf_counter()
         n = len(keys)
         bm = Bitmap(n)
@@ -562,14 +562,17 @@ class FastCkptL2Adapter(L2AdapterInterface):
         gone, sizes = [], []
         for key in keys:
             name = self._name(key)
+            with self._lock:  # taken first: the removal is reported here, never again by _report_evicted
+                ks = self._keys.pop(name, None)
             try:
                 if not self.store.remove(name):
                     continue
             except OSError as e:
+                if ks is not None:
+                    with self._lock:
+                        self._keys.setdefault(name, ks)
                 logger.warning("fastckpt kv: L2 delete of %s failed: %s", self._key_string(key), e)
                 continue
-            with self._lock:
-                ks = self._keys.pop(name, None)
             gone.append(key)
             sizes.append(ks[1] if ks else 0)
         if gone:

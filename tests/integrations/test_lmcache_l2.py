@@ -320,6 +320,8 @@ def test_checksum_failed_chunk_is_a_miss_and_is_dropped(tmp_path, piece_bytes, p
         assert not f.exists() and a.report_status()["corrupt_dropped"] == 1
         assert _lookup(a, [k1, k2]) == [False, True]
         assert audit(str(tmp_path))["counter"] == audit(str(tmp_path))["disk"]
+        # LMCache's listeners learn of the dropped chunk: its usage counted it forever (a KV-tier probe)
+        assert a._listeners[0].deleted == [k1] and a.get_usage().total_bytes_used == 64 << 10
     finally:
         a.close()
 
@@ -382,5 +384,29 @@ def test_restart_reuse_dead_writer_and_capacity_shared_with_the_in_process_store
         assert st["counter"] == st["disk"] == 3 * per_file and st["temps"] == 0
         assert not os.path.exists(other.path_for(chunk_name(key)))  # the older, never-read chunk was evicted
         assert _lookup(a, [_key(1), _key(2), _key(3)]) == [True, True, True]
+    finally:
+        a.close()
+
+
+def test_evictions_for_the_tier_budget_are_reported_to_lmcache(tmp_path, monkeypatch):
+    """Chunks evicted to fit the tier's shared budget (a put over it, or a checkpoint needing room)
+    were never reported: get_usage() showed 3 chunks while 2 were on disk (an LMCache KV-tier probe)."""
+    n = 64 << 10
+    (tmp_path / "tier").mkdir()
+    monkeypatch.setenv("FASTCKPT_TIER_DIR", str(tmp_path / "tier"))  # a tier of this test's own
+    monkeypatch.delenv("FASTCKPT_TIER", raising=False)
+    monkeypatch.setenv("FASTCKPT_TIER_BUDGET_BYTES", str(2 * (n + 4096)))
+    a = _adapter(tmp_path / "kv")
+    listener = a._listeners[0]
+    try:
+        keys = [_key(i) for i in (1, 2, 3)]
+        for i, k in enumerate(keys):
+            assert _store(a, [k], [_Buf(_payload(i + 1))]).is_successful()
+        present = _lookup(a, keys)
+        a.submit_unlock([k for k, p in zip(keys, present) if p])
+        assert present.count(True) == 2
+        gone = [k for k, p in zip(keys, present) if not p]
+        assert listener.deleted == gone
+        assert a.get_usage().total_bytes_used == 2 * n
     finally:
         a.close()

@@ -268,3 +268,28 @@ def test_full_tier_fails_the_put_cleanly(tiny_tmpfs):
     assert st.used_bytes() == st.disk_bytes()
     assert all(torch.equal(_get(st, n), _chunk(i)) for i, n in enumerate(ok))
     st.close()
+
+
+@pytest.mark.parametrize("old, new", [(b'"kv.0"', b'"kv.2"'), (b'"kv.0"', b'"kv/0"'),
+                                      (b'"__metadata__"', b'"^_metadata__"'), (b'"kv.1"', b'"kv.0"')])
+def test_a_damaged_header_is_a_miss_never_another_layout(tmp_path, old, new):
+    """The piece checksums cover the data only: a header byte flipped 'kv.0' -> 'kv.2' in a two-group
+    chunk was a hit with the groups' shapes swapped over the same bytes, and other flips raised
+    IndexError / UnsupportedDtypeError out of open_chunk (into LMCache's retrieve), the file kept
+    (an LMCache KV-tier differential probe). Any header that is not what write() writes is a miss,
+    and the file is dropped."""
+    st = _store(tmp_path)
+    a, b = _chunk(1), _chunk(2)[:, :, :128]  # two groups of different shapes
+    key = "model@1@0@ab@bfloat16"
+    buf = memoryview(torch.cat([a.reshape(-1), b.reshape(-1)]).view(torch.uint8).numpy()).cast("B")
+    name = chunk_name(key)
+    st.write(name, key, "KV_2LTD", [("BF16", tuple(a.shape), a.numel() * 2), ("BF16", tuple(b.shape), b.numel() * 2)], buf)
+    h = st.open_chunk(name)
+    assert h is not None and h.groups == [("BF16", tuple(a.shape)), ("BF16", tuple(b.shape))]
+    st.close_chunk(h)
+    path = st.path_for(name)
+    raw = open(path, "rb").read()
+    assert raw.count(old) == 1
+    open(path, "wb").write(raw.replace(old, new))
+    assert st.open_chunk(name) is None  # a miss, no exception
+    assert not os.path.exists(path) and not st.contains(name)  # dropped: not a hit again, not an error again

@@ -314,3 +314,29 @@ def test_temp_file_of_a_reused_pid_is_stale_and_a_live_writers_is_kept(tmp_path)
         newcomer.kill()
         newcomer.wait()
         st.close()
+
+
+def test_a_live_writers_temp_file_is_never_stale_by_age(tmp_path):
+    """The age rule ran before the liveness checks: a scan deleted live writers' temp files, this
+    process's own in-flight ones too, and with stale_tmp_s=0 59 of 80 puts failed with a bare
+    FileNotFoundError (an LMCache KV-tier probe). Age now applies only to other hosts' files."""
+    st = _store(tmp_path, stale_tmp_s=0)
+    try:
+        name = chunk_name(_key(0))
+        own = st.temp_path_for(name)
+        head, _, tail = os.path.basename(own).rsplit(".", 2)
+        live = os.path.join(os.path.dirname(own), f"{head}.{os.getppid()}.{tail}1")  # another live process here
+        other_host = os.path.join(os.path.dirname(own), os.path.basename(live).replace(
+            TMP_RE.match(os.path.basename(live)).group(2), "0" * len(TMP_RE.match(os.path.basename(live)).group(2))))
+        os.makedirs(os.path.dirname(own), exist_ok=True)
+        for p, age in ((live, 1), (other_host, 3600)):  # the live one written after its writer started
+            with open(p, "wb") as f:
+                f.write(b"x" * 100)
+            os.utime(p, (time.time() - age, time.time() - age))
+        time.sleep(0.05)  # older than stale_tmp_s=0 either way
+        st.rescan()
+        assert os.path.exists(live)  # its writer lives: kept, however old
+        assert not os.path.exists(other_host)  # another host's, older than stale_tmp_s: removed
+        assert audit(str(tmp_path))["disk"] == audit(str(tmp_path))["counter"] == 100
+    finally:
+        st.close()
