@@ -6,7 +6,7 @@ The same state (bf16 tensors of mixed sizes under ``state["model"]``) is written
 format; every load then runs in a fresh subprocess that ends with every tensor in memory it owns
 (mmap-backed loaders are copied out). Cold runs drop the page cache (``/proc/sys/vm/drop_caches``,
 root) right before the timed load; warm runs read the files through the page cache first.
-Order is rotated per repetition; medians are quoted. Results: ``benchmarks/results/load.json``.
+Order is shuffled per repetition; medians are quoted. Results: ``benchmarks/results/load.json``.
 
 ``fastckpt.load`` and ``fastckpt.load_into`` check every tensor's xxh3 by default; the
 ``(verify=False)`` rows skip it, so the pair measures the cost of the check (``fastckpt.load_into``

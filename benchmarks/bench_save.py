@@ -3,7 +3,7 @@
     python benchmarks/bench_save.py [--size-gib 2] [--reps 3] [--dir /tmp/fastckpt-bench] [--plot]
 
 Every contender runs in a fresh subprocess on the same state (bf16 tensors of mixed sizes under
-``state["model"]``) and includes fsync of its files (durable). Order is rotated per repetition;
+``state["model"]``) and includes fsync of its files (durable). Order is shuffled per repetition;
 medians are quoted. Results: ``benchmarks/results/save.json`` (``--plot``: ``save.png``).
 """
 
