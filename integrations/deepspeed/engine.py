@@ -72,12 +72,12 @@ def encode(v: Any, path: str = "") -> Any:
     Raises:
         UnsupportedValueError: a value of a class outside :data:`ALLOWED_TYPES` (names its path).
     """
+    if isinstance(v, enum.Enum) and _qual(type(v)) in ALLOWED_TYPES:  # before the plain types: an IntEnum is an int
+        return {"__ds_enum__": _qual(type(v)), "value": encode(v.value, path)}
     if isinstance(v, _PLAIN) or (isinstance(v, type(torch.float32))):
         return v
     if isinstance(v, torch.Size):
         return {"__ds_size__": list(v)}
-    if isinstance(v, enum.Enum) and _qual(type(v)) in ALLOWED_TYPES:
-        return {"__ds_enum__": _qual(type(v)), "value": encode(v.value, path)}
     if isinstance(v, (set, frozenset)):
         return {"__ds_set__": [encode(x, path) for x in sorted(v, key=repr)]}
     if isinstance(v, dict):
