@@ -179,9 +179,12 @@ def _owning_manifest(path: str, h: Header) -> tuple[str, Manifest, str] | None:
         CorruptCheckpointError: the manifest is damaged, or the file differs from what it lists
             (truncated, replaced), naming both.
     """
-    folder = os.path.dirname(path)
-    for root, name in ((folder, os.path.basename(path)),
-                       (os.path.dirname(folder), f"{os.path.basename(folder)}/{os.path.basename(path)}")):
+    places = []  # where the file is named (a hub snapshot's manifest sits beside its symlink), then what it is
+    for p in dict.fromkeys((path, os.path.realpath(path))):  # (a serving folder's symlink to a checkpoint's file)
+        folder = os.path.dirname(p)
+        places += [(folder, os.path.basename(p)),
+                   (os.path.dirname(folder), f"{os.path.basename(folder)}/{os.path.basename(p)}")]
+    for root, name in places:
         if os.path.basename(root).startswith(".") or not LOCAL.isfile(os.path.join(root, cm.MANIFEST)):
             continue
         m = cm.read_manifest(root)

@@ -137,6 +137,12 @@ def test_one_file_of_a_checkpoint_is_checked_against_its_manifest(tmp_path):
             fastckpt.load(f)
         with pytest.raises(fastckpt.ChecksumMismatchError, match=key):
             fastckpt.load_into({key: torch.zeros_like(value)}, f)
+        link = tmp_path / "serve" / os.path.basename(fname)  # a serving folder's symlink to it (a README trial)
+        link.parent.mkdir(exist_ok=True)
+        link.unlink(missing_ok=True)
+        link.symlink_to(f)
+        with pytest.raises(fastckpt.ChecksumMismatchError, match=key):
+            fastckpt.load(link)
         assert not torch.equal(fastckpt.load(f, verify=False)[key], value)  # asked not to check: read as stored
         _flip(f, e.offsets[0] + 4 * 3, 6)
     f = os.path.join(ck, model_file)
