@@ -527,3 +527,17 @@ def test_load_into_given_a_path_as_the_state_says_what_a_state_is(tmp_path):
             fastckpt.load_into(bad, path)
     filled = fastckpt.load_into({"model": {"w": torch.zeros(6)}}, path)
     assert torch.equal(filled["model"]["w"], torch.arange(6, dtype=torch.float32))
+
+
+def test_an_extra_safetensors_file_must_be_one(tmp_path):
+    """``extra_files={"adapter_model.safetensors": b""}`` (a name the save does not write itself)
+    committed a checkpoint every load and verify then refused (HeaderError; a second README-only
+    trial): refused at the call; real safetensors bytes are kept as they are."""
+    from safetensors.torch import save as st_save
+    for bad in (b"", b"junk", (100).to_bytes(8, "little") + b"{}"):
+        with pytest.raises(InvalidArgumentError, match="'adapter_model.safetensors'.*not a safetensors file"):
+            fastckpt.save(state(), tmp_path / "ck", extra_files={"adapter_model.safetensors": bad})
+        assert leftovers(tmp_path) == []
+    good = st_save({"lora_A.weight": torch.ones(2, 2)})
+    fastckpt.save(state(), tmp_path / "ck", extra_files={"adapter_model.safetensors": good})
+    assert (tmp_path / "ck" / "adapter_model.safetensors").read_bytes() == good and fastckpt.verify(tmp_path / "ck").ok

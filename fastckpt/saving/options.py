@@ -214,6 +214,8 @@ class SaveOptions:
                     "their index; fastckpt's own state-*.safetensors, rank*-*.safetensors, state-rank*.json); "
                     "the weights come from the state, not from extra_files: rename the file or pass the tensors "
                     "in the state")
+            if n.endswith(".safetensors"):
+                _check_safetensors_bytes(n, data)
         for name in ("early_writes", "defer_frozen"):
             if not isinstance(getattr(c, name), bool):
                 raise InvalidArgumentError(f"{name} must be True or False, got {getattr(c, name)!r}")
@@ -244,6 +246,30 @@ class SaveOptions:
                 raise InvalidArgumentError(f"step must be an int (the training step) or None, got "
                                            f"{type(self.step).__name__} {self.step!r:.80}") from None
         check_metadata(self.metadata, path="save option metadata=")
+
+
+def _check_safetensors_bytes(name: str, data: bytes | bytearray | memoryview) -> None:
+    """Every ``*.safetensors`` file of a checkpoint is read as one (headers validated at each load):
+    an extra file by that name must be a safetensors file, or the committed checkpoint would not load.
+
+    Raises:
+        InvalidArgumentError: names the file and what is wrong with its bytes.
+    """
+    from ..errors import FastCkptError
+    from ..format.safetensors import parse_header
+    raw = bytes(data[:8]) if len(data) >= 8 else b""
+    try:
+        if len(raw) < 8:
+            raise ValueError(f"{len(data)} bytes, shorter than the 8-byte header length")
+        n = int.from_bytes(raw, "little")
+        if 8 + n > len(data):
+            raise ValueError(f"a header of {n} bytes in {len(data)} bytes")
+        parse_header(bytes(data[8:8 + n]), len(data), path=name)
+    except (ValueError, FastCkptError) as e:
+        raise InvalidArgumentError(
+            f"extra_files[{name!r}] is named .safetensors but is not a safetensors file ({e}); every *.safetensors "
+            "file of a checkpoint is read as one, so the checkpoint would not load. Pass the bytes of "
+            "safetensors.torch.save(...) or name the file otherwise") from None
 
 
 def _plain_path(name: object) -> bool:
