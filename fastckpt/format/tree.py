@@ -149,7 +149,9 @@ def _enc_dict(d: dict, path: str, on_array: Callable[[str, Any], None]) -> Any:
             raise UnsupportedValueError(
                 f"dict at key path {path or '<root>'!r} has a key {k!r} of type {type(k).__name__}; "
                 "only str and int keys are supported")
-    pairs = [[k, _enc(x, join(path, k), on_array)] for k, x in d.items()]
+    keys = [k if type(k) in (str, int) else _as_plain(k, join(path, k), str.__str__(k) if isinstance(k, str)
+                                                       else int.__int__(k)) for k in d]  # IntEnum / str-Enum keys
+    pairs = [[k, _enc(x, join(path, k), on_array)] for k, x in zip(keys, d.values())]
     if isinstance(d, collections.Counter):  # an LR scheduler's milestones (MultiStepLR): its methods are used
         return {"__dict__": pairs, "__counter__": True}
     if all(isinstance(k, str) and not k.startswith("__") for k in d):

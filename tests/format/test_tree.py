@@ -143,3 +143,23 @@ def test_subclasses_of_plain_types_are_stored_as_their_plain_value_with_a_warnin
     assert not caplog.records  # once per class and process
     with pytest.raises(UnsupportedValueError, match="'c'"):
         flatten({"c": Color.RED}, lambda k, v: None)
+
+
+def test_subclass_dict_keys_are_stored_plain_with_the_warning_too(caplog):
+    """FORMAT.md promises the WARNING for IntEnum / str-Enum values; as dict keys they lost their type
+    with no word (a second README-only trial)."""
+    import enum
+
+    class Layer(str, enum.Enum):
+        ENC = "enc"
+
+    class Idx(enum.IntEnum):
+        ZERO = 0
+
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        skel = json.loads(json.dumps(flatten({"model": {Layer.ENC: 1}, "opt": {Idx.ZERO: 2}}, lambda k, v: None)))
+    out = unflatten(skel, lambda k, kind: None)
+    assert out == {"model": {"enc": 1}, "opt": {0: 2}}
+    assert [type(k) for k in (*out["model"], *out["opt"])] == [str, int]
+    told = [r.message for r in caplog.records]
+    assert any("'model/enc'" in m and "Layer" in m for m in told) and any("Idx" in m for m in told), told
