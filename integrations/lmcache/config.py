@@ -196,6 +196,12 @@ def _unknown_keys(cfg, extra: dict, ours: list[str]) -> list[str]:
             if near:
                 warns.append(f"extra_config {key}: no plugin {parts[1]!r} is configured, ignored; "
                              f"did you mean storage_plugin.{near}.{parts[2]}?")
+    for key in extra:  # a misspelt prefix: storage_plugn.fastckpt.max_bytes (the option silently dropped)
+        head, _, rest = str(key).partition(".")
+        if rest and head not in ("storage_plugin", "external_backend") and difflib.get_close_matches(
+                head, ["storage_plugin"], cutoff=0.8):
+            warns.append(f"extra_config {key}: not an option LMCache passes to a plugin, ignored; "
+                         f"did you mean storage_plugin.{rest}?")
     if isinstance(cfg, dict):
         for key in cfg:
             if str(key) not in _TOP_KEYS:
@@ -212,7 +218,7 @@ def plugin_names(cfg) -> list[str]:
     for name in _get(cfg, "storage_plugins") or []:
         mod = str(extra.get(f"storage_plugin.{name}.module_path", ""))
         cls = extra.get(f"storage_plugin.{name}.class_name")
-        if cls == CLASS_NAME and mod.endswith("integrations.lmcache.backend"):
+        if cls == CLASS_NAME and mod == MODULE_PATH:  # what LMCache imports: exactly (fastkpt.integ... is a typo)
             out.append(name)
     return out
 
@@ -254,10 +260,10 @@ def check_config(cfg) -> list[str]:
         cls = str(extra.get(f"storage_plugin.{name}.class_name") or "")
         if name in ours or not mod or not cls:
             continue
-        if mod.startswith("fastckpt") or difflib.get_close_matches(cls, [CLASS_NAME], cutoff=0.8) \
-                or extra.get(f"storage_plugin.{name}.path"):
+        if difflib.get_close_matches(mod, [MODULE_PATH], cutoff=0.8) or difflib.get_close_matches(
+                cls, [CLASS_NAME], cutoff=0.8) or extra.get(f"storage_plugin.{name}.path"):
             bad = []
-            if not mod.endswith("integrations.lmcache.backend"):
+            if mod != MODULE_PATH:
                 bad.append(f"module_path {mod!r}")
             if cls != CLASS_NAME:
                 bad.append(f"class_name {cls!r}")

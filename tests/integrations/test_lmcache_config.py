@@ -193,6 +193,7 @@ def test_lmcache_really_ignores_the_old_keys(tmp_path):
 
 @pytest.mark.parametrize("key, typo", [("class_name", "FastCkptKVBackendX"),
                                        ("module_path", "fastckpt.integrations.lmcache.backnd"),
+                                       ("module_path", "fastkpt.integrations.lmcache.backend"),
                                        ("class_name", "FastckptKVBackend")])
 def test_cli_flags_a_typo_in_our_module_or_class_name(_cli, tmp_path, key, typo):
     """README's yaml with a typo in class_name or module_path said "ok, but ... configures no fastckpt
@@ -202,3 +203,12 @@ def test_cli_flags_a_typo_in_our_module_or_class_name(_cli, tmp_path, key, typo)
     assert rc == 1 and "Traceback" not in out + err, out + err
     assert f"{key} {typo!r}" in out and "did you mean module_path fastckpt.integrations.lmcache.backend, " \
         "class_name FastCkptKVBackend?" in out, out
+
+
+def test_cli_flags_a_misspelt_storage_plugin_prefix(_cli, tmp_path):
+    """``storage_plugn.fastckpt.max_bytes`` passed as "ok": the capacity silently unlimited (a second
+    README-only trial)."""
+    (tmp_path / "kv").mkdir()
+    rc, out, _ = _cli(tmp_path, {"storage_plugin.fastckpt.path": str(tmp_path / "kv"),
+                                 "storage_plugn.fastckpt.max_bytes": 1 << 40})
+    assert rc == 1 and "did you mean storage_plugin.fastckpt.max_bytes?" in out, out
