@@ -401,10 +401,14 @@ def prune_checkpoints(root: str | os.PathLike, prefix: str, keep: int,
 
 def _uncommitted_reason(store, folder: str) -> str:
     """Why a step folder without a valid manifest is skipped: a checkpoint another tool wrote (DCP's
-    ``.metadata``, DeepSpeed's ``latest`` tags hold ``*_states.pt``), or a save that never committed."""
+    ``.metadata``), a DeepSpeed tag of fastckpt's engine (``*_states.pt`` folders, ``fastckpt_tag.json``),
+    or a save that never committed."""
     try:
         if store.exists(store.join(folder, ".metadata")):
             return "a torch.distributed.checkpoint (DCP) folder (.metadata), not fastckpt's: left alone"
+        if store.exists(store.join(folder, "fastckpt_tag.json")):  # fastckpt.loading.zero.MARKER
+            return ("a committed DeepSpeed tag written by fastckpt's engine (fastckpt_tag.json; its *_states.pt "
+                    "folders are the checkpoints): `fastckpt verify` it; DeepSpeed keeps its own tags: left alone")
     except OSError:
         pass
     return "no valid manifest.json: never committed (crashed save or not fastckpt)"

@@ -108,3 +108,17 @@ def test_cli_subprocess_verify_flipped_byte(tmp_path):
     p = subprocess.run(cmd + ["verify", str(mgr.path(1))], capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, (p.stdout, p.stderr)
     assert "'opt/m'" in p.stdout and fname in p.stdout
+
+
+def test_ls_names_deepspeed_tags_named_step_n_as_such(tmp_path, capsys):
+    """A DeepSpeed save_dir whose tags are named step-N (save_checkpoint(dir, tag=f"step-{n}")) by
+    fastckpt's engine: ls called every committed tag "never committed (crashed save or not fastckpt)"
+    while verify said OK (a second README-only trial)."""
+    import fastckpt
+    tag = tmp_path / "step-3"
+    fastckpt.save({"module": {"w": torch.ones(2)}}, tag / "mp_rank_00_model_states.pt")
+    (tag / "fastckpt_tag.json").write_text("{}")
+    (tmp_path / "latest").write_text("step-3")
+    assert main(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "step-3" in out and "DeepSpeed tag written by fastckpt's engine" in out and "never committed" not in out, out
