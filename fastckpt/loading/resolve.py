@@ -180,7 +180,7 @@ def _owning_manifest(path: str, h: Header) -> tuple[str, Manifest, str] | None:
             (truncated, replaced), naming both.
     """
     places = []  # where the file is named (a hub snapshot's manifest sits beside its symlink), then what it is
-    for p in dict.fromkeys((path, os.path.realpath(path))):  # (a serving folder's symlink to a checkpoint's file)
+    for p in dict.fromkeys((path, LOCAL.realpath(path))):  # (a serving folder's symlink to a checkpoint's file)
         folder = os.path.dirname(p)
         places += [(folder, os.path.basename(p)),
                    (os.path.dirname(folder), f"{os.path.basename(folder)}/{os.path.basename(p)}")]
