@@ -247,17 +247,23 @@ def run_child(script: str, name: str, args: list[str], timeout: float = 1800, ba
     fastckpt package of the checkout ``baseline`` first on ``PYTHONPATH`` (today's main beside
     the new code, same bytes, same run), and its rows are renamed with the suffix.
     """
-    env = None
-    child = name
+    child, checkout = name, os.path.dirname(os.path.dirname(os.path.abspath(script)))
     if name.endswith(BASELINE):
         if not baseline:
             return {"error": f"{name} needs --baseline SRC (a checkout of the code to compare with)"}
-        child = name[:-len(BASELINE)]
-        env = {**os.environ, "PYTHONPATH": os.path.abspath(baseline) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        child, checkout = name[:-len(BASELINE)], os.path.abspath(baseline)
+    # Both sides get the same kind of environment: their checkout first on PYTHONPATH, the rest as
+    # given. Only the baseline used to get one ("SRC:" with an empty PYTHONPATH, so one sys.path entry
+    # more): HEAD against a worktree of HEAD, the @baseline row's first async_save blocked 0.25 s and
+    # ours 0.37 s, 7 reps of 7; the first fastckpt.save took 0.61 vs 0.77 s. A second PYTHONPATH
+    # entry alone does it (PYTHONPATH=SRC vs SRC:/nonexistent, fresh processes alternating); the
+    # memcpy child is not affected and the tier arbiter is not the cause (FASTCKPT_TIER=off): the
+    # mechanism is not found.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (checkout, os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, script, "--child", child, *args]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     res = _child_json(p)
-    if env is not None and "rows" in res:
+    if child != name and "rows" in res:
         for row in res["rows"]:
             row["name"] += BASELINE
     return res
