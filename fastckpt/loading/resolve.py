@@ -179,17 +179,13 @@ def _owning_manifest(path: str, h: Header) -> tuple[str, Manifest, str] | None:
         CorruptCheckpointError: the manifest is damaged, or the file differs from what it lists
             (truncated, replaced), naming both.
     """
-    places = []  # where the file is named (a hub snapshot's manifest sits beside its symlink), then what it is
-    for p in dict.fromkeys((path, LOCAL.realpath(path))):  # (a serving folder's symlink to a checkpoint's file)
-        folder = os.path.dirname(p)
-        places += [(folder, os.path.basename(p)),
-                   (os.path.dirname(folder), f"{os.path.basename(folder)}/{os.path.basename(p)}")]
-    for root, name in places:
-        if os.path.basename(root).startswith(".") or not LOCAL.isfile(os.path.join(root, cm.MANIFEST)):
+    # where the file is named (a hub snapshot's manifest sits beside its symlink), then what it is
+    # (a serving folder's symlink to a checkpoint's file)
+    for p in dict.fromkeys((path, LOCAL.realpath(path))):
+        found = cm.listing_checkpoint(os.path.dirname(p), os.path.basename(p))
+        if found is None:
             continue
-        m = cm.read_manifest(root)
-        if name not in m.files:
-            continue
+        root, m, name = found
         size = LOCAL.size(path)
         if size != m.files[name].bytes:
             raise CorruptCheckpointError(f"{path}: {size} bytes on disk, {os.path.join(root, cm.MANIFEST)} says "

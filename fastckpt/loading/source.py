@@ -23,7 +23,7 @@ from typing import Iterable
 import torch
 
 from ..errors import CheckpointNotFoundError
-from ..storage.commit import MANIFEST, read_manifest_shared
+from ..storage.commit import MANIFEST, listing_checkpoint, read_manifest_shared
 from ..storage.retention import scan_checkpoints
 from ..format.dtypes import itemsize, str_to_dtype
 from ..format.manifest import RangeCheck
@@ -127,16 +127,12 @@ class Source:
 
 def owning_checkpoint(folder: str, name: str) -> tuple[str, str]:
     """``(checkpoint folder, file name in it)`` of file ``name`` of ``folder``: ``folder`` itself when it
-    has a manifest, else its parent when the parent's manifest lists ``<folder's name>/<name>`` (peft's
-    second adapter, ``CKPT/second/adapter_model.safetensors``, is listed by ``CKPT/manifest.json``);
-    ``(folder, name)`` when neither is a checkpoint."""
+    has a manifest, else the parent whose manifest lists ``<folder's name>/<name>`` (peft's second
+    adapter; :func:`~fastckpt.storage.commit.listing_checkpoint`); ``(folder, name)`` when neither is a checkpoint."""
     if LOCAL.isfile(os.path.join(folder, MANIFEST)):
         return folder, name
-    parent = os.path.dirname(os.path.abspath(folder))
-    sub = f"{os.path.basename(os.path.abspath(folder))}/{name}"
-    if LOCAL.isfile(os.path.join(parent, MANIFEST)) and sub in read_manifest_shared(parent).files:
-        return parent, sub
-    return folder, name
+    found = listing_checkpoint(folder, name)
+    return (found[0], found[2]) if found else (folder, name)
 
 
 def file_checks(folder: str | os.PathLike, name: str) -> tuple[int, list[RangeCheck]] | None:

@@ -175,6 +175,22 @@ def read_manifest_shared(path: str | os.PathLike, store=None) -> Manifest:
     return m
 
 
+def listing_checkpoint(folder: str | os.PathLike, name: str) -> tuple[str, Manifest, str] | None:
+    """The committed fastckpt checkpoint whose manifest lists file ``name`` of ``folder``, as
+    ``(checkpoint folder, its manifest, the file's name there)``: ``folder``'s own manifest, else its
+    parent's listing ``<folder's name>/<name>`` (peft's second adapter, ``CKPT/second/adapter_model.safetensors``,
+    is listed by ``CKPT/manifest.json``). ``None`` when no visible (not ``.``-prefixed) folder's manifest lists it.
+    Manifests are read through :func:`read_manifest_shared`. Raises as :func:`read_manifest` (a damaged manifest)."""
+    folder = os.path.abspath(folder)
+    for root, rel in ((folder, name), (os.path.dirname(folder), f"{os.path.basename(folder)}/{name}")):
+        if os.path.basename(root).startswith(".") or not os.path.isfile(os.path.join(root, MANIFEST)):
+            continue
+        m = read_manifest_shared(root)
+        if rel in m.files:
+            return root, m, rel
+    return None
+
+
 def is_committed(path: str | os.PathLike, store=None) -> bool:
     """True if ``path`` is a committed fastckpt checkpoint folder (visible name + valid manifest).
 
