@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .dtypes import itemsize, str_to_dtype
-from .safetensors import encode_header
+from .safetensors import INDEX_SUFFIX, encode_header
 
 #: Files of a fastckpt checkpoint folder that the reference writers (``save_pretrained`` of
 #: transformers and peft, the Trainer's model files) do not write for the same model, as
@@ -73,6 +73,9 @@ STATE_STEM = "state"
 #: weights group, named as ``save_pretrained`` names it (:func:`shard_file_names`).
 _INTERNAL_STEM = re.compile(r"state|rank\d+")
 
+#: What :func:`shard_file_names` appends to a stem past one file, as a pattern (``-0000k-of-0000n.safetensors``).
+_SHARD_SUFFIX = r"-\d{5}-of-\d{5}\.safetensors"
+
 #: Smallest data bytes per file when a stem that several ranks write is cut for its writers
 #: (:func:`plan_save` ``writers``): below this, one more file's create and fsync cost more than two
 #: ranks taking turns at one file's write lock.
@@ -106,7 +109,7 @@ def shard_file_names(stem: str, n: int, *, peft: bool = False) -> list[str]:
 
 #: Files of a checkpoint folder that only fastckpt writes besides its shards: per-rank skeletons of
 #: ``local_keys`` subtrees (``state-rank0000r.json``) and the DCP drop-in's ``dcp_metadata.json``.
-_INTERNAL_FILE = re.compile(r"(?:state|rank\d+)-\d{5}-of-\d{5}\.safetensors|state-rank\d{5}\.json|dcp_metadata\.json")
+_INTERNAL_FILE = re.compile(f"(?:{_INTERNAL_STEM.pattern}){_SHARD_SUFFIX}" + r"|state-rank\d{5}\.json|dcp_metadata\.json")
 
 
 def written_by_save(name: str, stems: Iterable[str]) -> bool:
@@ -121,8 +124,7 @@ def written_by_save(name: str, stems: Iterable[str]) -> bool:
         if stem.endswith(".safetensors"):
             if name == stem:
                 return True
-        elif name in (f"{stem}.safetensors", f"{stem}.safetensors.index.json") or re.fullmatch(
-                re.escape(stem) + r"-\d{5}-of-\d{5}\.safetensors", name):
+        elif name in (f"{stem}.safetensors", stem + INDEX_SUFFIX) or re.fullmatch(re.escape(stem) + _SHARD_SUFFIX, name):
             return True
     return False
 
