@@ -274,8 +274,9 @@ class FsspecStore(Store):
             if self.isfile(path):  # one file of a checkpoint (README's CKPT/model.safetensors)
                 parent = p.rsplit("/", 1)[0]
                 local = os.path.join(top, parent.rsplit("/", 1)[-1] or "checkpoint", name)
-                pairs = [(p, local)] + [(f"{parent}/{cm.MANIFEST}", os.path.join(os.path.dirname(local), cm.MANIFEST))
-                                        for _ in [0] if self.fs.exists(f"{parent}/{cm.MANIFEST}")]
+                pairs = [(p, local)]
+                if self.fs.exists(f"{parent}/{cm.MANIFEST}"):  # the file is checked against its manifest
+                    pairs.append((f"{parent}/{cm.MANIFEST}", os.path.join(os.path.dirname(local), cm.MANIFEST)))
             elif self.isdir(path):
                 found = self.fs.find(p, withdirs=False)  # listed, never glob-expanded (run*/step-1)
                 if not self.fs.exists(f"{p}/{cm.MANIFEST}"):
@@ -337,6 +338,8 @@ def upload_checkpoint(local: str, store: Store, path: str, *, overwrite: bool, c
         if isinstance(e, CheckpointExistsError):
             raise
         raise CheckpointExistsError(f"{url}: another save is writing there ({e}); nothing was uploaded") from None
+    except OSError:
+        raise
     except Exception as e:
         raise _upload_error(e, url, "starting the upload") from e
     try:
@@ -355,9 +358,7 @@ def upload_checkpoint(local: str, store: Store, path: str, *, overwrite: bool, c
 
 
 def _upload_error(e: Exception, url: str, doing: str) -> OSError:
-    """An error of the store's client library (botocore's ``EndpointConnectionError`` is not an
-    ``OSError``) as an ``OSError`` naming the checkpoint's URL."""
-    if isinstance(e, OSError):
-        return e
+    """An error of the store's client library that is not an ``OSError`` (botocore's
+    ``EndpointConnectionError``) as an ``OSError`` naming the checkpoint's URL."""
     return OSError(5, f"{doing} failed ({type(e).__name__}: {e}); nothing was committed (no manifest.json at "
                       "it); check the endpoint and credentials, then save again", url)

@@ -491,3 +491,22 @@ def test_a_client_error_mid_upload_is_an_oserror_naming_the_url(bucket, monkeypa
     fastckpt.save(make_state(5), url, overwrite=True)
     assert cli_main(["load", url]) == 2
     assert "pass --to DIR" in capsys.readouterr().err
+
+
+def test_an_oserror_starting_the_upload_is_raised_as_itself(bucket, monkeypatch):
+    """An OSError from the commit strategy's start (a denied write) is raised as it is: it was passed
+    through the client-error wrapper and raised `from` itself, a cause cycle in every traceback."""
+    import fastckpt.storage.fsspec_store as fss
+    name, _, _ = bucket
+    url = f"s3://{name}/run/step-6"
+
+    class Denied:
+        def begin(self, *a, **kw):
+            raise PermissionError(13, "Access Denied", url)
+
+    monkeypatch.setattr(fss, "strategy", lambda commit: Denied())
+    with pytest.raises(PermissionError, match="Access Denied") as ei:
+        fastckpt.save(make_state(6), url)
+    assert ei.value.__cause__ is not ei.value
+    monkeypatch.undo()
+    assert not fastckpt.is_committed(url)
