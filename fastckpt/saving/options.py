@@ -251,21 +251,17 @@ class SaveOptions:
 def _check_safetensors_bytes(name: str, data: bytes | bytearray | memoryview) -> None:
     """Every ``*.safetensors`` file of a checkpoint is read as one (headers validated at each load):
     an extra file by that name must be a safetensors file, or the committed checkpoint would not load.
+    Checked as a load checks a file's header (:func:`fastckpt.format.safetensors.read_header_at`).
 
     Raises:
         InvalidArgumentError: names the file and what is wrong with its bytes.
     """
     from ..errors import FastCkptError
-    from ..format.safetensors import parse_header
-    raw = bytes(data[:8]) if len(data) >= 8 else b""
+    from ..format.safetensors import read_header_at
+    mv = memoryview(data).cast("B")
     try:
-        if len(raw) < 8:
-            raise ValueError(f"{len(data)} bytes, shorter than the 8-byte header length")
-        n = int.from_bytes(raw, "little")
-        if 8 + n > len(data):
-            raise ValueError(f"a header of {n} bytes in {len(data)} bytes")
-        parse_header(bytes(data[8:8 + n]), len(data), path=name)
-    except (ValueError, FastCkptError) as e:
+        read_header_at(lambda offset, n: bytes(mv[offset:offset + n]), len(mv), name)
+    except FastCkptError as e:
         raise InvalidArgumentError(
             f"extra_files[{name!r}] is named .safetensors but is not a safetensors file ({e}); every *.safetensors "
             "file of a checkpoint is read as one, so the checkpoint would not load. Pass the bytes of "
