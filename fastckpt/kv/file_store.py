@@ -44,6 +44,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+from typing import Callable
 import time
 
 import xxhash
@@ -66,15 +67,18 @@ class KVFileStore(KVFolderIndex):
 
     Args:
         options: see :class:`KVStoreOptions`.
+        on_remove: called with a chunk's name after this process deleted its file (an LRU eviction
+            for a put, an eviction for the tier's shared budget, a chunk dropped as corrupt, a
+            :meth:`remove`), with the folder's lock held: keep it short (append to a list). Default None.
 
     Raises:
         OSError: the folder cannot be created or the lock file opened.
     """
 
-    def __init__(self, options: KVStoreOptions):
+    def __init__(self, options: KVStoreOptions, *, on_remove: Callable[[str], None] | None = None):
         self._direct_ok = options.o_direct and hasattr(os, "O_DIRECT")
         self._be = get_backend(None)
-        super().__init__(options)
+        super().__init__(options, on_remove=on_remove)
 
     # ----- writing -------------------------------------------------------------------------
     def write(self, name: str, key: str, fmt: str, groups: list, buf: memoryview) -> bool:

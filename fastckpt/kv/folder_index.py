@@ -44,6 +44,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from typing import Callable
 
 from fastckpt.errors import InsufficientSpaceError
 from fastckpt.storage.commit import host_tag, pid_alive
@@ -134,8 +135,9 @@ class KVFolderIndex:
     the flock).
     """
 
-    def __init__(self, options: KVStoreOptions):
+    def __init__(self, options: KVStoreOptions, *, on_remove: Callable[[str], None] | None = None):
         self.opts = options
+        self._on_remove = on_remove
         self.root = os.path.abspath(options.path)
         LOCAL.makedirs(self.root)
         self.stats = KVStats()
@@ -389,6 +391,8 @@ class KVFolderIndex:
             self._rescan_locked()  # changed behind our back: re-derive from the folder
         else:
             self._adjust_used(-st.size)
+        if self._on_remove is not None:
+            self._on_remove(name)
         return st.size
 
     def drop_corrupt(self, handle: ChunkHandle, why: str) -> None:

@@ -148,14 +148,7 @@ class _WholeChunkStore(KVFileStore):
 
     def __init__(self, options: KVStoreOptions):
         self.removed: list[str] = []
-        super().__init__(options)
-
-    def _unlink_chunk_locked(self, name: str, ino: int | None = None) -> int | None:
-        freed = super()._unlink_chunk_locked(name, ino)
-        if freed is not None:
-            with self._tlock:
-                self.removed.append(name)
-        return freed
+        super().__init__(options, on_remove=self.removed.append)
 
     def read_whole(self, name: str, buf: memoryview) -> ChunkHandle | None | bool:
         """Read chunk ``name``'s header page and data with one O_DIRECT ``preadv`` (header -> a
@@ -216,7 +209,8 @@ class _WholeChunkStore(KVFileStore):
     def take_removed(self) -> list[str]:
         """Names removed since the last call (the adapter reports those it still lists as stored)."""
         with self._tlock:
-            out, self.removed = self.removed, []
+            out = list(self.removed)
+            self.removed.clear()  # the same list: on_remove appends to it
         return out
 
 
