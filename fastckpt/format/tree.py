@@ -105,6 +105,24 @@ def _as_plain(v: Any, path: str, plain: Any) -> Any:
     return plain
 
 
+#: Container classes read back as what they subclass with no WARNING: an OrderedDict (every
+#: ``state_dict()``; its order is kept), a Counter (kept as one), ``torch.Size`` (a tuple of ints).
+_PLAIN_CONTAINERS = (dict, list, tuple, collections.OrderedDict, collections.Counter, torch.Size)
+
+
+def tell_plain_container(v: Any, path: str, plain: type) -> None:
+    """WARNING, once per class and process, that container ``v`` (a ``defaultdict``, a namedtuple, a
+    user's ``dict``/``list`` subclass) is stored as a plain ``plain`` and read back as one: its class
+    and what only the class holds (a ``default_factory``, field names) are not stored."""
+    t = type(v)
+    if t not in _told:
+        _told.add(t)
+        logger.warning("fastckpt: state value at key path %r is a %s.%s, stored as a plain %s and read back as one "
+                       "(its default_factory or field names are lost: fastckpt never instantiates a class named "
+                       "by a checkpoint); rebuild it after loading (e.g. defaultdict(int, d), MyTuple(*t)) where "
+                       "the type matters", path or "<root>", t.__module__, t.__qualname__, plain.__name__)
+
+
 def _enc(v: Any, path: str, on_array: Callable[[str, Any], None]) -> Any:
     if type(v) in _PLAIN or v is None:
         return _float(v) if type(v) is float else v
@@ -122,6 +140,8 @@ def _enc(v: Any, path: str, on_array: Callable[[str, Any], None]) -> Any:
         return _as_plain(v, path, int.__int__(v))
     if isinstance(v, float):
         return _float(_as_plain(v, path, float.__float__(v)))
+    if isinstance(v, (dict, list, tuple)) and type(v) not in _PLAIN_CONTAINERS:
+        tell_plain_container(v, path, dict if isinstance(v, dict) else list if isinstance(v, list) else tuple)
     if isinstance(v, dict):
         return _enc_dict(v, path, on_array)
     if isinstance(v, list):
