@@ -154,7 +154,7 @@ class FastCkptState:
         return {"config.json": self._model_files(model)["config.json"]}  # as save_pretrained writes it
 
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
-                   **save_model_func_kwargs) -> str:
+                   **save_model_func_kwargs) -> Path:
         """Save everything ``accelerator.save_state`` saves, through fastckpt (atomic commit).
 
         Args:
@@ -165,7 +165,8 @@ class FastCkptState:
             **save_model_func_kwargs: accelerate hands these to DeepSpeed only (not supported here).
 
         Returns:
-            The checkpoint folder (committed unless ``async_save``; then after :meth:`wait`).
+            The checkpoint folder as a ``pathlib.Path``, as accelerate's ``save_state`` returns it
+            (committed unless ``async_save``; then after :meth:`wait`).
 
         Raises:
             AccelerateStateError: (a ``ValueError``, like accelerate) the automatic folder already
@@ -183,7 +184,7 @@ class FastCkptState:
             self._save_sharded(out, multi)
             acc.wait_for_everyone()
             cfg.iteration += 1
-            return str(out)
+            return out
         rngs = dt.gather(capture_rng_state()) if multi else None  # collective: before the main-only branch
         weights = st.model_weights(acc)
         originals = list(weights)
@@ -197,7 +198,7 @@ class FastCkptState:
             self._start(state, out, names, extra)  # no process_group: the writing process writes alone
         acc.wait_for_everyone()
         cfg.iteration += 1
-        return str(out)
+        return out
 
     def _start(self, state: dict, out: Path, names: dict, extra: dict) -> None:
         """Start the save of ``state`` to ``out`` (waited for unless ``async_save``)."""
@@ -285,10 +286,24 @@ class FastCkptState:
 
     # -- load ----------------------------------------------------------------------------------
     def latest(self) -> Path | None:
-        """Newest committed ``checkpoint_N`` under ``project_dir/checkpoints`` (others are logged)."""
+        """Newest committed ``checkpoint_N`` under ``project_dir/checkpoints``; newer folders that
+        fastckpt did not commit (a save that crashed or is still writing) are logged and skipped.
+
+        Raises:
+            AccelerateCheckpointNotFoundError: a newer ``checkpoint_N`` holds accelerate's own files
+                (``random_states_*.pkl``, ``*.bin``: written by ``save_state`` without the plugin).
+                accelerate would resume from it; resuming silently from an older one is refused.
+        """
         for n, p in reversed(step_folders(self._root(), _AUTO_PREFIX)):
             if fastckpt.is_committed(p):
                 return p
+            theirs = sorted(f.name for f in Path(p).iterdir() if f.suffix in (".pkl", ".bin")) if Path(p).is_dir() else []
+            if theirs:
+                raise AccelerateCheckpointNotFoundError(
+                    f"{p} is the newest checkpoint and was written by accelerate's own save_state (it holds "
+                    f"{', '.join(theirs[:3])}{' ...' if len(theirs) > 3 else ''}); fastckpt reads only what it "
+                    f"saved. Load it with accelerate alone (before enabling the plugin), or pass input_dir= "
+                    f"an older checkpoint_N to resume from that one")
             logger.info("fastckpt: skipping %s: no committed fastckpt manifest", p)
         return None
 

@@ -237,7 +237,7 @@ def _tied_aliases(sd: dict[str, torch.Tensor]) -> dict[str, set[str]]:
     """key -> every key of ``sd`` sharing its storage, offset and shape (tied weights)."""
     groups: dict[tuple, set[str]] = {}
     for k, t in sd.items():
-        if t.numel():
+        if isinstance(t, torch.Tensor) and t.numel():  # (a module's _extra_state may be any value)
             groups.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)), set()).add(k)
     return {k: g for g in groups.values() for k in g}
 
@@ -257,7 +257,8 @@ def check_model(model, stored: dict[str, torch.Tensor], *, strict: bool, what: s
     missing = [k for k in live if k not in stored and not (aliases.get(k, set()) & stored.keys())]
     unexpected = [k for k in stored if k not in live]
     mismatched = {k: (tuple(t.shape), tuple(live[k].shape)) for k, t in stored.items()
-                  if k in live and tuple(t.shape) != tuple(live[k].shape)}
+                  if k in live and isinstance(t, torch.Tensor) and isinstance(live[k], torch.Tensor)
+                  and tuple(t.shape) != tuple(live[k].shape)}
     if not mismatched and (not strict or not (missing or unexpected)):
         return
 

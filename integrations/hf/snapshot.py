@@ -67,11 +67,15 @@ def dedup_tied(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
     Returns:
         A new dict, in ``sd``'s order, keeping the first key of each (storage pointer, storage
-        offset, shape); empty tensors are always kept.
+        offset, shape); empty tensors and values that are no tensor (a module's ``_extra_state``
+        from ``get_extra_state``, saved in ``state.json``) are always kept.
     """
     seen: set[tuple[int, int, tuple]] = set()
     out = {}
     for k, t in sd.items():
+        if not isinstance(t, torch.Tensor):
+            out[k] = t
+            continue
         loc = _local(t)
         ident = (loc.untyped_storage().data_ptr(), loc.storage_offset(), tuple(t.shape)) if loc.numel() else None
         if ident is not None and ident in seen:

@@ -149,3 +149,51 @@ def test_the_torch_optimizer_is_found_inside_accelerates_wrapper_while_accumulat
     assert type(wrapped).__name__ == "AcceleratedOptimizer" and torch_optimizer(wrapped) is opt
     assert len(get_optimizer_state_dict(model, torch_optimizer(wrapped))["state"]) == 2
     assert torch_optimizer(None) is None and torch_optimizer(opt) is opt
+
+
+def test_save_state_returns_a_path_as_accelerate_does(tmp_path):
+    """accelerate's save_state returns a pathlib.Path; the plugin returned a str, so
+    `acc.save_state(d) / "meta.json"` raised TypeError (an accelerate differential probe)."""
+    acc, model, opt, sched, dl, counter, plugin = setup(tmp_path)
+    got = acc.save_state()
+    assert isinstance(got, Path) and got == tmp_path / "checkpoints" / "checkpoint_0" and fastckpt.is_committed(got)
+
+
+def test_a_newer_checkpoint_by_accelerate_alone_is_refused_not_skipped(tmp_path):
+    """checkpoints/ with the plugin's checkpoint_0 and a newer checkpoint_1 by accelerate's own
+    save_state (before the plugin was enabled): accelerate resumes from checkpoint_1, the plugin
+    resumed silently from checkpoint_0 (an accelerate differential probe)."""
+    from fastckpt.errors import AccelerateCheckpointNotFoundError
+    acc, model, opt, sched, dl, counter, plugin = setup(tmp_path)
+    acc.save_state()
+    theirs = tmp_path / "checkpoints" / "checkpoint_1"
+    theirs.mkdir()
+    (theirs / "random_states_0.pkl").write_bytes(b"\x80\x04N.")
+    (theirs / "optimizer.bin").write_bytes(b"x")
+    with pytest.raises(AccelerateCheckpointNotFoundError, match=r"checkpoint_1 is the newest checkpoint and was written by accelerate's own"):
+        acc.load_state()
+    acc.load_state(tmp_path / "checkpoints" / "checkpoint_0")  # asked for by name: fine
+
+
+def test_a_modules_extra_state_round_trips(tmp_path):
+    """A module's non-tensor get_extra_state() (quantization / Transformer Engine modules) made the save
+    fail with AttributeError: 'dict' object has no attribute 'numel' (dedup_tied; an accelerate
+    differential probe). It is saved in state.json and handed back to set_extra_state."""
+    from accelerate import Accelerator
+
+    class Calibrated(torch.nn.Linear):
+        def get_extra_state(self):
+            return {"calib": 3, "scale": 0.5}
+
+        def set_extra_state(self, s):
+            self.got = s
+
+    acc = Accelerator(cpu=True)
+    acc.prepare(Calibrated(2, 2))
+    fca.enable(acc)
+    out = acc.save_state(tmp_path / "c")
+    acc2 = Accelerator(cpu=True)
+    m2 = acc2.prepare(Calibrated(2, 2))
+    fca.enable(acc2)
+    acc2.load_state(out)
+    assert m2.got == {"calib": 3, "scale": 0.5}

@@ -242,7 +242,7 @@ def test_numbering_continues_after_load_state(tmp_path):
     acc2, model2, opt2, dl2, _ = make(tmp_path, total_limit=2)  # a restarted run: iteration 0
     acc2.load_state()
     assert acc2.project_configuration.iteration == 3
-    assert acc2.save_state() == str(ck / "checkpoint_3")
+    assert acc2.save_state() == ck / "checkpoint_3"
     assert sorted(os.listdir(ck)) == ["checkpoint_2", "checkpoint_3"]  # the new save is kept
 
     acc2.project_configuration.iteration = 2  # accelerate refuses an existing folder with ValueError

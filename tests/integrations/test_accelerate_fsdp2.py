@@ -146,7 +146,7 @@ def rank_train(project: str) -> dict:
         seen.append((len(models), len(weights)))
         Path(output_dir, "note.txt").write_text("written by a save pre-hook")
     handle = acc.register_save_state_pre_hook(hook)
-    res["saved"] = acc.save_state()
+    res["saved"] = str(acc.save_state())
     handle.remove()
     res["hook"] = seen
     assert _rng() == res["rng"]  # saving draws nothing from the RNG
@@ -155,7 +155,7 @@ def rank_train(project: str) -> dict:
     res["epoch1"] = _epoch(acc, model, opt, sched, dl)
     res["full1"] = _full(model, opt)
     plugin.async_save = True
-    res["saved"] = [res["saved"], acc.save_state()]  # returns after staging
+    res["saved"] = [res["saved"], str(acc.save_state())]  # returns after staging
     _epoch(acc, model, opt, sched, dl)  # trains on while the save is written: must not leak into it
     plugin.wait()  # every rank
     return res

@@ -80,10 +80,10 @@ WORKER = textwrap.dedent(r'''
             res["losses"] += epoch(e)
             if e == 0:
                 plugin.async_save = False
-                res["saved"] = [acc.save_state()]
+                res["saved"] = [str(acc.save_state())]
             elif e == 1:
                 plugin.async_save = True
-                res["saved"].append(acc.save_state())
+                res["saved"].append(str(acc.save_state()))
         plugin.wait()
         res["digest"] = digest()
     else:
