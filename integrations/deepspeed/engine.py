@@ -11,19 +11,23 @@ Call order (DeepSpeed ``save_checkpoint``, every rank): ``create(info)`` -> ``ma
 model writer for ZeRO-1/2, ``zero_pp_rank_{r}_mp_rank_00_model_states.pt`` on every rank for
 ZeRO-3, ``zero_pp_rank_{r}_..._optim_states.pt`` on every ZeRO rank) -> ``commit(info)`` ->
 rank 0 writes ``save_dir/latest``. Each ``path`` becomes a fastckpt checkpoint *folder* of that
-name (safetensors + JSON, committed by rename); ``save`` only stages (async). ``commit`` is a
-vote of every rank (:mod:`fastckpt.integrations.deepspeed.tag`): it returns only once every
-rank's files are durable and rank 0 has written the tag's ``fastckpt_tag.json``; if any rank
-failed, it raises :class:`~fastckpt.errors.DistributedSaveError` on every rank, each rank removes
-its files of the tag, and DeepSpeed never writes ``latest`` (which keeps naming the previous,
-complete tag). ``load(path)`` reads such a folder back (no unpickling), only from a tag whose
+name (safetensors + JSON), written first under a hidden name beside it (``.NAME.fastckpt-new``);
+``save`` only stages (async). ``commit`` is a vote of every rank
+(:mod:`fastckpt.integrations.deepspeed.tag`): once every rank's new files are durable, rank 0
+removes the tag's ``fastckpt_tag.json``, every rank renames its new files into place (replacing a
+previous save of the same tag), and rank 0 writes the marker again; ``commit`` returns after that.
+If any rank failed to write, it raises :class:`~fastckpt.errors.DistributedSaveError` on every
+rank, each rank removes its new files, and DeepSpeed never writes ``latest`` (which keeps naming
+the previous, complete tag; a tag saved again, a rolling ``tag="last"``, keeps its previous files
+and marker). ``load(path)`` reads such a folder back (no unpickling), only from a tag whose
 marker lists it. ``fastckpt load SAVE_DIR --to DIR`` turns such a tag into an HF folder
 (:mod:`fastckpt.loading.zero`).
 
-Values DeepSpeed puts in its states that are not tensors or JSON (``torch.Size``, ``set``,
+Values DeepSpeed puts in its states that are not tensors or JSON (``torch.Size``, ``set``, ``frozenset``,
 ``ZeroStageEnum``, ``LossScaler``, ``fragment_address``) are stored as tagged JSON (``{"__ds_size__":
 [...]}``...); a dict of the caller's with a key of the tags' form as ``{"__ds_dict__": [[key, value],
-...]}``, so it comes back as a dict. Dicts come back as ``dict`` (an ``OrderedDict`` too: equal, in order). Loading
+...]}``, so it comes back as a dict. Dicts come back as ``dict`` (an ``OrderedDict`` too: equal, in order;
+a ``defaultdict`` too, with fastckpt's WARNING that its ``default_factory`` is not kept). Loading
 rebuilds only the classes named in :data:`ALLOWED_TYPES`: a checkpoint cannot make the loader
 import or call anything else (a type name outside the list is refused with
 :class:`~fastckpt.errors.UntrustedTypeError`, before any object is built).
@@ -31,6 +35,7 @@ import or call anything else (a type name outside the list is refused with
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import importlib
@@ -43,6 +48,8 @@ import torch
 import fastckpt
 from . import tag
 from fastckpt.errors import CheckpointNotFoundError, StateMismatchError, UnsupportedValueError, UntrustedTypeError
+from fastckpt.format.tree import tell_plain_container
+from fastckpt.storage.commit import commit_dir
 from fastckpt.storage.model_files import is_inside
 
 #: The only classes :func:`decode` rebuilds (``module:qualname``): those DeepSpeed 0.19 puts in
@@ -79,8 +86,11 @@ def encode(v: Any, path: str = "") -> Any:
     if isinstance(v, torch.Size):
         return {"__ds_size__": list(v)}
     if isinstance(v, (set, frozenset)):
-        return {"__ds_set__": [encode(x, path) for x in sorted(v, key=repr)]}
+        out = {"__ds_set__": [encode(x, path) for x in sorted(v, key=repr)]}
+        return {**out, "frozen": True} if isinstance(v, frozenset) else out
     if isinstance(v, dict):
+        if type(v) not in (dict, collections.OrderedDict):  # a caller's defaultdict: its factory is not kept
+            tell_plain_container(v, path, dict)
         items = {k: encode(x, f"{path}/{k}") for k, x in v.items()}
         if any(isinstance(k, str) and k.startswith("__ds_") for k in v):  # a caller's dict of the tags' form
             return {"__ds_dict__": [[k, x] for k, x in items.items()]}        # is not read back as a tag
@@ -133,7 +143,8 @@ def decode(v: Any, source: str = "<state>") -> Any:
         if "__ds_size__" in v:
             return torch.Size(v["__ds_size__"])
         if "__ds_set__" in v:
-            return {decode(x, source) for x in v["__ds_set__"]}
+            items = {decode(x, source) for x in v["__ds_set__"]}
+            return frozenset(items) if v.get("frozen") else items
         if "__ds_enum__" in v:
             return _cls(v["__ds_enum__"], source)(decode(v["value"], source))
         if "__ds_obj__" in v:
@@ -149,6 +160,13 @@ def decode(v: Any, source: str = "<state>") -> Any:
     if isinstance(v, tuple):
         return tuple(decode(x, source) for x in v)
     return v
+
+
+def _new_name(path: str) -> str:
+    """Where :meth:`FastCkptCheckpointEngine.save` writes file ``path`` of a tag until :meth:`~FastCkptCheckpointEngine.commit`
+    renames it into place: a hidden sibling (``.NAME.fastckpt-new``), which no load, marker or listing counts."""
+    head, name = os.path.split(path)
+    return os.path.join(head, f".{name}.fastckpt-new")
 
 
 class FastCkptCheckpointEngine(_Base):
@@ -179,10 +197,10 @@ class FastCkptCheckpointEngine(_Base):
         self._saver = fastckpt.Saver()  # this engine's own (one rank's files, written by this process alone)
 
     def create(self, info: Any) -> None:
-        """Start of a tag (``info.tag``, ``info.save_dir``). Rank 0 removes the tag's marker at its
-        first file inside the tag folder (:meth:`save`), so a tag saved again counts as committed
-        only after this save's vote; an export through the engine (``save_16bit_model``: a file in
-        ``save_dir`` under the next step's tag name) never touches the tag."""
+        """Start of a tag (``info.tag``, ``info.save_dir``). Nothing of a previous save of the tag is
+        touched before every rank's new files are durable (:meth:`commit`); an export through the
+        engine (``save_16bit_model``: a file in ``save_dir`` under the next step's tag name) never
+        touches the tag."""
         self._pending, self._paths, self._error = [], [], None
         self._tag_now, self._exports = self._tag_dir(info), []
 
@@ -206,15 +224,13 @@ class FastCkptCheckpointEngine(_Base):
         if tag_dir is not None and not is_inside(os.path.abspath(path), os.path.abspath(tag_dir)):  # save_16bit_model's export file
             self._export(state_dict, path)
             return
-        if tag_dir is not None and not self._paths and tag.world()[0] == 0 and os.path.isdir(tag_dir):
-            tag.remove_marker(tag_dir)
         self._paths.append(path)
         if self._error is not None:
             return
         try:
             self._wait_pending()  # one staging buffer at a time, as fastckpt.async_save
             opts = dict(self.save_options, **({"threads": self.threads} if self.threads else {}))
-            self._pending.append(self._saver.async_save({"ds": encode(state_dict)}, path, overwrite=True,
+            self._pending.append(self._saver.async_save({"ds": encode(state_dict)}, _new_name(path), overwrite=True,
                                                         weights={}, **opts))
         except Exception as e:  # raised by commit, after every rank voted
             self._error = e
@@ -248,14 +264,20 @@ class FastCkptCheckpointEngine(_Base):
             raise err
 
     def commit(self, info: Any) -> bool:
-        """Return once every rank's files of ``info.tag`` are durable and the tag's marker is written.
+        """Return once every rank's files of ``info.tag`` are durable, in place and listed by the
+        tag's marker.
 
-        Collective: every rank calls it (DeepSpeed does, from ``save_checkpoint``).
+        Collective: every rank calls it (DeepSpeed does, from ``save_checkpoint``). Four votes
+        (:func:`~fastckpt.integrations.deepspeed.tag.vote`): every new file durable under its hidden
+        name; rank 0 removed the marker; every rank renamed its new files into place (each an atomic
+        exchange with a previous save's folder of that name); rank 0 wrote the marker.
 
         Raises:
             DistributedSaveError: some rank failed (``failures`` maps each failed rank to its error
-                text; on the failing rank chained from its own error). Every rank has removed the
-                files it wrote for the tag; DeepSpeed does not write ``latest``. In a single
+                text; on the failing rank chained from its own error). Failed before the renames:
+                every rank removed its new files; a previous save of the tag keeps its files and
+                marker, and DeepSpeed does not write ``latest``. Failed during the renames: the tag
+                has no marker (a load refuses it, naming it) and the message says so. In a single
                 process (no group, or a group of one) the failure itself is raised (e.g.
                 ``OSError``, :class:`~fastckpt.UnsupportedValueError`).
         """
@@ -264,31 +286,43 @@ class FastCkptCheckpointEngine(_Base):
         tag_dir = self._tag_dir(info) or (os.path.dirname(os.path.abspath(paths[0])) if paths else None)
         if exports and not paths:
             tag_dir = None  # save_16bit_model: no tag to mark (ranks without a file vote alike)
-        own: BaseException | None = None
-        try:
-            self.wait_all()
-        except Exception as e:
-            own = e
-        failures = tag.vote(None if own is None else f"{type(own).__name__}: {own}")
-        rank, world = tag.world()
-        if not failures and tag_dir is not None and rank == 0:
-            try:
-                tag.write_marker(tag_dir, world)
-            except Exception as e:
-                own = e
-            failures = tag.vote(None if own is None else f"{type(own).__name__}: {own} (writing {tag.MARKER})")
-        elif not failures:
-            failures = tag.vote(None)
         self._paths = []
+        rank, world = tag.world()
+        own: BaseException | None = None
+
+        def step(fn: Any, what: str = "") -> dict[int, str]:  # run fn on this rank, then every rank votes
+            nonlocal own
+            if own is None:
+                try:
+                    fn()
+                except Exception as e:
+                    own = e
+            return tag.vote(None if own is None else f"{type(own).__name__}: {own}{what}")
+
+        failures = step(self.wait_all)
+        if not failures:
+            marked = tag_dir is not None and rank == 0
+            failures = step(lambda: tag.remove_marker(tag_dir) if marked else None, f" (removing {tag.MARKER})")
         if failures:
             for p in paths:
-                shutil.rmtree(p, ignore_errors=True)
+                shutil.rmtree(_new_name(p), ignore_errors=True)
             for p in exports:
                 if os.path.isfile(p):
                     os.unlink(p)
             if world == 1 and own is not None:
                 raise own  # one process: its own error, with its own type
             tag.raise_failures(failures, tag_dir or "<no files>", own)
+        failures = step(lambda: [commit_dir(_new_name(p), p, overwrite=True) for p in paths], " (renaming into place)")
+        if not failures and tag_dir is not None and rank == 0:
+            failures = step(lambda: tag.write_marker(tag_dir, world), f" (writing {tag.MARKER})")
+        elif not failures:
+            failures = step(lambda: None)
+        if failures:
+            for p in paths:
+                shutil.rmtree(_new_name(p), ignore_errors=True)
+            if world == 1 and own is not None:
+                raise own
+            tag.raise_failures(failures, tag_dir or "<no files>", own, renamed=True)
         return True
 
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -305,8 +339,11 @@ class FastCkptCheckpointEngine(_Base):
         if not os.path.exists(path):
             raise CheckpointNotFoundError(f"{path}: does not exist")
         if os.path.isfile(path):
-            raise CheckpointNotFoundError(f"{path}: not a committed fastckpt checkpoint; files written by "
-                                          "DeepSpeed's torch engine are read with that engine")
+            raise CheckpointNotFoundError(
+                f"{path}: not a committed fastckpt checkpoint but a file of DeepSpeed's torch engine (a tag saved "
+                "without fastckpt's engine, or a universal checkpoint of ds_to_universal, which this engine does "
+                "not read); load it with DeepSpeed's own engine (without install()), or consolidate a fastckpt "
+                "tag with `fastckpt load SAVE_DIR --to DIR` to change the world size")
         tag.check_listed(path)
         if not fastckpt.is_committed(path):
             raise CheckpointNotFoundError(f"{path}: not a committed fastckpt checkpoint")

@@ -17,6 +17,11 @@ its partition. fastckpt's engine therefore makes ``commit`` a vote of every rank
    :class:`~fastckpt.errors.DistributedSaveError` naming each failed rank; ``latest`` is not
    touched, so it still names the previous tag, which stays complete.
 
+Each file is written under a hidden name first (``.NAME.fastckpt-new``) and renamed into place only
+after the first vote (rank 0 removes the marker, a vote, the renames, a vote, the marker, a vote):
+a failed save of a tag saved before (a rolling ``tag="last"``) leaves that tag's previous files and
+marker as they were.
+
 The marker is what the engine's ``load`` and ``fastckpt load`` (consolidation) trust: a tag folder
 without it, or a file it does not list, is refused with :class:`~fastckpt.errors.IncompleteTagError`.
 """
@@ -84,15 +89,22 @@ def vote(error: str | None) -> dict[int, str]:
     return out
 
 
-def raise_failures(failures: dict[int, str], tag_dir: str, own: BaseException | None) -> None:
-    """Raise :class:`DistributedSaveError` for a failed vote (chained from this rank's own error)."""
+def raise_failures(failures: dict[int, str], tag_dir: str, own: BaseException | None, *, renamed: bool = False) -> None:
+    """Raise :class:`DistributedSaveError` for a failed vote (chained from this rank's own error).
+    ``renamed``: the failure came while the ranks renamed their new files into place (the tag's
+    marker was already removed)."""
     rank, _ = world()
     lines = "; ".join(f"rank {r}: {t}" for r, t in sorted(failures.items()))
     who = "this rank" if rank in failures else f"rank(s) {sorted(failures)}"
+    if renamed:
+        what = (f"The tag now has no {MARKER}: every load refuses it (IncompleteTagError) rather than read a mix "
+                "of two saves, and 'latest' was not written by this save")
+    else:
+        what = ("Every rank removed what it wrote for this save (a previous save of this tag keeps its files "
+                "and marker) and 'latest' was not written, so it still names the previous tag")
     err = DistributedSaveError(
-        f"DeepSpeed tag {tag_dir} not committed: {who} failed ({lines}). Every rank removed its files of "
-        "this tag and 'latest' was not written, so it still names the previous tag. Fix the cause (disk "
-        "space, permissions, the named value) and call save_checkpoint again", failures)
+        f"DeepSpeed tag {tag_dir} not committed: {who} failed ({lines}). {what}. Fix the cause (disk space, "
+        "permissions, the named value) and call save_checkpoint again", failures)
     raise err from own
 
 

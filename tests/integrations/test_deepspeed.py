@@ -261,3 +261,23 @@ def test_latest_naming_outside_the_folder_is_not_followed(tmp_path):
     (other / "latest").write_text("../run/step1")
     assert find_zero_tag(str(other)) is None
     assert find_zero_tag(str(run)) == str(run / "step1")
+
+
+def test_client_state_frozenset_and_defaultdict(tmp_path, caplog):
+    """A frozenset in client_state came back as a set, and a defaultdict as a dict with no word
+    (a DeepSpeed differential probe: DeepSpeed's own engine returns both unchanged). The frozenset is
+    tagged and comes back as one; the defaultdict is a dict with fastckpt's WARNING (its factory is
+    not stored: no class or callable named by a checkpoint is ever built)."""
+    from collections import defaultdict
+    from fastckpt.format import tree
+    tree._told.discard(defaultdict)
+    state = {"labels": frozenset({"a", "b"}), "seen": {1, 2}, "counts": defaultdict(int, {"x": 2})}
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        fastckpt.save(encode(state), tmp_path / "ck")
+    back = decode(fastckpt.load(tmp_path / "ck"))
+    assert type(back["labels"]) is frozenset and back["labels"] == {"a", "b"}
+    assert type(back["seen"]) is set and back["seen"] == {1, 2}
+    assert back["counts"] == {"x": 2}
+    said = [r.getMessage() for r in caplog.records if "defaultdict" in r.getMessage()]
+    assert said and "'/counts'" in said[0] and "plain dict" in said[0], said
+    tree._told.discard(defaultdict)  # (the integration conftest checks no save of a framework warns)

@@ -197,8 +197,8 @@ class _FailingWrites:
 
 
 def rank_failing(stage: int, folder: str, bad_rank: int) -> dict:
-    """Save s1, then s2 with failing writes on ``bad_rank``; then load (latest) into a fresh engine;
-    then save s3 normally."""
+    """Save s1, then s2 and s1 again with failing writes on ``bad_rank``; then load (latest) into a
+    fresh engine; then save s3 normally."""
     import torch.distributed as dist
     import fastckpt
     a = _engine(stage, seed=0)
@@ -218,7 +218,15 @@ def rank_failing(stage: int, folder: str, bad_rank: int) -> dict:
         out["failures"] = sorted(getattr(e, "failures", {}))
         out["cause"] = type(e.__cause__).__name__ if e.__cause__ is not None else None
         out["message"] = str(e)
+    try:  # a rolling tag saved again (tag="last"): the failed re-save must leave s1 as it was
+        a.save_checkpoint(folder, tag="s1")
+        out["resave_raised"] = None
+    except Exception as e:  # noqa: BLE001 - the test checks the type
+        out["resave_raised"] = type(e).__name__
     dist.barrier()
+    out["s1_marker"] = os.path.isfile(os.path.join(folder, "s1", "fastckpt_tag.json"))
+    out["hidden_left"] = sorted(n for d in ("s1", "s2") if os.path.isdir(os.path.join(folder, d))
+                                for n in os.listdir(os.path.join(folder, d)) if n.startswith("."))
     with open(os.path.join(folder, "latest")) as f:
         out["latest"] = f.read().strip()
     s2 = os.path.join(folder, "s2")
@@ -360,6 +368,9 @@ def test_zero_failing_rank_keeps_latest(pool, tmp_path, stage):
         assert o["cause"] == ("OSError" if r == bad else None), (r, o)
         assert "injected EIO" in o["message"] and "'latest' was not written" in o["message"], (r, o)
         assert o["latest"] == "s1" and o["s2_left"] == [], (r, o)
+        # a failed re-save of s1 (a rolling tag): s1 keeps its files and marker and still loads
+        # (the engine removed the marker before writing and every file after the vote: s1 was empty)
+        assert o["resave_raised"] == "DistributedSaveError" and o["s1_marker"] and o["hidden_left"] == [], (r, o)
         assert o["loaded_s1"], (r, o)
         assert o["latest_after"] == "s3", (r, o)
     assert (folder / "s3" / "fastckpt_tag.json").is_file()
