@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CorruptCheckpointError, IncompleteTagError, KeysNotFoundError
+from ..errors import CorruptCheckpointError, IncompleteTagError, KeysNotFoundError, ShardedCheckpointError
 from ..storage.store import LOCAL
 from .reader import load
 from .resolve import DS_FILE_RE, latest_tag, refuse_native
@@ -113,6 +113,13 @@ def _files(tag_dir: str) -> tuple[dict, list[tuple[int, str]], list[tuple[int, s
     optim = sorted((int(m.group(1)), n) for n in names if (m := _OPTIM_RE.match(n)))
     if not model:
         raise IncompleteTagError(f"{tag_dir}: {MARKER} lists no *_model_states.pt ({names})", path=tag_dir)
+    mp = sorted({int(m.group(2)) for n in names if (m := _MODEL_RE.match(n) or _OPTIM_RE.match(n))})
+    if mp != [0]:  # (the files would be merged as one model-parallel rank's: a wrong "incomplete tag")
+        raise ShardedCheckpointError(
+            f"{tag_dir}: a model- or pipeline-parallel DeepSpeed tag (files of mp_rank_{', '.join(f'{r:02d}' for r in mp)}); "
+            "`fastckpt load` consolidates tags of one model-parallel rank (data-parallel ZeRO) only. Load it with "
+            "the same parallel layout through install(engine), and save the model from there (e.g. "
+            "engine.save_16bit_model)")
     return marker, model, optim
 
 
@@ -143,6 +150,7 @@ def consolidate(tag_dir: str) -> tuple["OrderedDict[str, torch.Tensor]", ZeroInf
 
     Raises:
         IncompleteTagError: the marker lists fewer optimizer files than ranks.
+        ShardedCheckpointError: a model- or pipeline-parallel tag (files of ``mp_rank_01`` and up).
         CorruptCheckpointError / ChecksumMismatchError: a file is damaged, or the flat partitions
             do not add up to the parameter shapes (names the file and the numbers).
     """

@@ -281,3 +281,20 @@ def test_client_state_frozenset_and_defaultdict(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if "defaultdict" in r.getMessage()]
     assert said and "'/counts'" in said[0] and "plain dict" in said[0], said
     tree._told.discard(defaultdict)  # (the integration conftest checks no save of a framework warns)
+
+
+def test_consolidate_refuses_a_model_parallel_tag_naming_it(tmp_path):
+    """A pipeline-parallel tag (files of mp_rank_00 and mp_rank_01) was refused as 'ZeRO-1 of 1 ranks but
+    the tag holds the optimizer files ...': an incomplete tag, which it is not (a DeepSpeed differential
+    probe). It is named as model/pipeline parallel, which consolidation does not merge."""
+    from fastckpt.errors import ShardedCheckpointError
+    from fastckpt.loading.zero import consolidate, find_zero_tag
+    run = _zero_tag(tmp_path, 1, {"a": torch.ones(6)})
+    tag = run / "step1"
+    names = [n for n in os.listdir(tag) if n.endswith(".pt")]
+    ce = FastCkptCheckpointEngine()
+    for n in names:  # the same files again for model-parallel rank 1
+        ce.save(ce.load(str(tag / n)), str(tag / n.replace("mp_rank_00", "mp_rank_01")))
+    ce.commit(None)
+    with pytest.raises(ShardedCheckpointError, match="mp_rank_00, 01"):
+        consolidate(find_zero_tag(str(run)))
