@@ -541,3 +541,15 @@ def test_an_extra_safetensors_file_must_be_one(tmp_path):
     good = st_save({"lora_A.weight": torch.ones(2, 2)})
     fastckpt.save(state(), tmp_path / "ck", extra_files={"adapter_model.safetensors": good})
     assert (tmp_path / "ck" / "adapter_model.safetensors").read_bytes() == good and fastckpt.verify(tmp_path / "ck").ok
+
+
+def test_ls_hint_names_the_newest_checkpoint_not_the_last_in_sort_order(tmp_path):
+    """`fastckpt ls` of a folder of checkpoints named otherwise said "e.g. ... epoch=9-step=90.ckpt" after
+    epoch=10-step=100.ckpt was saved (the last name in sort order; a README-only trial)."""
+    parent = tmp_path / "checkpoints"
+    for n in ("epoch=9-step=90.ckpt", "epoch=10-step=100.ckpt"):
+        fastckpt.save(state(), parent / n)
+    r = subprocess.run([sys.executable, "-m", "fastckpt", "ls", str(parent)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and f"e.g. the newest, `fastckpt verify {parent / 'epoch=10-step=100.ckpt'}`" in r.stderr, \
+        r.stderr

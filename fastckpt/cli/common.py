@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointExistsError
-from ..storage.commit import MANIFEST, TMP_MARK
+from ..storage.commit import MANIFEST, TMP_MARK, newest_committed
 from ..storage.retention import CheckpointScan, scan_checkpoints
 from ..storage.locate import store_for
 from ..storage.store import LOCAL, Store
@@ -219,8 +219,8 @@ def not_found_message(root: str | os.PathLike, prefix: str | None = None) -> str
         ours = sorted(n for n in LOCAL.listdir(root) if LOCAL.isfile(os.path.join(root, n, MANIFEST)))
         if ours:
             hint = (f"; it holds fastckpt checkpoints named otherwise ({', '.join(ours[:4])}"
-                    f"{' ...' if len(ours) > 4 else ''}): pass one of them, e.g. "
-                    f"`fastckpt verify {os.path.join(root, ours[-1])}`")
+                    f"{' ...' if len(ours) > 4 else ''}): pass one of them, e.g. the newest, "
+                    f"`fastckpt verify {os.path.join(root, newest_committed(root, ours))}`")
     return f"{root}: no checkpoints: no {what} folders in {where}{hint}"
 
 

@@ -383,7 +383,7 @@ def _resolve_foreign(path: str) -> Resolved:
                 "transformers and save_pretrained(FOLDER) (safetensors)") if pickled else ""
         if ours:  # e.g. Lightning's ModelCheckpoint names: epoch=E-step=S.ckpt, last.ckpt (folders here)
             hint = (f"; it holds fastckpt checkpoints {', '.join(ours[:4])}{' ...' if len(ours) > 4 else ''}: "
-                    f"pass one of them (e.g. {os.path.join(path, ours[-1])})") + hint
+                    f"pass one of them (e.g. the newest, {os.path.join(path, cm.newest_committed(path, ours))})") + hint
         if not hint and LOCAL.isfile(os.path.join(path, "model_index.json")):  # a diffusers pipeline
             parts = sorted(n for n in LOCAL.listdir(path) if LOCAL.isdir(os.path.join(path, n))
                            and LOCAL.glob(os.path.join(path, n), "*.safetensors"))
