@@ -102,6 +102,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if run is not None and run.scan.committed:  # a run root: verify its newest committed checkpoint
             path = str(run.scan.newest()[1])
             print(f"{args.path} is a run root: verifying its newest committed checkpoint {path}")
+    elif getattr(args, "prefix", None):
+        print(f"note: --prefix {args.prefix} selects checkpoints of a run root; {path} is one checkpoint (or "
+              "file): verifying it", file=sys.stderr)
     bars = []  # drawn once verify starts re-reading bytes (on stderr, as `load --to`; -q: none)
 
     def progress(done: int, total: int) -> None:

@@ -95,3 +95,12 @@ def test_manager_load_waits_for_its_pending_save(tmp_path):
     mgr.async_save(300, big)
     out = mgr.load()  # must not race the background commit
     assert torch.equal(out["model"]["w"], big["model"]["w"])
+
+
+def test_prefix_on_one_checkpoint_is_said_not_ignored(tmp_path, capsys):
+    """`fastckpt verify CKPT --prefix x` ignored --prefix silently (a README-only trial); it verifies the
+    checkpoint and says that --prefix selects checkpoints of a run root."""
+    ck = fastckpt.save({"w": torch.ones(3)}, tmp_path / "step-1")
+    assert cli_main(["verify", str(ck), "--prefix", "epoch", "-q"]) == 0
+    out = capsys.readouterr()
+    assert "OK" in out.out and "--prefix epoch selects checkpoints of a run root" in out.err, out
