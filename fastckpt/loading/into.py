@@ -126,6 +126,13 @@ def _hf_names(idx: CheckpointIndex, state: Any) -> dict[tuple, str]:
     return out
 
 
+def _refuse_meta(local: torch.Tensor, path: str) -> None:
+    """Raise :class:`InvalidArgumentError` (a ``ValueError``) for a state tensor on the meta device."""
+    if local.device.type == "meta":
+        raise InvalidArgumentError(f"{path!r}: the state tensor is on the meta device (no memory to fill); "
+                                   "allocate it (e.g. model.to_empty(device=...)) before load_into")
+
+
 def _leaves(state: Any, path: str = "", segs: tuple = ()):
     """Every leaf of ``state`` as ``(value, key path, key segments)``, depth first in insertion order;
     an empty dict/list/tuple is a leaf (a fresh optimizer's ``state: {}``), a list position is a
@@ -294,11 +301,9 @@ class _Plan:
         else:  # cast as DCP's reader does (target.copy_(stored))
             self.cast.append((path, desc.dtype, DTYPE_TO_STR.get(v.dtype, str(v.dtype))))
         if tuple(local.shape) != region[1]:
-            raise ValueError(f"{path!r}: local tensor of shape {list(local.shape)} does not match its DTensor "
-                             f"region {list(region[1])}")
-        if local.device.type == "meta":
-            raise ValueError(f"{path!r}: the state tensor is on the meta device; allocate it (e.g. "
-                             "model.to_empty(device=...)) before load_into")
+            raise InvalidArgumentError(f"{path!r}: local tensor of shape {list(local.shape)} does not match its "
+                                       f"DTensor region {list(region[1])}")
+        _refuse_meta(local, path)
         t = FillTarget(path, local, region, desc, stored=stored)
         got = 0
         for st in desc.pieces:
@@ -321,9 +326,7 @@ class _Plan:
         if gshape != shape:
             self.mismatched.append((path, _describe(v), f"shape {list(shape)} dtype {dtype}", ""))
             return
-        if local.device.type == "meta":
-            raise ValueError(f"{path!r}: the state tensor is on the meta device; allocate it (e.g. "
-                             "model.to_empty(device=...)) before load_into")
+        _refuse_meta(local, path)
         self.used.add(name)
         if dtype != DTYPE_TO_STR.get(v.dtype):
             self.cast.append((path, dtype, DTYPE_TO_STR.get(v.dtype, str(v.dtype))))
@@ -685,7 +688,8 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
         UnsupportedDtypeError: the file names a dtype torch does not have (names key and file).
         ChecksumMismatchError: with ``verify``, bytes read differ from the manifest (names the key,
             the chunk offsets and the file); tensors filled before the check keep the bytes read.
-        ValueError: a DTensor whose local shape disagrees with its placements, or a meta tensor.
+        InvalidArgumentError: (a ``ValueError``) a DTensor whose local shape disagrees with its
+            placements, or a tensor on the meta device.
         OSError: from the reads.
 
     Example::

@@ -414,3 +414,14 @@ def test_float_into_an_integer_state_is_cast_as_copy_does_with_a_warning(tmp_pat
     assert torch.equal(got["model"]["w"], want)
     assert any("values truncated" in r.getMessage() and "'model/w'" in r.getMessage() for r in caplog.records), \
         [r.getMessage() for r in caplog.records]
+
+
+def test_a_meta_tensor_in_the_state_is_a_typed_error_naming_the_key(tmp_path):
+    """A state tensor on the meta device (a model built under torch.device("meta") and not allocated)
+    raised a plain ValueError; it is an InvalidArgumentError (still a ValueError) naming the key and
+    saying to allocate it."""
+    from fastckpt.errors import InvalidArgumentError
+    ck = fastckpt.save({"m": {"w": torch.ones(2, 3)}}, tmp_path / "ck")
+    with pytest.raises(InvalidArgumentError, match=r"'m/w'.*meta device.*to_empty") as ei:
+        fastckpt.load_into({"m": {"w": torch.empty(2, 3, device="meta")}}, ck)
+    assert isinstance(ei.value, ValueError)
