@@ -222,8 +222,8 @@ class Saver:
 
         Args:
             nbytes: bytes to reserve (the expected state size).
-            background: do it in a daemon thread (default); a save that starts meanwhile
-                waits for it, never does the work twice.
+            background: do it in a thread (default; the interpreter waits for it at exit); a save
+                that starts meanwhile waits for it, never does the work twice.
             pinned: page-lock the buffer, as a save of CUDA tensors needs (page-locking costs
                 about 0.3-1 s per GiB, once). ``None`` (default): where a CUDA device is present.
                 A save of CPU tensors uses a page-locked buffer as it is; a save of CUDA tensors
@@ -238,8 +238,10 @@ class Saver:
         import torch
         pin = torch.cuda.is_available() if pinned is None else bool(pinned)
         if background:
-            threading.Thread(target=self.pool.reserve, args=(nbytes, pin), name="fastckpt-reserve",
-                             daemon=True).start()
+            # not a daemon: the interpreter waits for it at exit (seconds at most). A daemon thread
+            # still inside its torch op while libtorch's static destructors run aborted the process
+            # (SIGABRT, rc 134) when a train() failed before the first save (a Trainer differential probe).
+            threading.Thread(target=self.pool.reserve, args=(nbytes, pin), name="fastckpt-reserve").start()
         else:
             self.pool.reserve(nbytes, pin)
 
@@ -259,7 +261,7 @@ class Saver:
             state: the state, or the part of it holding the frozen parameters, with the key
                 paths the saves will use (same nesting, same ``weights`` mapping).
             weights: as :class:`SaveOptions` (default ``{"model": "model"}``).
-            background: hash in a daemon thread (default); a save that starts meanwhile waits for it.
+            background: hash in a thread (default; the interpreter waits for it at exit); a save that starts meanwhile waits for it.
 
         Returns:
             Number of bytes that will be hashed.
@@ -280,7 +282,7 @@ class Saver:
 
         self._join_priming()
         if background:
-            self._priming = threading.Thread(target=run, name="fastckpt-prime", daemon=True)
+            self._priming = threading.Thread(target=run, name="fastckpt-prime")  # not a daemon: as reserve's
             self._priming.start()
         else:
             run()

@@ -247,3 +247,15 @@ def test_c6_truncated_newer_folder_without_manifest_is_skipped(root100, capsys):
     # retention counts committed steps only: the fake folder never pushes step 100 out
     mgr2 = CheckpointManager(root, keep_last=1)
     assert mgr2.prune(1) == [] and mgr2.steps() == [100]
+
+
+def test_exit_while_a_background_reserve_runs_is_a_clean_exit():
+    """A process that exits while Saver.reserve(background=True) faults in its buffer (the Trainer
+    callback reserves at train begin; a train() failing before the first save) died with SIGABRT
+    ('terminate called without an active exception', rc 134): the daemon thread was still inside its
+    torch op when libtorch's static destructors ran (a Trainer differential probe). It exits with the
+    process's own status."""
+    code = "import sys, fastckpt\nfastckpt.Saver().reserve(1 << 30)\nsys.exit(3)\n"
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 3 and "terminate called" not in r.stderr, (r.returncode, r.stderr[-500:])
