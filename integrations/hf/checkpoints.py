@@ -24,22 +24,40 @@ PREFIX_CHECKPOINT_DIR = "checkpoint"
 _PREFIX = f"{PREFIX_CHECKPOINT_DIR}-"
 
 
+def trainers_own(path: str | os.PathLike) -> bool:
+    """True for a ``checkpoint-N`` folder the Trainer wrote by itself, whole: it holds
+    ``trainer_state.json``, which ``Trainer._save_checkpoint`` writes after the model, optimizer
+    and scheduler (a run before the callback was added)."""
+    return os.path.isfile(os.path.join(path, "trainer_state.json"))
+
+
 def get_last_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """Return the newest *committed* fastckpt ``checkpoint-N`` folder in ``output_dir``.
+    """Return the newest ``checkpoint-N`` folder of ``output_dir`` to resume from: committed by
+    fastckpt, or written whole by the Trainer itself (:func:`trainers_own`; the resume restores it
+    as the Trainer does).
 
     Unlike ``transformers.trainer_utils.get_last_checkpoint`` (highest number, unchecked),
-    folders without a committed fastckpt manifest (e.g. left by a crashed plain-Trainer save)
-    are skipped with an INFO log line naming them.
+    other folders (a save that crashed) are skipped with an INFO log line naming them.
 
     Returns:
         The folder path as ``str`` (what ``trainer.train(resume_from_checkpoint=...)`` takes),
         or None when there is none.
     """
     for step, path in reversed(step_folders(output_dir, _PREFIX)):
-        if fastckpt.is_committed(path):
+        if fastckpt.is_committed(path) or trainers_own(path):
             return str(path)
         logger.info("fastckpt: skipping %s (step %d): no committed fastckpt manifest", path, step)
     return None
+
+
+def foreign_checkpoints_ahead(output_dir: str | os.PathLike, start: int, end: int, every: int | None) -> list[Path]:
+    """``checkpoint-N`` folders of ``output_dir`` that fastckpt did not commit (the Trainer's own,
+    a crashed save) at a step this run will save at: ``start < N <= end`` and ``N`` a multiple of
+    ``every`` (``None``: any step) or ``N == end``. A save never writes into another writer's folder
+    (``CheckpointExistsError``), so a run over one would fail there, after training up to it."""
+    return [p for n, p in step_folders(output_dir, _PREFIX)
+            if start < n <= end and (not every or n % every == 0 or n == end) and not fastckpt.is_committed(p)
+            and os.path.isdir(p) and os.listdir(p)]
 
 
 def rotate_checkpoints(output_dir: str | os.PathLike, save_total_limit: int | None,

@@ -23,6 +23,8 @@ import math
 import os
 from typing import Any
 
+import torch
+
 import fastckpt
 from fastckpt.errors import ResumeMismatchError, TrainerCheckpointNotFoundError
 
@@ -130,6 +132,20 @@ def skip_fsdp_model_load(trainer: Any) -> None:
     trainer._fastckpt_fsdp_guard = True
 
 
+def _restore_extra_state(model, stored: dict, ckpt: str) -> None:
+    """Hand a module's non-tensor ``get_extra_state()`` saved under ``model/<prefix>._extra_state``
+    (in ``state.json``) to its ``set_extra_state``: the Trainer loads ``model.safetensors``, tensors
+    only, so the resumed run started from the module's initial extra state with no word (a Trainer
+    differential probe)."""
+    extra = {k: v for k, v in stored.items() if k.endswith("_extra_state") and not isinstance(v, torch.Tensor)}
+    if not extra:
+        return
+    unexpected = model.load_state_dict(extra, strict=False).unexpected_keys
+    if unexpected:
+        logger.warning("fastckpt: %s holds the extra state of %s, which the model has no module for: not restored",
+                       ckpt, ", ".join(unexpected[:4]))
+
+
 class TrainerResume:
     """The resume half of the Trainer callback: what to restore, and when.
 
@@ -196,6 +212,8 @@ class TrainerResume:
             restore_sharded(ckpt, model, optimizer, model_state)
         elif optimizer is not None:
             optimizer.load_state_dict(snap["optimizer"])
+        if not sharded and model is not None:
+            _restore_extra_state(model, snap.get("model") or {}, ckpt)
         if lr_scheduler is not None and snap.get("scheduler") is not None:
             lr_scheduler.load_state_dict(snap["scheduler"])
         rng, epoch_rng = load_rank_rng(ckpt, snap, rank, world)

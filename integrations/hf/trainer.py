@@ -44,12 +44,12 @@ from typing import Any
 
 import fastckpt
 from fastckpt import no_gc
-from fastckpt.errors import LinkedTensorChangedError, SourceChangedError, UnsupportedTrainerOptionError
+from fastckpt.errors import CheckpointExistsError, LinkedTensorChangedError, SourceChangedError, UnsupportedTrainerOptionError
 from fastckpt.storage import clean_stale_temps
 
 from .checkpoints import (  # noqa: F401  (re-exported: public helpers, tests)
-    PREFIX_CHECKPOINT_DIR, get_last_checkpoint, is_trainers_last, logged_this_step, newer_runs_warning,
-    rotate_checkpoints, scheduler_as_after_evaluate, update_best_metric, update_stateful_callbacks)
+    PREFIX_CHECKPOINT_DIR, foreign_checkpoints_ahead, get_last_checkpoint, is_trainers_last, logged_this_step,
+    newer_runs_warning, rotate_checkpoints, scheduler_as_after_evaluate, update_best_metric, update_stateful_callbacks)
 from .on_save import OnSaveRelay, state_as_of_now
 from .rank_state import is_sharded, optimizer_state, rank_save_options, trainer_group
 from .resume import TrainerResume, find_trainer, resume_checkpoint, skip_fsdp_model_load, trainer_being_built
@@ -179,6 +179,15 @@ class FastCkptCallback(_trainer_callback_base()):
                 "DeepSpeed engine owns the optimizer and its partitions (the callback failed at the first step or "
                 "save). Remove the callback to keep the Trainer's own DeepSpeed checkpoints; outside the Trainer, "
                 "fastckpt.integrations.deepspeed.engine.install(engine) saves DeepSpeed engines")
+        steps = state.save_steps if args.save_strategy == "steps" else None
+        if args.save_strategy != "no" and (ahead := foreign_checkpoints_ahead(args.output_dir, state.global_step,
+                                                                             state.max_steps, steps)):
+            raise CheckpointExistsError(
+                f"{ahead[0]} is a checkpoint folder fastckpt did not write (the Trainer's own, from an earlier run, or "
+                f"a crashed save){f' (and {len(ahead) - 1} more)' if len(ahead) > 1 else ''}, at a step this run saves "
+                f"at: its save would stop there after training up to it (fastckpt never writes into another "
+                f"writer's folder). Resume from it (resume_from_checkpoint=...), or move it away or choose another "
+                f"output_dir; nothing was trained")
         self._relay.attach(trainer)
         self._trainer = weakref.ref(trainer) if trainer is not None else None
         self._arrange(getattr(trainer, "callback_handler", None))

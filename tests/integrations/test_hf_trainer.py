@@ -490,3 +490,67 @@ def test_deepspeed_trainer_is_refused_at_train_begin(tmp_path):
     p = subprocess.run([sys.executable, str(script), str(tmp_path / "out"), "29631"], capture_output=True, text=True,
                        timeout=300)
     assert "REFUSED 0" in p.stdout and "Remove the callback" in p.stdout, (p.stdout[-2000:], p.stderr[-3000:])
+
+
+def test_last_checkpoint_takes_a_newer_one_the_trainer_wrote_itself(tmp_path, caplog):
+    """output_dir with fastckpt's checkpoint-16 and a newer checkpoint-50 the Trainer wrote by itself
+    (a run before the callback was added): resume_from_checkpoint=True through the mixin skipped it,
+    re-trained from step 16 and failed at the step-50 save (a Trainer differential probe). It is taken,
+    as the Trainer's own get_last_checkpoint takes it; a crashed save (no trainer_state.json) is skipped."""
+    tr = make_trainer(tmp_path, save_steps=8, num_train_epochs=1)
+    tr.train()
+    theirs = tmp_path / "checkpoint-50"
+    theirs.mkdir()
+    (theirs / "trainer_state.json").write_text("{}")
+    crashed = tmp_path / "checkpoint-99"
+    crashed.mkdir()
+    (crashed / "model.safetensors").write_bytes(b"\0" * 10)
+    with caplog.at_level("INFO"):
+        assert hf_trainer.get_last_checkpoint(tmp_path) == str(theirs)
+    assert "checkpoint-99" in caplog.text
+
+
+def test_a_fresh_run_over_another_writers_checkpoint_refuses_before_training(tmp_path):
+    """A checkpoint-8 of the plain Trainer (an earlier run) in output_dir: a fresh run with the callback
+    trained 8 steps, then its save raised CheckpointExistsError (fastckpt never writes into another
+    writer's folder; the Trainer writes into it). It is refused at train begin, naming the folder."""
+    theirs = tmp_path / "checkpoint-8"
+    theirs.mkdir(parents=True)
+    (theirs / "trainer_state.json").write_text("{}")
+    (theirs / "optimizer.pt").write_bytes(b"x")
+    tr = make_trainer(tmp_path, save_steps=8, num_train_epochs=1)
+    with pytest.raises(fastckpt.CheckpointExistsError, match=r"checkpoint-8 is a checkpoint folder fastckpt did not "
+                                                             r"write.*nothing was trained"):
+        tr.train()
+    assert tr.state.global_step == 0 and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-8"]
+
+
+def test_a_modules_extra_state_is_restored_on_resume(tmp_path):
+    """A module's non-tensor get_extra_state() was saved by the callback (state.json) but not handed
+    back on resume: the Trainer loads model.safetensors (tensors only), so the resumed run started from
+    the initial extra state with no word (a Trainer differential probe)."""
+    import shutil
+
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def get_extra_state(self):
+            return {"n": self.n}
+
+        def set_extra_state(self, s):
+            self.n = s["n"]
+
+    def counting(tr):
+        tr.model.counter = Counter()
+        tr.model.register_forward_pre_hook(lambda m, a: setattr(m.counter, "n", m.counter.n + m.training))
+        return tr
+
+    full = counting(make_trainer(tmp_path / "a", save_steps=4, max_steps=8))
+    full.train()
+    assert fastckpt.load(tmp_path / "a" / "checkpoint-4")["model"]["counter._extra_state"] == {"n": 4}
+    shutil.copytree(tmp_path / "a" / "checkpoint-4", tmp_path / "b" / "checkpoint-4")
+    tr = counting(make_trainer(tmp_path / "b", save_steps=4, max_steps=8))
+    tr.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-4"))
+    assert tr.model.counter.n == full.model.counter.n == 8
