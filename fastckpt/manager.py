@@ -221,6 +221,13 @@ class CheckpointManager:
             step = self.latest()
             if step is None:
                 raise CheckpointNotFoundError(f"{self.root}: no committed checkpoint")
+            # a newer commit whose manifest was damaged is skipped by the scan: never resume past it without a word
+            newer = {str(p.name) for n, p in retention.step_folders(self.root, self.prefix, self.store) if n > step}
+            for n, why in self.skipped():
+                if n not in newer or "damaged after the commit" not in why:
+                    continue
+                logger.warning("fastckpt: loading step %d of %s, but the newer %s is skipped: %s", step, self.root,
+                               n, why)
             if self._last_saved is not None and step != self._last_saved:
                 logger.warning("fastckpt: loading %s, the most recently committed step, but this manager last "
                                "saved step %d: another job committed %s after it", self.path(step),

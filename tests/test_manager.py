@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import fastckpt
 from fastckpt import CheckpointManager
 from fastckpt.storage.commit import OWNER, TMP_MARK
 from fastckpt.errors import CheckpointExistsError, CheckpointNotFoundError
@@ -270,3 +271,28 @@ def test_manifests_without_a_commit_time_order_by_step(tmp_path):
         f.write_text(json.dumps(m))
     assert mgr.latest() == 5
     assert mgr.prune(2) == [1] and mgr.steps() == [3, 5]
+
+
+def test_a_newer_commit_with_a_damaged_manifest_is_warned_about_and_fails_verify(tmp_path, caplog):
+    """step-2's manifest.json truncated after its commit: load() returned step 1 with no word, `ls`
+    called step-2 'never committed (crashed save)' and `verify ROOT` checked step 1 and exited 0 (a
+    README-only trial). The load still falls back to the newest readable commit, now with a WARNING
+    naming step-2; ls says it was damaged after the commit; verify exits 1 naming it."""
+    import subprocess
+    import sys
+    root = tmp_path / "run"
+    m = fastckpt.CheckpointManager(root)
+    m.save(1, {"w": torch.ones(4)})
+    m.save(2, {"w": torch.full((4,), 2.0)})
+    with open(root / "step-2" / "manifest.json", "r+b") as f:
+        f.truncate(10)
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        got = fastckpt.CheckpointManager(root).load()
+    assert torch.equal(got["w"], torch.ones(4))
+    assert any("step-2 is skipped" in r.getMessage() and "damaged after the commit" in r.getMessage()
+               for r in caplog.records), caplog.text
+    r = subprocess.run([sys.executable, "-m", "fastckpt", "verify", str(root), "-q"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "DAMAGED step-2" in r.stdout, (r.returncode, r.stdout, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "fastckpt", "ls", str(root)], capture_output=True, text=True, timeout=120)
+    assert "step-2: manifest.json is there but unreadable: damaged after the commit" in r.stdout + r.stderr, r.stdout

@@ -409,6 +409,9 @@ def _uncommitted_reason(store, folder: str) -> str:
         if store.exists(store.join(folder, "fastckpt_tag.json")):  # fastckpt.loading.zero.MARKER
             return ("a committed DeepSpeed tag written by fastckpt's engine (fastckpt_tag.json; its *_states.pt "
                     "folders are the checkpoints): `fastckpt verify` it; DeepSpeed keeps its own tags: left alone")
+        if store.exists(store.join(folder, cm.MANIFEST)):  # visible and with a manifest: committed, then damaged
+            return (f"{cm.MANIFEST} is there but unreadable: damaged after the commit (a commit writes it whole "
+                    f"before the folder appears); run `fastckpt verify {folder}`, restore it or delete the folder")
     except OSError:
         pass
     return "no valid manifest.json: never committed (crashed save or not fastckpt)"
