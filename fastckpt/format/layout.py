@@ -112,6 +112,12 @@ def shard_file_names(stem: str, n: int, *, peft: bool = False) -> list[str]:
 _INTERNAL_FILE = re.compile(f"(?:{_INTERNAL_STEM.pattern}){_SHARD_SUFFIX}" + r"|state-rank\d{5}\.json|dcp_metadata\.json")
 
 
+def internal_stem(stem: str) -> bool:
+    """True for a file stem only fastckpt's own files use (``state``, ``rank0000r``: :data:`_INTERNAL_STEM`):
+    a weights group under such a stem would merge into them (no HF index, no ``{"format": "pt"}``)."""
+    return bool(_INTERNAL_STEM.fullmatch(stem))
+
+
 def written_by_save(name: str, stems: Iterable[str]) -> bool:
     """True when a save whose weights groups have file stems ``stems`` may write a file called
     ``name`` (a path relative to the checkpoint folder) besides ``manifest.json`` and ``state.json``:

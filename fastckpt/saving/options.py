@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import InvalidArgumentError
-from ..format.layout import written_by_save
+from ..format.layout import internal_stem, written_by_save
 from ..format.safetensors import check_metadata
 from ..storage import commit as cm
 from ..storage.io import DEFAULT_CHUNK_BYTES, PosixBackend
@@ -229,6 +229,11 @@ class SaveOptions:
             raise InvalidArgumentError(f"weights must be a dict of top-level state key -> HF file stem, e.g. "
                              f"{{'model': 'model'}} (file model.safetensors, model-0000k-of-0000n.safetensors "
                              f"past one shard; 'sub/adapter_model.safetensors' in a sub-folder), got {w!r}")
+        if w and (own := sorted(f"{k!r}: {v!r}" for k, v in w.items() if internal_stem(v.rsplit("/", 1)[-1]))):
+            raise InvalidArgumentError(f"weights {{{', '.join(own)}}}: 'state' and 'rank<N>' are the stems of "
+                                       "fastckpt's own files (state-0000k-of-0000n.safetensors...); a weights group "
+                                       "there would merge into them, with no HF index. Name the group otherwise "
+                                       "(e.g. 'model')")
         if self.commit not in COMMIT_MODES:
             raise InvalidArgumentError(f"commit must be one of {COMMIT_MODES}, got {self.commit!r}")
         if self.timeout_s is not None and (not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0):

@@ -701,3 +701,13 @@ def test_a_nested_model_dict_says_no_hf_file_is_written(tmp_path, caplog):
         fastckpt.save({"model": {"w": torch.ones(2)}, "opt": {"a": {"b": torch.ones(1)}}}, tmp_path / "flat")
     assert not [r for r in caplog.records if "nested dicts" in r.getMessage()]
     assert (tmp_path / "flat" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("stem", ["state", "rank00001", "sub/state"])
+def test_a_weights_stem_of_fastckpts_own_files_is_refused(tmp_path, stem):
+    """weights={'model': 'state'} merged the model's files into fastckpt's own state-0000k-of-0000n series
+    (no HF index, no format metadata) with no word (a README-only trial); refused at the call."""
+    from fastckpt.errors import InvalidArgumentError
+    with pytest.raises(InvalidArgumentError, match="stems of fastckpt's own files"):
+        fastckpt.save({"model": {"w": torch.ones(2)}}, tmp_path / "ck", weights={"model": stem})
+    assert not (tmp_path / "ck").exists()
