@@ -59,6 +59,16 @@ def check_threads(threads: object) -> None:
                                    f"got {threads!r:.40}")
 
 
+def check_byte_options(**sizes: object) -> None:
+    """Raise :class:`~fastckpt.errors.InvalidArgumentError` unless each named size (``chunk_bytes``,
+    ``buffer_bytes``) is an int > 0 of bytes, as :func:`fastckpt.save` checks its own: a str or a
+    negative number failed deep in the read (``TypeError: unsupported operand``) or was taken."""
+    for name, v in sizes.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise InvalidArgumentError(f"{name} must be a positive int of bytes (e.g. 4 << 20), got "
+                                       f"{type(v).__name__} {v!r:.40}")
+
+
 @dataclass
 class _Dest:
     key: str
@@ -337,6 +347,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
     from .engines import check_device
     check_device(device)
     check_threads(threads)
+    check_byte_options(chunk_bytes=chunk_bytes)
     if is_url(path):  # a non-local store (s3://...): read a local copy (Store.local_folder)
         with store_for(path).local_folder(path) as local:
             return load(local, device=device, keys=keys, threads=threads, verify=verify, chunk_bytes=chunk_bytes,

@@ -128,3 +128,17 @@ def test_cpu_and_registered_devices_pass(monkeypatch):
         check_device("meta")
     monkeypatch.setitem(ENGINES, "meta", lambda dev: Engine(torch.device("cpu")))
     assert check_device("meta") == torch.device("meta")
+
+
+@pytest.mark.parametrize("opts", [{"chunk_bytes": "4MB"}, {"chunk_bytes": -5}, {"chunk_bytes": 0}])
+def test_load_byte_options_are_checked_at_the_call(tmp_path, opts):
+    """fastckpt.load(chunk_bytes='4MB') failed deep in the read (TypeError: unsupported operand) and
+    chunk_bytes=-5 was taken (a README-only trial); load_into's buffer_bytes too. save() checks its own."""
+    from fastckpt.errors import InvalidArgumentError
+    p = fastckpt.save({"model": {"w": torch.ones(4)}}, tmp_path / "c")
+    with pytest.raises(InvalidArgumentError, match=f"{next(iter(opts))} must be a positive int of bytes"):
+        fastckpt.load(p, **opts)
+    with pytest.raises(InvalidArgumentError, match="must be a positive int of bytes"):
+        fastckpt.load_into({"model": {"w": torch.zeros(4)}}, p, **opts)
+    with pytest.raises(InvalidArgumentError, match="buffer_bytes must be a positive int of bytes"):
+        fastckpt.load_into({"model": {"w": torch.zeros(4)}}, p, buffer_bytes="64MB")
