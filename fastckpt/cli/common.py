@@ -120,6 +120,19 @@ def parse_bytes(text: str) -> int:
     return n
 
 
+def positive_bytes(text: str) -> int:
+    """:func:`parse_bytes`, above 0 (a shard size): 0 passed the parser and failed later, after the
+    export had started, naming the Python option ``max_shard_bytes``.
+
+    Raises:
+        argparse.ArgumentTypeError: as :func:`parse_bytes`, or 0.
+    """
+    n = parse_bytes(text)
+    if n == 0:
+        raise argparse.ArgumentTypeError(f"not a positive byte size: {text!r} (e.g. 5GB)")
+    return n
+
+
 def human_bytes(n: float) -> str:
     """``n`` bytes as ``"512 B"``, ``"1.5 kB"``, ``"553.3 MB"`` ... ``"2.0 TB"`` (decimal units, one
     decimal: the one unit system of the CLI's output, see :data:`SIZE_UNITS_HELP`)."""

@@ -72,7 +72,7 @@ _COMMIT = strategy("rename")
 from ..loading.servable import check_servable, module_prefix, saved_names
 from ..loading.zero import find_zero_tag
 from . import lora
-from .common import check_export_target, matching_files, parse_bytes, positive_int, progress_bar
+from .common import check_export_target, matching_files, positive_bytes, positive_int, progress_bar
 from .consolidate import export_zero
 #: Small files copied next to the weights when present (config, generation and tokenizer files).
 META_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -679,7 +679,7 @@ def add_load_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="re-read every file against the manifest checksums first")
     p.add_argument("--warm", action="store_true", help="read the weights into the page cache (default without --to)")
     p.add_argument("--threads", type=positive_int, default=None, help="parallel I/O requests (default 8-16)")
-    p.add_argument("--max-shard-size", type=parse_bytes, default=5_000_000_000, help="bytes per shard (default 5GB)")
+    p.add_argument("--max-shard-size", type=positive_bytes, default=5_000_000_000, help="bytes per shard (default 5GB)")
     p.add_argument("--base", default=None, help="base model folder when SOURCE is an adapter-only folder")
     p.add_argument("--config", default=None, help="HF folder whose config.json / tokenizer files are used (over the "
                    "checkpoint's): one the model's save_pretrained wrote")

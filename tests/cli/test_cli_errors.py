@@ -195,3 +195,12 @@ def test_closed_pipe_is_not_reported_as_an_error(tmp_path):
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 141, err
     assert "error" not in err and "Traceback" not in err, err
+
+
+def test_load_max_shard_size_zero_is_a_usage_error_before_any_work(tmp_path):
+    """`fastckpt load SRC --to DIR --max-shard-size 0` passed the parser, started the export, then failed
+    with 'max_shard_bytes must be a positive int' (the Python option's name; a README-only trial)."""
+    p = subprocess.run([sys.executable, "-m", "fastckpt", "load", str(tmp_path / "src"), "--to", str(tmp_path / "out"),
+                        "--max-shard-size", "0"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "argument --max-shard-size: not a positive byte size: '0'" in p.stderr, p.stderr
+    assert not (tmp_path / "out").exists()
