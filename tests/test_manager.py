@@ -296,3 +296,24 @@ def test_a_newer_commit_with_a_damaged_manifest_is_warned_about_and_fails_verify
     assert r.returncode == 1 and "DAMAGED step-2" in r.stdout, (r.returncode, r.stdout, r.stderr)
     r = subprocess.run([sys.executable, "-m", "fastckpt", "ls", str(root)], capture_output=True, text=True, timeout=120)
     assert "step-2: manifest.json is there but unreadable: damaged after the commit" in r.stdout + r.stderr, r.stdout
+
+
+def test_prune_never_follows_a_symlinked_step_folder(tmp_path):
+    """step-10 -> step-3 (an alias): prune --keep 2 deleted the real step-3 and left step-10 dangling; a
+    step-1 -> other run's step-2 link got an owner record written into the other run's checkpoint (a
+    README-only trial). Symlinked step folders are aliases: not counted, never deleted, never written."""
+    import time as _time
+    root, other = tmp_path / "run", tmp_path / "other"
+    m = CheckpointManager(root)
+    m.save(3, {"w": torch.ones(2)})
+    _time.sleep(0.05)
+    m.save(4, {"w": torch.zeros(2)})
+    os.symlink("step-3", root / "step-10")
+    fastckpt.CheckpointManager(other).save(2, {"w": torch.ones(2)})
+    os.symlink(other / "step-2", root / "step-1")
+    before = sorted(os.listdir(other / "step-2"))
+    assert CheckpointManager(root).prune(keep=1) == []  # step-4 kept, step-3 is step-10's target; aliases no steps
+    assert sorted(os.listdir(other / "step-2")) == before and fastckpt.is_committed(other / "step-2")
+    assert os.path.islink(root / "step-10") and os.path.islink(root / "step-1")
+    assert CheckpointManager(root).steps() == [3, 4]
+    assert any(n == "step-10" and "a symlink to step-3" in why for n, why in CheckpointManager(root).skipped())

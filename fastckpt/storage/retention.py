@@ -65,6 +65,9 @@ class CheckpointScan:
     uncommitted: list[tuple[int, Path]] = field(default_factory=list)
     leftovers: list[str] = field(default_factory=list)
     store: Store | None = None
+    #: ``(step, folder, target)`` of step folders that are symlinks (an alias of another checkpoint):
+    #: neither counted among the steps nor ever deleted (a prune removed the alias's target).
+    aliases: list[tuple[int, Path, str]] = field(default_factory=list)
 
     @property
     def steps(self) -> list[int]:
@@ -90,6 +93,8 @@ class CheckpointScan:
         out = [(n, describe_leftover(store.join(str(self.root), n), store)) for n in self.leftovers]
         out += [(store.basename(str(p)), _uncommitted_reason(store, store.join(str(self.root), store.basename(str(p)))))
                 for _, p in self.uncommitted]
+        out += [(store.basename(str(p)), f"a symlink to {target}: an alias, not counted among the steps and never "
+                 "deleted (prune the checkpoint it points to in its own run)") for _, p, target in self.aliases]
         return sorted(out)
 
 
@@ -158,6 +163,10 @@ def scan_checkpoints(root: str | os.PathLike, prefix: str, store: Store | None =
     except (FileNotFoundError, NotADirectoryError):
         return scan
     for step, folder in step_folders(scan.root, prefix, store):
+        target = store.link_target(str(folder))
+        if target is not None:  # deleting through it, or writing its owner record into it, touched its target
+            scan.aliases.append((step, folder, target))
+            continue
         (scan.committed if cm.is_committed(folder, scan.store) else scan.uncommitted).append((step, folder))
     return scan
 
@@ -372,6 +381,8 @@ def prune_checkpoints(root: str | os.PathLike, prefix: str, keep: int,
         keep: newest committed steps to keep, >= 1.
         protect: steps never to delete, kept in addition to the newest ``keep`` (with
             ``by_commit_time``: counted among ``keep``, as the Trainer counts its best checkpoint).
+            A step that a symlinked step folder of ``root`` points to is protected too (the scan's
+            ``aliases``: never counted, never deleted).
         by_commit_time: the Trainer's rule: folder mtime, 1 s fallback to step order (default False).
         by_manifest_time: newest = most recently committed by the manifest's time (default False:
             newest = highest step, as accelerate's and torchtitan's rotations).
@@ -390,6 +401,9 @@ def prune_checkpoints(root: str | os.PathLike, prefix: str, keep: int,
     store.clean_stale_temps(str(_root(root, store)))
     scan = scan_checkpoints(root, prefix, store)
     folders = dict(scan.committed)
+    if scan.aliases:  # a step an alias in this root points to stays (the alias would dangle)
+        real = {store.realpath(str(f)): s for s, f in scan.committed}
+        protect = {*protect, *(real[t] for _, a, _ in scan.aliases if (t := store.realpath(str(a))) in real)}
     if by_commit_time:
         victims = select_victims_in_order(commit_order(scan.committed, store=store), keep, protect)
     elif by_manifest_time:
