@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, InsufficientSpaceError
 
 ALIGN = 4096
 #: Default bytes per write or read request (8 MiB; a multiple of :data:`ALIGN`).
@@ -312,6 +312,17 @@ def memory_backed(path: str) -> bool:
     return fs_type(path) in MEMORY_FS
 
 
+def _no_space(e: OSError, path: str, nbytes: int) -> OSError:
+    """``e`` as an :class:`~fastckpt.errors.InsufficientSpaceError` naming ``path`` when the device is
+    full (ENOSPC, EDQUOT: the disk filled after the save's free-space check), else ``e`` itself: a bare
+    ``OSError: [Errno 28]`` named no file (a README-only trial)."""
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return e
+    return InsufficientSpaceError(e.errno, f"no space left on the device while writing {nbytes} bytes of this "
+                                  "file (the disk filled after the save's free-space check; the save's temporary "
+                                  "folder is removed and nothing is committed): free space or save elsewhere", path)
+
+
 class FileWriter:
     """Writes one file of known size through a backend, optionally with O_DIRECT.
 
@@ -330,7 +341,13 @@ class FileWriter:
         self.dfd = -1
         try:
             if create and preallocate:
-                be.allocate(self.fd, size)
+                try:
+                    be.allocate(self.fd, size)
+                except OSError as e:
+                    err = _no_space(e, path, size)
+                    if err is e:
+                        raise
+                    raise err from e
             elif create:
                 be.set_size(self.fd, size)
             if o_direct and O_DIRECT:
@@ -343,7 +360,21 @@ class FileWriter:
             raise
 
     def write(self, data: memoryview, offset: int) -> None:
-        """Write all of ``data`` at ``offset`` (bytes)."""
+        """Write all of ``data`` at ``offset`` (bytes).
+
+        Raises:
+            InsufficientSpaceError: (an ``OSError``, errno ENOSPC/EDQUOT) the device is full, naming the file.
+            OSError: any other write error.
+        """
+        try:
+            self._write(data, offset)
+        except OSError as e:
+            err = _no_space(e, self.path, len(data))
+            if err is e:
+                raise
+            raise err from e
+
+    def _write(self, data: memoryview, offset: int) -> None:
         if self.dfd >= 0 and offset % ALIGN == 0 and buffer_address(data) % ALIGN == 0:
             aligned = len(data) // ALIGN * ALIGN
             if aligned:

@@ -190,7 +190,10 @@ def test_c6b_faulty_backend_enospc_mid_shard(root100):
     mgr = CheckpointManager(root, keep_last=1)
     with pytest.raises(OSError) as ei:
         mgr.save(200, state_for(200), max_shard_bytes=80_000, chunk_bytes=16384, io_backend=be)
-    assert ei.value is be.raised[0] and ei.value.errno == errno.ENOSPC
+    # typed and naming the file (a bare OSError named none: a README-only trial), caused by the injected one
+    from fastckpt.errors import InsufficientSpaceError
+    assert isinstance(ei.value, InsufficientSpaceError) and ei.value.errno == errno.ENOSPC
+    assert ei.value.__cause__ is be.raised[0] and ei.value.filename.endswith(".safetensors"), ei.value
     check_intact(root, ref)
 
 
