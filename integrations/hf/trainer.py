@@ -422,8 +422,8 @@ class FastCkptCallback(_trainer_callback_base()):
                            "save_only_model": bool(args.save_only_model)}
         if args.save_strategy in ("steps", "epoch", "best") and state.best_global_step:
             best = out.parent / f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}"
-            if best == out or best.exists():  # as Trainer._save_checkpoint
-                state.best_model_checkpoint = str(best)
+            if best == out or best.exists():  # as Trainer._save_checkpoint, spelled as it spells it
+                state.best_model_checkpoint = os.path.join(args.output_dir, best.name)  # (./out/..., not out/...)
         others = self.trainer_callbacks
         if others is None and self._relay.handler is not None:
             others = self._relay.handler.callbacks  # live list: the Trainer may replace callbacks on resume

@@ -554,3 +554,13 @@ def test_a_modules_extra_state_is_restored_on_resume(tmp_path):
     tr = counting(make_trainer(tmp_path / "b", save_steps=4, max_steps=8))
     tr.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-4"))
     assert tr.model.counter.n == full.model.counter.n == 8
+
+
+def test_best_model_checkpoint_is_spelled_as_the_trainer_spells_it(tmp_path, monkeypatch):
+    """output_dir='./out': the Trainer records best_model_checkpoint './out/checkpoint-N'; the callback
+    recorded 'out/checkpoint-N' (the same folder, another string; a Trainer differential probe)."""
+    monkeypatch.chdir(tmp_path)
+    tr = make_trainer("./out", save_steps=4, max_steps=4, eval_strategy="steps", eval_steps=4,
+                      metric_for_best_model="loss")
+    tr.train()
+    assert tr.state.best_model_checkpoint == os.path.join("./out", "checkpoint-4")
