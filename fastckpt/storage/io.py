@@ -318,8 +318,8 @@ def _no_space(e: OSError, path: str, nbytes: int) -> OSError:
     ``OSError: [Errno 28]`` named no file (a README-only trial)."""
     if e.errno not in (errno.ENOSPC, errno.EDQUOT):
         return e
-    return InsufficientSpaceError(e.errno, f"no space left on the device while writing {nbytes} bytes of this "
-                                  "file (the disk filled after the save's free-space check; the save's temporary "
+    return InsufficientSpaceError(e.errno, f"{e.strerror or os.strerror(e.errno)}, while writing {nbytes} bytes of "
+                                  "this file (the disk filled after the save's free-space check; the save's temporary "
                                   "folder is removed and nothing is committed): free space or save elsewhere", path)
 
 
