@@ -222,9 +222,10 @@ class CheckpointManager:
             if step is None:
                 raise CheckpointNotFoundError(f"{self.root}: no committed checkpoint")
             # a newer commit whose manifest was damaged is skipped by the scan: never resume past it without a word
-            newer = {str(p.name) for n, p in retention.step_folders(self.root, self.prefix, self.store) if n > step}
-            for n, why in self.skipped():
-                if n not in newer or "damaged after the commit" not in why:
+            scan = retention.scan_checkpoints(self.root, self.prefix, self.store)
+            newer = {self.store.basename(str(p)) for n, p in scan.uncommitted if n > step}
+            for n, why in scan.damaged():
+                if n not in newer:
                     continue
                 logger.warning("fastckpt: loading step %d of %s, but the newer %s is skipped: %s", step, self.root,
                                n, why)

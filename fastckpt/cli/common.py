@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointExistsError
-from ..storage.commit import MANIFEST, TMP_MARK, newest_committed
-from ..storage.retention import CheckpointScan, scan_checkpoints
+from ..storage.commit import MANIFEST, TMP_MARK
+from ..storage.retention import CheckpointScan, newest_committed, scan_checkpoints
 from ..storage.locate import store_for
 from ..storage.store import LOCAL, Store
 

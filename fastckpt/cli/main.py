@@ -143,7 +143,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     status = ("OK" if not rep.notes else "headers and index valid, no checksums to compare") if rep.ok \
         else f"FAILED ({n} problem{'s' if n != 1 else ''})"
     print(f"{path}: {status}, {human_bytes(rep.bytes_checked)} checked")
-    damaged = [(n, why) for n, why in run.scan.skipped() if "damaged after the commit" in why] if run else []
+    damaged = run.scan.damaged() if run else []
     for n, why in damaged:  # a run root: a commit whose manifest was damaged is skipped by the scan, not OK
         print(f"DAMAGED {n}: {why}")
     return 0 if rep.ok and not damaged else 1

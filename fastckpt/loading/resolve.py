@@ -29,6 +29,7 @@ from ..errors import (CheckpointNotFoundError, ChecksumMismatchError, CorruptChe
 from ..format.safetensors import INDEX_SUFFIX, Header, TensorInfo
 from ..storage.model_files import read_header, read_index, safe_join
 from ..format.manifest import Manifest, TensorEntry
+from ..storage.retention import newest_committed
 from ..storage.store import LOCAL
 
 
@@ -383,7 +384,7 @@ def _resolve_foreign(path: str) -> Resolved:
                 "transformers and save_pretrained(FOLDER) (safetensors)") if pickled else ""
         if ours:  # e.g. Lightning's ModelCheckpoint names: epoch=E-step=S.ckpt, last.ckpt (folders here)
             hint = (f"; it holds fastckpt checkpoints {', '.join(ours[:4])}{' ...' if len(ours) > 4 else ''}: "
-                    f"pass one of them (e.g. the newest, {os.path.join(path, cm.newest_committed(path, ours))})") + hint
+                    f"pass one of them (e.g. the newest, {os.path.join(path, newest_committed(path, ours))})") + hint
         if not hint and LOCAL.isfile(os.path.join(path, "model_index.json")):  # a diffusers pipeline
             parts = sorted(n for n in LOCAL.listdir(path) if LOCAL.isdir(os.path.join(path, n))
                            and LOCAL.glob(os.path.join(path, n), "*.safetensors"))

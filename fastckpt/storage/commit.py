@@ -191,18 +191,6 @@ def listing_checkpoint(folder: str | os.PathLike, name: str) -> tuple[str, Manif
     return None
 
 
-def newest_committed(root: str, names: list[str]) -> str:
-    """The name in ``names`` (committed checkpoints in folder ``root``) whose manifest says it was
-    created last (``created_unix_s``; the last name when none can be read): for a hint naming one
-    of them, where the last in sort order is not the newest (``epoch=9-...`` sorts after ``epoch=10-...``)."""
-    def created(n: str) -> float:
-        try:
-            return read_manifest_shared(os.path.join(root, n)).created_unix_s
-        except (OSError, CorruptCheckpointError):  # an unreadable manifest sorts first
-            return float("-inf")
-    return max(reversed(names), key=created)
-
-
 def is_committed(path: str | os.PathLike, store=None) -> bool:
     """True if ``path`` is a committed fastckpt checkpoint folder (visible name + valid manifest).
 

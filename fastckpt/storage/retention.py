@@ -84,6 +84,21 @@ class CheckpointScan:
         order = manifest_order(self.committed, self.store)
         return (order[-1], dict(self.committed)[order[-1]]) if order else None
 
+    def damaged(self) -> list[tuple[str, str]]:
+        """``(folder name, reason)`` of the step folders that hold a ``manifest.json`` no reader accepts:
+        committed (a commit writes the manifest whole before the folder appears), then damaged."""
+        store = self.store or store_for(None)
+        out = []
+        for _, p in self.uncommitted:
+            folder = store.join(str(self.root), store.basename(str(p)))
+            try:
+                there = store.exists(store.join(folder, cm.MANIFEST))
+            except OSError:
+                there = False
+            if there:
+                out.append((store.basename(str(p)), _damaged_reason(folder)))
+        return out
+
     def skipped(self) -> list[tuple[str, str]]:
         """``(folder name, reason)`` for every leftover and uncommitted folder, sorted by name.
 
@@ -180,6 +195,16 @@ def commit_time(folder: str | os.PathLike, store: Store | None = None) -> float 
     except (OSError, ValueError):  # CorruptCheckpointError is a ValueError
         return None
     return None if t is None else float(t)
+
+
+def newest_committed(root: str | os.PathLike, names: list[str], store: Store | None = None) -> str:
+    """The name in ``names`` (committed checkpoints in folder ``root``) committed last by
+    :func:`commit_time` (the last name when none has one): for a hint naming one of them, where the
+    last in sort order is not the newest (``epoch=9-...`` sorts after ``epoch=10-...``)."""
+    def created(n: str) -> float:
+        t = commit_time(os.path.join(os.fspath(root), n), store)
+        return float("-inf") if t is None else t
+    return max(reversed(names), key=created)
 
 
 def manifest_order(committed: Sequence[tuple[int, Path]], store: Store | None = None) -> list[int]:
@@ -413,6 +438,11 @@ def prune_checkpoints(root: str | os.PathLike, prefix: str, keep: int,
     return [s for s in victims if delete_checkpoint(folders[s], store)]
 
 
+def _damaged_reason(folder: str) -> str:
+    return (f"{cm.MANIFEST} is there but unreadable: damaged after the commit (a commit writes it whole "
+            f"before the folder appears); run `fastckpt verify {folder}`, restore it or delete the folder")
+
+
 def _uncommitted_reason(store, folder: str) -> str:
     """Why a step folder without a valid manifest is skipped: a checkpoint another tool wrote (DCP's
     ``.metadata``), a DeepSpeed tag of fastckpt's engine (``*_states.pt`` folders, ``fastckpt_tag.json``),
@@ -424,8 +454,7 @@ def _uncommitted_reason(store, folder: str) -> str:
             return ("a committed DeepSpeed tag written by fastckpt's engine (fastckpt_tag.json; its *_states.pt "
                     "folders are the checkpoints): `fastckpt verify` it; DeepSpeed keeps its own tags: left alone")
         if store.exists(store.join(folder, cm.MANIFEST)):  # visible and with a manifest: committed, then damaged
-            return (f"{cm.MANIFEST} is there but unreadable: damaged after the commit (a commit writes it whole "
-                    f"before the folder appears); run `fastckpt verify {folder}`, restore it or delete the folder")
+            return _damaged_reason(folder)
     except OSError:
         pass
     return "no valid manifest.json: never committed (crashed save or not fastckpt)"
