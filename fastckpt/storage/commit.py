@@ -25,7 +25,7 @@ from collections import OrderedDict
 
 from ..errors import CorruptCheckpointError
 from ..format.manifest import Manifest, parse
-from .io import fsync_dir
+from .io import fsync_dir, no_space_error
 
 MANIFEST = "manifest.json"
 STATE_JSON = "state.json"
@@ -63,7 +63,13 @@ def make_temp_dir(path: str) -> str:
 
 
 def write_small_file(path: str, data: bytes, *, fsync: bool = True) -> None:
-    """Create ``path`` with ``data`` and fsync it (used for JSON and extra files)."""
+    """Create ``path`` with ``data`` and fsync it (used for JSON and extra files).
+
+    Raises:
+        InsufficientSpaceError: the device filled while writing or syncing (ENOSPC, EDQUOT), naming
+            ``path`` and keeping the ``OSError`` as its cause.
+        OSError: any other failure to create, write or sync the file.
+    """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         view = memoryview(data)
@@ -71,6 +77,11 @@ def write_small_file(path: str, data: bytes, *, fsync: bool = True) -> None:
             view = view[os.write(fd, view):]
         if fsync:
             os.fsync(fd)
+    except OSError as e:
+        err = no_space_error(e, path, len(data), "the file is left partial and nothing that names it is committed")
+        if err is e:
+            raise
+        raise err from e
     finally:
         os.close(fd)
 

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError, InsufficientSpaceError
+from ..errors import CorruptCheckpointError, InsufficientSpaceError, InvalidArgumentError
 
 ALIGN = 4096
 #: Default bytes per write or read request (8 MiB; a multiple of :data:`ALIGN`).
@@ -127,14 +127,22 @@ def group_by_bytes(items, limit: int) -> list[list]:
 
 
 def get_backend(backend: str | PosixBackend | None) -> PosixBackend:
-    """Return a backend instance for a name in :data:`BACKENDS`, or ``backend`` itself."""
+    """Return a backend instance for a name in :data:`BACKENDS`, or ``backend`` itself.
+
+    Raises:
+        InvalidArgumentError: an unknown name, or neither a name nor a :class:`PosixBackend`.
+    """
     if backend is None:
         return PosixBackend()
     if isinstance(backend, str):
         try:
             return BACKENDS[backend]()
         except KeyError:
-            raise ValueError(f"unknown I/O backend {backend!r}; known: {sorted(BACKENDS)}") from None
+            raise InvalidArgumentError(f"io_backend: unknown I/O backend {backend!r}; known: {sorted(BACKENDS)} "
+                                       "(or pass a PosixBackend instance)") from None
+    if not isinstance(backend, PosixBackend):
+        raise InvalidArgumentError(f"io_backend must be a name in {sorted(BACKENDS)} or a PosixBackend instance, "
+                                   f"got {type(backend).__name__}")
     return backend
 
 
@@ -312,15 +320,19 @@ def memory_backed(path: str) -> bool:
     return fs_type(path) in MEMORY_FS
 
 
-def _no_space(e: OSError, path: str, nbytes: int) -> OSError:
-    """``e`` as an :class:`~fastckpt.errors.InsufficientSpaceError` naming ``path`` when the device is
-    full (ENOSPC, EDQUOT: the disk filled after the save's free-space check), else ``e`` itself: a bare
-    ``OSError: [Errno 28]`` named no file (a README-only trial)."""
+_SAVE_FAILED = ("the disk filled after the save's free-space check; the save's temporary folder is removed and "
+                "nothing is committed")
+
+
+def no_space_error(e: OSError, path: str, nbytes: int, why: str = _SAVE_FAILED) -> OSError:
+    """``e`` as an :class:`~fastckpt.errors.InsufficientSpaceError` naming ``path`` and ``nbytes`` (the
+    write's size, bytes) when the device is full (ENOSPC, EDQUOT), else ``e`` itself: a bare
+    ``OSError: [Errno 28]`` named no file (a README-only trial). ``why`` says what happened to the
+    data (default: a save's shard, written after its free-space check)."""
     if e.errno not in (errno.ENOSPC, errno.EDQUOT):
         return e
     return InsufficientSpaceError(e.errno, f"{e.strerror or os.strerror(e.errno)}, while writing {nbytes} bytes of "
-                                  "this file (the disk filled after the save's free-space check; the save's temporary "
-                                  "folder is removed and nothing is committed): free space or save elsewhere", path)
+                                  f"this file ({why}): free space or save elsewhere", path)
 
 
 class FileWriter:
@@ -344,7 +356,7 @@ class FileWriter:
                 try:
                     be.allocate(self.fd, size)
                 except OSError as e:
-                    err = _no_space(e, path, size)
+                    err = no_space_error(e, path, size)
                     if err is e:
                         raise
                     raise err from e
@@ -369,7 +381,7 @@ class FileWriter:
         try:
             self._write(data, offset)
         except OSError as e:
-            err = _no_space(e, self.path, len(data))
+            err = no_space_error(e, self.path, len(data))
             if err is e:
                 raise
             raise err from e

@@ -170,3 +170,24 @@ def test_tier_folder_removed_during_async_save(tmp_path, what):
         assert mgr.steps() == [300]
     else:
         _assert_intact(root, mgr, 100, before)
+
+
+def test_enospc_in_small_file_is_typed(small_tier):
+    """A device that fills while state.json / manifest.json is written gives InsufficientSpaceError
+    naming the file (it was a bare ``OSError: [Errno 28]`` naming nothing)."""
+    from fastckpt.storage.commit import write_small_file
+
+    filler = os.path.join(small_tier, "filler")
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:  # fill the 8 MiB tmpfs to the last byte
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    target = os.path.join(small_tier, "manifest.json")
+    with pytest.raises(fastckpt.InsufficientSpaceError, match="manifest.json") as ei:
+        write_small_file(target, b"x" * (1 << 20))
+    assert ei.value.errno == errno.ENOSPC and isinstance(ei.value.__cause__, OSError)
+    assert ei.value.filename == target

@@ -144,6 +144,7 @@ def test_flipped_byte_raises_on_every_resume_path_by_default(tmp_path):
         with pytest.raises(ChecksumMismatchError) as ei:
             call()
         assert "model/w" in str(ei.value) and fname in str(ei.value), (name, str(ei.value))
+        assert "fastckpt verify" in str(ei.value), (name, "the error says how to go on")
         assert ei.value.tensor == "model/w" and ei.value.path.endswith(fname), name
         got = call(verify=False)  # the damaged byte comes back only when asked
         w = got["model"]["w"]
