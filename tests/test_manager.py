@@ -317,3 +317,18 @@ def test_prune_never_follows_a_symlinked_step_folder(tmp_path):
     assert os.path.islink(root / "step-10") and os.path.islink(root / "step-1")
     assert CheckpointManager(root).steps() == [3, 4]
     assert any(n == "step-10" and "a symlink to step-3" in why for n, why in CheckpointManager(root).skipped())
+
+
+def test_ls_of_a_root_with_nothing_committed_exits_2(tmp_path, capsys):
+    """A run root holding only a crashed save: `ls` listed nothing and exited 0 while `verify` exits 2
+    (a README-only trial); it now lists what it skipped and exits 2."""
+    from fastckpt.cli.main import main
+
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, st(1))
+    assert main(["ls", str(tmp_path)]) == 0
+    (mgr.path(1) / "manifest.json").rename(tmp_path / "aside.json")  # as a save killed before its commit
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path)]) == 2
+    cap = capsys.readouterr()
+    assert "skipped step-1" in cap.out and "no committed checkpoint" in cap.err, cap

@@ -377,6 +377,11 @@ def test_bad_arguments_of_load_save_and_the_manager_are_named(tmp_path):
         (lambda: fastckpt.load_into(state(), p, strict="yes"), r"strict must be None, True or False"),
         (lambda: fastckpt.save(state(), tmp_path / "a", local_keys="model"), r"local_keys=\['model'\]"),
         (lambda: fastckpt.save(state(), tmp_path / "b", on_commit=3), r"on_commit must be a callable"),
+        (lambda: fastckpt.load(p, verify="no"), r"verify must be True or False, got str 'no'"),
+        (lambda: fastckpt.load_into(state(), p, verify="no"), r"verify must be True or False, got str 'no'"),
+        (lambda: fastckpt.load(p, io_backend="bogus"), r"unknown I/O backend 'bogus'; known: \['posix'"),
+        (lambda: fastckpt.load_into(state(), p, io_backend="bogus"), r"unknown I/O backend 'bogus'"),
+        (lambda: fastckpt.save(state(), tmp_path / "c", io_backend="bogus"), r"unknown I/O backend 'bogus'"),
     ]
     for call, pattern in cases:
         with pytest.raises(InvalidArgumentError, match=pattern):

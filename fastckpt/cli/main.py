@@ -24,7 +24,8 @@ from .tier import add_tier_parser
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """List committed steps with sizes, and what was skipped and why (every layout, see find_runs)."""
+    """List committed steps with sizes, and what was skipped and why (every layout, see find_runs); exit 2
+    when nothing is committed under the root (a run of crashed saves only), as ``verify`` does."""
     runs = find_runs(args.root, args.prefix)
     if not runs:
         raise CheckpointNotFoundError(not_found_message(args.root, args.prefix))
@@ -43,6 +44,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
             if (run.folder, name) not in shown:  # a folder's leftovers are in the scan of each of its runs
                 shown.add((run.folder, name))
                 print(f"skipped {name}: {why}")
+    if not any(run.scan.committed for run in runs):  # step folders, none committed: nothing to resume from
+        print(f"{args.root}: no committed checkpoint (the folders above were skipped; nothing to load)",
+              file=sys.stderr)
+        return 2
     return 0
 
 
@@ -188,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="list committed checkpoints under a root, and what was skipped",
                         description=f"List the committed checkpoints of a run root with their sizes "
                                     f"(decimal units: 1 MB = 10^6 bytes), and what was skipped and why. "
-                                    f"{_FOUND}. Exit 0: listed; 2: nothing found (says where it looked); 141: "
+                                    f"{_FOUND}. Exit 0: listed; 2: nothing found or nothing committed (says where it looked); 141: "
                                     "the reader of its output closed the pipe first (e.g. | head).")
     ls.add_argument("root")
     ls.add_argument("--prefix", default=None, help=_PREFIX_HELP)

@@ -38,7 +38,7 @@ from ..format.tree import join
 from ..storage.io import PosixBackend, get_backend, readv_exact
 from ..storage.locate import is_url, store_for
 from .chunks import box_bytes, chunk_problem
-from .reader import READ_CHUNK_BYTES, check_byte_options, check_threads, default_read_threads, read_subtrees
+from .reader import READ_CHUNK_BYTES, check_byte_options, check_flags, check_threads, default_read_threads, read_subtrees
 from .regions import Box, ByteRun, Stored, box_runs, contains, dim0_blocks, intersect, split_runs
 from .stored import CheckpointIndex, TensorDesc, open_index
 
@@ -710,6 +710,7 @@ def load_into(state: Any, path: str | os.PathLike, *, strict: bool | None = None
             f"{type(state).__name__}: {state!r:.80}. To read a checkpoint into new tensors use fastckpt.load(path)")
     check_threads(threads)
     check_byte_options(chunk_bytes=chunk_bytes, buffer_bytes=buffer_bytes)
+    check_flags(verify=verify)
     if is_url(path):  # a non-local store (s3://...): read a local copy (Store.local_folder)
         with store_for(path).local_folder(path) as local:
             return load_into(state, local, strict=strict, verify=verify, threads=threads, io_backend=io_backend,

@@ -69,6 +69,14 @@ def check_byte_options(**sizes: object) -> None:
                                        f"{type(v).__name__} {v!r:.40}")
 
 
+def check_flags(**flags: object) -> None:
+    """Raise :class:`~fastckpt.errors.InvalidArgumentError` unless each named flag (``verify``) is a
+    bool: ``verify="no"`` was taken as true (a README-only trial)."""
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise InvalidArgumentError(f"{name} must be True or False, got {type(v).__name__} {v!r:.40}")
+
+
 @dataclass
 class _Dest:
     key: str
@@ -348,6 +356,7 @@ def load(path: str | os.PathLike, *, device: str | torch.device = "cpu", keys: A
     check_device(device)
     check_threads(threads)
     check_byte_options(chunk_bytes=chunk_bytes)
+    check_flags(verify=verify)
     if is_url(path):  # a non-local store (s3://...): read a local copy (Store.local_folder)
         with store_for(path).local_folder(path) as local:
             return load(local, device=device, keys=keys, threads=threads, verify=verify, chunk_bytes=chunk_bytes,
