@@ -10,6 +10,7 @@ page cache first). Every workload runs in its own process, as in production.
 Measured, with the tier arbiter on (the default) and off (``FASTCKPT_TIER=off``), rotated over
 ``--rounds`` rounds (medians):
 
+* the raw device at the start of each round (a durable 512 MiB O_DIRECT write and its cold read);
 * KV get p50 / p99 idle, during the flush, during the load;
 * checkpoint time idle vs under the KV load, load time idle vs under the KV load.
 
@@ -143,12 +144,30 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
+#: Bytes of the raw device probe at the start of each round, and its requests in flight.
+RAW_BYTES = 512 * MiB
+RAW_DEPTH = 8
+
+
+def raw_probe(folder: str) -> dict:
+    """The device as this round finds it: GB/s of a durable O_DIRECT write and a cold O_DIRECT read of
+    :data:`RAW_BYTES` (``common.raw_gbps``); this shared disk's rates swing several-fold between rounds."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import common as C
+    path = os.path.join(folder, "raw.bin")
+    try:
+        return {"raw_write_gbps": C.raw_gbps(path, RAW_BYTES, RAW_DEPTH, write=True),
+                "raw_read_gbps": C.raw_gbps(path, RAW_BYTES, RAW_DEPTH, write=False)}
+    finally:
+        os.unlink(path)
+
+
 def one_round(a, mode: str, r: int) -> dict:
-    """One round in one mode: idle checkpoint and load, then the same under a KV get stream."""
+    """One round in one mode: the raw device, idle checkpoint and load, then the same under a KV get stream."""
     os.environ["FASTCKPT_TIER"] = "off" if mode == "off" else ""
     os.environ["FASTCKPT_TIER_DIR"] = os.path.join(a.dir, "tier-state")
     ck = os.path.join(a.dir, "ck")
-    res: dict = {"mode": mode, "round": r}
+    res: dict = {"mode": mode, "round": r, **raw_probe(a.dir)}
     sready, sgo, sout = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
     sp = SPAWN.Process(target=saver, args=(os.path.join(ck, f"{mode}-{r}"), a.ckpt_gib, sready, sgo, sout))
     sp.start()
@@ -211,6 +230,11 @@ def summary(runs: list[dict]) -> list[str]:
                    f"{v['kv_flush_p50_ms']:>6.1f} / {v['kv_flush_p99_ms']:>5.1f} "
                    f"{v['kv_load_p50_ms']:>6.1f} / {v['kv_load_p99_ms']:>5.1f} "
                    f"{v['ckpt_idle_s']:>13.2f} {v['ckpt_kv_s']:>9.2f} {v['load_idle_s']:>13.2f} {v['load_kv_s']:>9.2f}")
+    raw = [(r["raw_write_gbps"], r["raw_read_gbps"]) for r in runs if "raw_write_gbps" in r]
+    if raw:
+        out.append(f"device at each round's start (raw O_DIRECT, {RAW_BYTES >> 20} MiB, {RAW_DEPTH} in flight): write "
+                   f"{min(w for w, _ in raw):.2f}-{max(w for w, _ in raw):.2f} GB/s (durable), read "
+                   f"{min(x for _, x in raw):.2f}-{max(x for _, x in raw):.2f} GB/s (cold)")
     for m, v in med.items():
         # each ratio is taken within a round (its idle and loaded runs are back to back), then the median
         mine = [r for r in runs if r["mode"] == m]
