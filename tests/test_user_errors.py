@@ -558,3 +558,15 @@ def test_ls_hint_names_the_newest_checkpoint_not_the_last_in_sort_order(tmp_path
                        timeout=120)
     assert r.returncode == 2 and f"e.g. the newest, `fastckpt verify {parent / 'epoch=10-step=100.ckpt'}`" in r.stderr, \
         r.stderr
+
+
+def test_ls_with_a_prefix_that_matches_nothing_names_the_runs_there(tmp_path, capsys):
+    """`ls ROOT --prefix wrong-` on a root of step-N folders suggested `fastckpt verify ROOT/step-2`
+    (a README-only trial); it names the run there and the prefix to pass."""
+    from fastckpt.cli.main import main as cli_main
+    mgr = fastckpt.CheckpointManager(tmp_path)
+    mgr.save(1, state())
+    mgr.save(2, state())
+    assert cli_main(["ls", str(tmp_path), "--prefix", "wrong-"]) == 2
+    err = capsys.readouterr().err
+    assert f"it holds {tmp_path}/step-N: drop --prefix wrong- or pass --prefix step-" in err, err

@@ -228,6 +228,9 @@ def not_found_message(root: str | os.PathLike, prefix: str | None = None) -> str
         hint = (f"; it is a DeepSpeed save_dir written by fastckpt's engine (tag {os.path.basename(tag)}, which "
                 f"'latest' names): DeepSpeed keeps its own tags. `fastckpt verify {root}` checks that tag, "
                 f"`fastckpt load {root} --to DIR` exports its weights")
+    elif prefix and (others := find_runs(root)):  # a --prefix that matches nothing here; the default ones do
+        hint = (f"; it holds {', '.join(r.describe() for r in others)}: drop --prefix {prefix} or pass "
+                f"--prefix {others[0].prefix}")
     else:  # committed checkpoints named otherwise (Lightning's ModelCheckpoint: epoch=E-step=S.ckpt, last.ckpt)
         ours = sorted(n for n in LOCAL.listdir(root) if LOCAL.isfile(os.path.join(root, n, MANIFEST)))
         if ours:
