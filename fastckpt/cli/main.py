@@ -44,7 +44,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             if (run.folder, name) not in shown:  # a folder's leftovers are in the scan of each of its runs
                 shown.add((run.folder, name))
                 print(f"skipped {name}: {why}")
-    if not any(run.scan.committed for run in runs):  # step folders, none committed: nothing to resume from
+    if not any(run.scan.committed or run.scan.engine_tags() for run in runs):  # crashed saves only
         print(f"{args.root}: no committed checkpoint (the folders above were skipped; nothing to load)",
               file=sys.stderr)
         return 2

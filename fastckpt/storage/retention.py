@@ -99,6 +99,13 @@ class CheckpointScan:
                 out.append((store.basename(str(p)), _damaged_reason(folder)))
         return out
 
+    def engine_tags(self) -> list[str]:
+        """Names of the step folders that are DeepSpeed tags written by fastckpt's engine (committed:
+        their ``*_states.pt`` folders are the checkpoints; ``fastckpt_tag.json`` marks them)."""
+        store = self.store or store_for(None)
+        return [store.basename(str(p)) for _, p in self.uncommitted
+                if _is_engine_tag(store, store.join(str(self.root), store.basename(str(p))))]
+
     def skipped(self) -> list[tuple[str, str]]:
         """``(folder name, reason)`` for every leftover and uncommitted folder, sorted by name.
 
@@ -443,6 +450,14 @@ def _damaged_reason(folder: str) -> str:
             f"before the folder appears); run `fastckpt verify {folder}`, restore it or delete the folder")
 
 
+def _is_engine_tag(store, folder: str) -> bool:
+    """Whether ``folder`` is a DeepSpeed tag of fastckpt's engine (its marker file; never raises)."""
+    try:
+        return store.exists(store.join(folder, "fastckpt_tag.json"))  # fastckpt.loading.zero.MARKER
+    except OSError:
+        return False
+
+
 def _uncommitted_reason(store, folder: str) -> str:
     """Why a step folder without a valid manifest is skipped: a checkpoint another tool wrote (DCP's
     ``.metadata``), a DeepSpeed tag of fastckpt's engine (``*_states.pt`` folders, ``fastckpt_tag.json``),
@@ -450,7 +465,7 @@ def _uncommitted_reason(store, folder: str) -> str:
     try:
         if store.exists(store.join(folder, ".metadata")):
             return "a torch.distributed.checkpoint (DCP) folder (.metadata), not fastckpt's: left alone"
-        if store.exists(store.join(folder, "fastckpt_tag.json")):  # fastckpt.loading.zero.MARKER
+        if _is_engine_tag(store, folder):
             return ("a committed DeepSpeed tag written by fastckpt's engine (fastckpt_tag.json; its *_states.pt "
                     "folders are the checkpoints): `fastckpt verify` it; DeepSpeed keeps its own tags: left alone")
         if store.exists(store.join(folder, cm.MANIFEST)):  # visible and with a manifest: committed, then damaged
