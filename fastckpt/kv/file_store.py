@@ -45,6 +45,7 @@ import errno
 import json
 import os
 from typing import Callable
+import threading
 import time
 
 import xxhash
@@ -79,10 +80,16 @@ class KVFileStore(KVFolderIndex):
         self._direct_ok = options.o_direct and hasattr(os, "O_DIRECT")
         self._be = get_backend(None)
         super().__init__(options, on_remove=on_remove)
+        self._write_ended = threading.Condition(self._tlock)  # a write of this process ended (see write)
 
     # ----- writing -------------------------------------------------------------------------
     def write(self, name: str, key: str, fmt: str, groups: list, buf: memoryview) -> bool:
-        """Write one chunk atomically; return False if it already exists or is being written.
+        """Write one chunk atomically; return False if it already exists.
+
+        A write of the same chunk by another thread of this process is waited for first: then the
+        chunk exists (False), or that write failed and this one writes it. (Returning False at once
+        told a second LMCache store task of the key it was stored while the first was still
+        writing, or had failed: a key reported stored and never written.)
 
         Args:
             name: :func:`chunk_name` of ``key``.
@@ -99,8 +106,8 @@ class KVFileStore(KVFolderIndex):
         """
         t0 = time.perf_counter()
         with self._tlock:
-            if name in self._writing:
-                return False
+            while name in self._writing:
+                self._write_ended.wait()
             self._writing.add(name)
         try:
             if LOCAL.exists(self.path_for(name)):
@@ -117,6 +124,7 @@ class KVFileStore(KVFolderIndex):
         finally:
             with self._tlock:
                 self._writing.discard(name)
+                self._write_ended.notify_all()
         self.stats.add(puts=1, put_bytes=len(buf), put_s=time.perf_counter() - t0)
         return True
 

@@ -268,6 +268,10 @@ class FastCkptL2Adapter(L2AdapterInterface):
         self._done_lookups: dict[L2TaskId, Bitmap] = {}
         self._done_loads: dict[L2TaskId, Bitmap] = {}
         self._keys: dict[str, tuple[Any, int]] = {}  # chunk name -> (ObjectKey, bytes) this process knows
+        # names a store task committed and has not reported stored yet: removed meanwhile, never reported
+        self._unreported: set[str] = set()
+        # held while deciding and sending listener notices, so a key's "deleted" never precedes its "stored"
+        self._notify_lock = threading.RLock()
         self._locks: dict[Any, int] = {}  # ObjectKey -> lookup locks held
         self._last_store_error = ""
         self._closed = False
@@ -320,11 +324,28 @@ class FastCkptL2Adapter(L2AdapterInterface):
         return tid
 
     def _write_one(self, key, obj) -> int:
-        """Bytes committed for ``key`` (0 if the chunk already existed)."""
+        """Bytes committed for ``key`` (0 if the chunk already existed). The chunk is known (unreported)
+        before its commit, so an eviction right after the commit is seen by :meth:`_report_evicted`
+        (known only after it, such an eviction went unreported and the key stayed "stored")."""
         buf = _bytes_of(obj)
         fmt, groups = _layout_of(obj, len(buf))
         name = self._name(key)
-        if not self.store.write(name, self._key_string(key), fmt, groups, buf):
+        with self._lock:
+            known = name in self._keys  # reported stored before, or another task of this key is writing
+            if not known:
+                self._keys[name] = (key, len(buf))
+                self._unreported.add(name)
+        wrote = False
+        try:
+            wrote = self.store.write(name, self._key_string(key), fmt, groups, buf)
+        finally:
+            with self._lock:
+                # failed, or existed: forget it. (Written after another task's write of the key failed,
+                # it stays unknown: never reported stored nor deleted; lookups still find it on disk.)
+                if not wrote and not known and name in self._unreported:
+                    self._keys.pop(name, None)
+                    self._unreported.discard(name)
+        if not wrote:
             self.store.touch(name)
             return 0
         return len(buf)
@@ -344,31 +365,51 @@ class FastCkptL2Adapter(L2AdapterInterface):
                     continue
                 n = fut.result()
                 if n:
-                    with self._lock:
-                        self._keys[self._name(key)] = (key, n)
-                    stored.append(key)
-                    sizes.append(n)
+                    stored.append((key, self._name(key), n))
                     written += n
         except Exception as e:  # the task must end with a result, whatever happened
             ok = False
             self._last_store_error = f"{type(e).__name__}: {e}"
             logger.exception("fastckpt kv: L2 store task %d failed", tid)
-        self._report_evicted()
-        if stored:
-            self._notify_keys_stored(stored, sizes)
+        with self._notify_lock:
+            self._report_evicted()  # first: a chunk of this task evicted already is never reported stored
+            with self._lock:
+                now = [(k, n) for k, name, n in stored if name in self._unreported]
+                self._unreported.difference_update(name for _, name, _ in stored)
+            if now:
+                self._notify_keys_stored([k for k, _ in now], [n for _, n in now])
         with self._lock:
             self._done_stores[tid] = L2StoreResult(ok, written)
         self._store_efd.notify()
 
     def _report_evicted(self) -> None:
-        gone = []
-        with self._lock:
-            for name in self.store.take_removed():
+        """Tell the listeners which known chunks this process removed since the last call (evictions for
+        a put or the tier, chunks dropped as corrupt); a chunk whose store task has not reported it
+        stored yet is only forgotten (its task will not report it either)."""
+        with self._notify_lock:
+            gone = []
+            with self._lock:
+                for name in self.store.take_removed():
+                    ks = self._keys.pop(name, None)
+                    if ks is None:
+                        continue
+                    if name in self._unreported:
+                        self._unreported.discard(name)
+                    else:
+                        gone.append(ks)
+            if gone:
+                self._notify_keys_deleted([k for k, _ in gone], [n for _, n in gone])
+
+    def _report_gone(self, name: str) -> None:
+        """Chunk ``name`` was found missing (another process removed it: the folder's ``max_bytes`` and
+        the tier's budget are shared): tell the listeners if they were told it was stored."""
+        with self._notify_lock:
+            with self._lock:
+                if name in self._unreported:
+                    return  # its store task is still running: it reports what it finds then
                 ks = self._keys.pop(name, None)
-                if ks is not None:
-                    gone.append(ks)
-        if gone:
-            self._notify_keys_deleted([k for k, _ in gone], [n for _, n in gone])
+            if ks is not None:
+                self._notify_keys_deleted([ks[0]], [ks[1]])
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         """All store results ready since the last call (task id -> ``L2StoreResult``)."""
@@ -397,6 +438,8 @@ class FastCkptL2Adapter(L2AdapterInterface):
                     with self._lock:
                         self._locks[key] = self._locks.get(key, 0) + 1
                     bm.set(i)
+                elif name in self._keys:  # stored by us, removed by another process meanwhile
+                    self._report_gone(name)
         except Exception:
             logger.exception("fastckpt kv: L2 lookup task %d failed; the rest are misses", tid)
         with self._lock:
@@ -553,24 +596,29 @@ class FastCkptL2Adapter(L2AdapterInterface):
         """Delete the chunks of ``keys`` (missing ones are skipped) and tell the listeners."""
         if not keys or self._closed:
             return
-        gone, sizes = [], []
-        for key in keys:
-            name = self._name(key)
-            with self._lock:  # taken first: the removal is reported here, never again by _report_evicted
-                ks = self._keys.pop(name, None)
-            try:
-                if not self.store.remove(name):
+        with self._notify_lock:
+            gone, sizes = [], []
+            for key in keys:
+                name = self._name(key)
+                with self._lock:  # taken first: the removal is reported here, never again by _report_evicted
+                    ks = self._keys.pop(name, None)
+                    told = ks is not None and name not in self._unreported  # the listeners were told "stored"
+                    self._unreported.discard(name)
+                try:
+                    removed = self.store.remove(name)
+                except OSError as e:
+                    if ks is not None:
+                        with self._lock:
+                            self._keys.setdefault(name, ks)
+                            if not told:
+                                self._unreported.add(name)
+                    logger.warning("fastckpt kv: L2 delete of %s failed: %s", self._key_string(key), e)
                     continue
-            except OSError as e:
-                if ks is not None:
-                    with self._lock:
-                        self._keys.setdefault(name, ks)
-                logger.warning("fastckpt kv: L2 delete of %s failed: %s", self._key_string(key), e)
-                continue
-            gone.append(key)
-            sizes.append(ks[1] if ks else 0)
-        if gone:
-            self._notify_keys_deleted(gone, sizes)
+                if told or (removed and ks is None):  # gone now, whoever removed the file (F3 of a probe)
+                    gone.append(key)
+                    sizes.append(ks[1] if ks else 0)
+            if gone:
+                self._notify_keys_deleted(gone, sizes)
 
     def debug_has_key(self, key) -> bool:
         """True if ``key``'s chunk is committed (LMCache's tests poll adapters with this)."""

@@ -410,3 +410,97 @@ def test_evictions_for_the_tier_budget_are_reported_to_lmcache(tmp_path, monkeyp
         assert a.get_usage().total_bytes_used == 2 * n
     finally:
         a.close()
+
+
+# ----- what LMCache is told: its listeners and get_usage() follow the chunks on disk (an L2 probe) ------
+class _Ordered:
+    """A listener keeping every notice in order: ('stored' | 'deleted', ObjectKey)."""
+
+    def __init__(self):
+        self.events = []
+
+    def on_l2_keys_stored(self, keys, sizes):
+        self.events += [("stored", k) for k in keys]
+
+    def on_l2_keys_accessed(self, keys):
+        pass
+
+    def on_l2_keys_deleted(self, keys):
+        self.events += [("deleted", k) for k in keys]
+
+    def present(self) -> set:
+        out = set()
+        for ev, k in self.events:
+            (out.add if ev == "stored" else out.discard)(k)
+        return out
+
+
+def _told_matches_disk(a, listener, keys, n) -> None:
+    """What the listener was told (before any lookup, which may repair it) is what the folder holds."""
+    told = listener.present()
+    on_disk = {k for k in keys if a.debug_has_key(k)}
+    assert told == on_disk, (f"told stored but gone: {len(told - on_disk)}, on disk but not told: "
+                             f"{len(on_disk - told)}", listener.events)
+    assert a.get_usage().total_bytes_used == len(on_disk) * n
+
+
+def test_a_task_evicting_its_own_earlier_key_never_reports_it_stored(tmp_path):
+    """One task of 3 keys, room for 2: the third evicts the first. LMCache was told 'deleted k0' then
+    'stored k0, k1, k2' (k0 a ghost: usage 3 chunks, 2 on disk)."""
+    n = 256 << 10
+    a = FastCkptL2Adapter({"path": str(tmp_path / "kv"), "max_bytes": 2 * (n + 4096), "write_threads": 1,
+                           "read_threads": 1})  # one write at a time: the third evicts the first
+    lis = _Ordered()
+    a.register_listener(lis)
+    try:
+        keys = [_key(i) for i in range(3)]
+        assert _store(a, keys, [_Buf(_payload(i, n)) for i in range(3)]).is_successful()
+        _told_matches_disk(a, lis, keys, n)
+        assert lis.present() == set(keys[1:])
+    finally:
+        a.close()
+
+
+def test_concurrent_store_tasks_under_a_full_folder_report_every_eviction(tmp_path):
+    """40 one-key tasks, 4 writers, room for 3: a chunk evicted by another task before its own task
+    ended was never reported deleted (16-25 ghost keys a round before the fix)."""
+    n = 256 << 10
+    for r in range(2):
+        a = FastCkptL2Adapter({"path": str(tmp_path / f"kv{r}"), "max_bytes": 3 * (n + 4096), "write_threads": 4,
+                               "read_threads": 4, "durable": False})
+        lis = _Ordered()
+        a.register_listener(lis)
+        try:
+            keys = [_key(1000 * r + i) for i in range(40)]
+            bufs = [_Buf(_payload(i, n)) for i in range(40)]
+            tids = {a.submit_store_task([k], [b]) for k, b in zip(keys, bufs)}
+            deadline = time.monotonic() + 60
+            while tids and time.monotonic() < deadline:
+                tids -= set(a.pop_completed_store_tasks())
+                time.sleep(0.005)
+            assert not tids, "store tasks did not complete"
+            _told_matches_disk(a, lis, keys, n)
+        finally:
+            a.close()
+
+
+def test_chunks_another_server_evicted_are_reported_by_lookup_and_delete(tmp_path):
+    """Two servers on one folder and one max_bytes (docs/KV.md): B's stores evict A's chunks. A was
+    never told and its usage stayed 'full' for good; A.delete() of those keys notified nothing."""
+    n = 256 << 10
+    opts = {"path": str(tmp_path / "kv"), "max_bytes": 4 * (n + 4096)}
+    a, b = FastCkptL2Adapter(opts), FastCkptL2Adapter(opts)
+    la = _Ordered()
+    a.register_listener(la)
+    try:
+        mine = [_key(i) for i in range(4)]
+        assert _store(a, mine, [_Buf(_payload(i, n)) for i in range(4)]).is_successful()
+        assert _store(b, [_key(100 + i) for i in range(4)], [_Buf(_payload(i, n)) for i in range(4)]).is_successful()
+        assert not any(a.debug_has_key(k) for k in mine)
+        assert _lookup(a, mine[:2]) == [False, False]  # a lookup finds two of them gone
+        assert la.present() == set(mine[2:]) and a.get_usage().total_bytes_used == 2 * n
+        a.delete(mine[2:])  # LMCache's eviction deletes the others: reported although B removed the files
+        assert la.present() == set() and a.get_usage().total_bytes_used == 0
+    finally:
+        a.close()
+        b.close()

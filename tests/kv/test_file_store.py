@@ -293,3 +293,52 @@ def test_a_damaged_header_is_a_miss_never_another_layout(tmp_path, old, new):
     open(path, "wb").write(raw.replace(old, new))
     assert st.open_chunk(name) is None  # a miss, no exception
     assert not os.path.exists(path) and not st.contains(name)  # dropped: not a hit again, not an error again
+
+
+@pytest.mark.parametrize("first_fails", [False, True])
+def test_a_second_write_of_a_chunk_being_written_waits_for_the_first(tmp_path, monkeypatch, first_fails):
+    """Two threads of one process write one chunk: the second returned False ("exists") at once while
+    the first was still writing, so an LMCache store task reported a key stored that was not yet
+    committed, or never was when the first write failed (an L2 probe). Now it waits: then the chunk
+    exists (False), or the first failed and the second writes it (True)."""
+    st = _store(tmp_path)
+    started, release = threading.Event(), threading.Event()
+    real = KVFileStore._write_data
+
+    def slow(self, w, buf, offset):
+        if threading.current_thread().name == "first":
+            started.set()
+            release.wait(10)
+            if first_fails:
+                raise OSError(errno.EIO, "injected")
+        real(self, w, buf, offset)
+
+    monkeypatch.setattr(KVFileStore, "_write_data", slow)
+    got = {}
+
+    def put(tag):
+        t = _chunk(7)
+        key = "model@1@0@7@bfloat16"
+        buf = memoryview(t.view(torch.uint8).numpy()).cast("B")
+        try:
+            got[tag] = st.write(chunk_name(key), key, "KV_2LTD", [("BF16", SHAPE, len(buf))], buf)
+        except OSError as e:
+            got[tag] = e
+
+    t1 = threading.Thread(target=put, args=("first",), name="first")
+    t1.start()
+    assert started.wait(10)
+    t2 = threading.Thread(target=put, args=("second",), name="second")
+    t2.start()
+    t2.join(0.5)
+    assert t2.is_alive(), "the second write returned while the first was still writing"
+    release.set()
+    t1.join(10)
+    t2.join(10)
+    name = chunk_name("model@1@0@7@bfloat16")
+    if first_fails:
+        assert isinstance(got["first"], OSError) and got["second"] is True
+    else:
+        assert got["first"] is True and got["second"] is False
+    assert st.contains(name) and torch.equal(_get(st, name), _chunk(7))
+    assert st.used_bytes() == st.disk_bytes()
