@@ -75,3 +75,19 @@ def test_l2_row_names_the_device_ceiling(bench):
     res["L2.raw.get.d16"] = 1.5
     (line,) = [x for x in bench.l2_summary_lines(res, 16, 7, cold=True) if "cold get" in x]
     assert "NOT MET (this device allows up to 1.50x)" in line
+
+
+def test_l2_ratio_is_balanced_for_which_adapter_read_first(bench):
+    """The adapter that reads first in a round read ~10% faster on this disk whatever its code (2026-12-06:
+    fastckpt won the 3 rounds it read first, fs_native the 2 it did): the target figure is the geometric
+    mean of the two orders' median ratios, and the order effect is printed."""
+    res = _l2(1.84, 1.92, 90.0, 100.0)
+    res["L2.get_ratio_first.d16"] = [1.105, 1.057, 1.110]
+    res["L2.get_ratio_second.d16"] = [0.906, 0.883]
+    lines = bench.l2_summary_lines(res, 16, 5, cold=True)
+    (line,) = [x for x in lines if "cold get" in x]
+    assert "= 0.99x" in line and "NOT MET" in line and "balanced for order" in line, line
+    assert any("order effect" in x and "1.11x" in x for x in lines), lines
+    res["L2.get_ratio_second.d16"] = [0.95, 0.97]  # without the balance the medians would say 0.96x
+    (line,) = [x for x in bench.l2_summary_lines(res, 16, 5, cold=True) if "cold get" in x]
+    assert "= 1.03x" in line and "target >= 1x: met" in line, line
