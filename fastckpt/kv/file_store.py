@@ -43,10 +43,11 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
-from typing import Callable
 import threading
 import time
+from typing import Callable
 
 import xxhash
 
@@ -58,6 +59,8 @@ from fastckpt.storage.store import LOCAL
 
 from .chunk import FORMAT_TAG, HEADER_ALIGN, ChunkHandle, KVStoreOptions, chunk_groups, chunk_name, piece_hashes
 from .folder_index import KVFolderIndex
+
+logger = logging.getLogger("fastckpt.kv")
 
 
 class KVFileStore(KVFolderIndex):
@@ -201,12 +204,16 @@ class KVFileStore(KVFolderIndex):
             with self._tlock:
                 self._index.pop(name, None)
             return None
+        except OSError as e:  # EIO, ESTALE on a network tier, EACCES: a miss, the file kept
+            logger.warning("fastckpt kv: cannot open %s (%s): a miss", path, e)
+            return None
         try:
             h = self._parse(fd, name, path)
         except Exception as e:  # noqa: BLE001 - any header that does not parse as ours is a bad file: a miss
             ino = self._be.inode(fd)
             self._be.close(fd)
-            self.drop_corrupt(ChunkHandle(name, path, -1, -1, 0, [], 0, "", "", 1, [], ino), str(e))
+            bad = e if isinstance(e, OSError) else CorruptCheckpointError(str(e), path=path)  # a read error keeps it
+            self.read_failed(ChunkHandle(name, path, -1, -1, 0, [], 0, "", "", 1, [], ino), bad)
             return None
         if self._direct_ok:
             try:

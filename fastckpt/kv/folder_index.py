@@ -46,7 +46,7 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from fastckpt.errors import InsufficientSpaceError
+from fastckpt.errors import CorruptCheckpointError, InsufficientSpaceError
 from fastckpt.storage.commit import host_tag, pid_alive
 from fastckpt.storage.lock import SharedStateFile
 from fastckpt.storage.store import LOCAL
@@ -363,9 +363,13 @@ class KVFolderIndex:
                 self._index.move_to_end(name)
 
     def remove(self, name: str, ino: int | None = None) -> bool:
-        """Delete chunk ``name`` (only if its inode is ``ino``, when given); True if this call deleted it."""
+        """Delete chunk ``name`` (only if its inode is ``ino``, when given); True if this call deleted it.
+        This process's pins of it go with it (a chunk put again under the name starts unpinned)."""
         with self._locked():
-            return self._unlink_chunk_locked(name, ino) is not None
+            gone = self._unlink_chunk_locked(name, ino) is not None
+            if gone:
+                self._pins.pop(name, None)
+            return gone
 
     def _unlink_chunk_locked(self, name: str, ino: int | None = None) -> int | None:
         """Delete chunk ``name`` and subtract exactly the bytes this unlink removed (lock held).
@@ -394,6 +398,16 @@ class KVFolderIndex:
         if self._on_remove is not None:
             self._on_remove(name)
         return st.size
+
+    def read_failed(self, handle: ChunkHandle, err: BaseException) -> None:
+        """A read of ``handle`` failed: a bad file (:class:`CorruptCheckpointError`: short, bad header,
+        checksum) is dropped (:meth:`drop_corrupt`); any other error (EIO, ESTALE on a network tier) is a
+        miss this time and the file is kept for every process sharing the folder (it was deleted)."""
+        if isinstance(err, CorruptCheckpointError):
+            self.drop_corrupt(handle, str(err))
+        else:
+            logger.warning("fastckpt kv: reading %s failed (%s: %s): a miss; the file is kept",
+                           handle.path if handle else "?", type(err).__name__, err)
 
     def drop_corrupt(self, handle: ChunkHandle, why: str) -> None:
         """Delete a chunk that failed validation (a miss from now on) and log ``why``."""

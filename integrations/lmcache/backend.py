@@ -296,7 +296,7 @@ class FastCkptKVBackend(StoragePluginInterface):
             wait(futs)
             err = next((f.exception() for f in futs if f.exception() is not None), None)
             if err is not None:
-                self.store.drop_corrupt(handles[i], str(err))
+                self.store.read_failed(handles[i], err)  # a bad file is dropped; EIO and the like keep it
                 objs[i].ref_count_down()
                 objs[i] = None
             else:

@@ -524,7 +524,7 @@ class FastCkptL2Adapter(L2AdapterInterface):
                 err = errs.get(i) or next((f.exception() for f in futs.get(i, []) if f.exception() is not None),
                                           None)
                 if err is not None:
-                    self.store.drop_corrupt(handles[i], str(err))
+                    self.store.read_failed(handles[i], err)  # a bad file is dropped; EIO and the like keep it
                     continue
                 self.store.touch(names[i])
                 bm.set(i)

@@ -342,3 +342,43 @@ def test_a_second_write_of_a_chunk_being_written_waits_for_the_first(tmp_path, m
         assert got["first"] is True and got["second"] is False
     assert st.contains(name) and torch.equal(_get(st, name), _chunk(7))
     assert st.used_bytes() == st.disk_bytes()
+
+
+def test_a_read_error_is_a_miss_that_keeps_the_file_and_leaks_nothing(tmp_path, monkeypatch):
+    """EIO opening or reading a good chunk (ESTALE on a network tier...) raised out of a get, leaked the
+    descriptors of the chunks already opened, and any read error deleted the file for every process
+    (an in-process backend probe). Now: a miss, the file kept, nothing left open; a bad file is still dropped."""
+    st = _store(tmp_path)
+    name = _put(st, 3)
+    path = st.path_for(name)
+    real_open = st._be.open_read
+
+    def eio_open(p, *a, **k):
+        if p == path:
+            raise OSError(errno.EIO, "injected EIO", p)
+        return real_open(p, *a, **k)
+
+    monkeypatch.setattr(st._be, "open_read", eio_open)
+    fds = len(os.listdir("/proc/self/fd"))
+    assert st.open_chunk(name) is None
+    assert len(os.listdir("/proc/self/fd")) == fds and os.path.exists(path)
+    monkeypatch.setattr(st._be, "open_read", real_open)
+    h = st.open_chunk(name)
+    st.read_failed(h, OSError(errno.EIO, "injected EIO while reading"))  # what a get does on a failed piece
+    st.close_chunk(h)
+    assert os.path.exists(path) and torch.equal(_get(st, name), _chunk(3))
+    h = st.open_chunk(name)
+    st.read_failed(h, CorruptCheckpointError("checksum mismatch", path=path))
+    st.close_chunk(h)
+    assert not os.path.exists(path) and not st.contains(name)
+
+
+def test_remove_drops_this_process_pins_of_the_chunk(tmp_path):
+    """pin, remove, put again: the new chunk stayed pinned (never evicted by this process), where
+    LMCache's local disk backend drops the pin with the entry (an in-process backend probe)."""
+    st = _store(tmp_path)
+    name = _put(st, 4)
+    st.pin(name)
+    assert st.remove(name)
+    assert _put(st, 4) == name and st.contains(name)
+    assert st.unpin(name) is False, "the removed chunk's pin survived into the new one"
