@@ -389,13 +389,13 @@ def l2_summary_lines(res: dict, depth: int, rounds: int, cold: bool) -> list[str
     first, second = res.get(f"L2.get_ratio_first.d{depth}") or [], res.get(f"L2.get_ratio_second.d{depth}") or []
     how = f"medians of {rounds} rounds"
     order_line = []
-    if first and second:  # the kind read first in a round reads faster on a disk whose host caches writes: cancel it
+    if first and second:  # an adapter's place in the round moved its rate 6-11%, either way by the run: cancel it
         a_, b_ = statistics.median(first), statistics.median(second)
         ratio = (a_ * b_) ** 0.5
         how = (f"balanced for order: fastckpt read first {a_:.2f}x, second {b_:.2f}x (medians of {len(first)} and "
                f"{len(second)} rounds), geometric mean; median GB/s")
         order_line = [f"L2 order effect: the adapter that reads first in a round reads {(a_ / b_) ** 0.5:.2f}x "
-                      "the other (the same code either side; the host may still cache the first one's fresh writes)"]
+                      "the other (whichever it is: the disk's state, not the code; cancelled above)"]
     p99, ref99 = k("fastckpt", "get_p99_ms"), k("fs_native", "get_p99_ms")
     raw = res.get(f"L2.raw.get.d{depth}")
     ceiling = max(raw, k("fastckpt", "get"), k("fs_native", "get")) / k("fs_native", "get") if raw else None

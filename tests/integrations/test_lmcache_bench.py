@@ -78,9 +78,10 @@ def test_l2_row_names_the_device_ceiling(bench):
 
 
 def test_l2_ratio_is_balanced_for_which_adapter_read_first(bench):
-    """The adapter that reads first in a round read ~10% faster on this disk whatever its code (2026-12-06:
-    fastckpt won the 3 rounds it read first, fs_native the 2 it did): the target figure is the geometric
-    mean of the two orders' median ratios, and the order effect is printed."""
+    """An adapter's place in a round moved its rate 6-11% whatever its code (2026-12-06: in one run the
+    first read faster, fastckpt winning the 3 rounds it read first and fs_native the 2 it did; in the next
+    the second did): the target figure is the geometric mean of the two orders' median ratios, and the
+    order effect is printed."""
     res = _l2(1.84, 1.92, 90.0, 100.0)
     res["L2.get_ratio_first.d16"] = [1.105, 1.057, 1.110]
     res["L2.get_ratio_second.d16"] = [0.906, 0.883]
