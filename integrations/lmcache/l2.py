@@ -614,7 +614,7 @@ class FastCkptL2Adapter(L2AdapterInterface):
                                 self._unreported.add(name)
                     logger.warning("fastckpt kv: L2 delete of %s failed: %s", self._key_string(key), e)
                     continue
-                if told or (removed and ks is None):  # gone now, whoever removed the file (F3 of a probe)
+                if told or (removed and ks is None):  # gone now, whoever removed it (another server may have)
                     gone.append(key)
                     sizes.append(ks[1] if ks else 0)
             if gone:
