@@ -111,18 +111,17 @@ class NotSafetensorsError(HeaderError):
 class ChecksumMismatchError(CorruptCheckpointError):
     """A tensor's or file's bytes do not match the checksum in the manifest.
 
-    The message ends with how to go on (``fastckpt verify``, a copy, an earlier checkpoint) unless
-    the raiser already said it.
+    The message ends with how to go on: ``fix`` when the raiser knows better (default :attr:`FIX`:
+    ``fastckpt verify``, a copy, an earlier checkpoint).
     """
 
     FIX = ("the bytes on disk changed after the commit (a failing device, an overwrite, a copy cut short): "
            "`fastckpt verify CHECKPOINT` lists every damaged file; restore them from a copy or load an earlier "
            "checkpoint")
 
-    def __init__(self, message: str, *, path: str | None = None, tensor: str | None = None):
-        if "restore" not in message:
-            message = f"{message}; {self.FIX}"
-        super().__init__(message, path=path, tensor=tensor)
+    def __init__(self, message: str, *, path: str | None = None, tensor: str | None = None,
+                 fix: str | None = None):
+        super().__init__(f"{message}; {fix or self.FIX}", path=path, tensor=tensor)
 
 
 class ManifestError(CorruptCheckpointError):

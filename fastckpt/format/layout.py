@@ -57,6 +57,11 @@ PEFT_BASE_ADDITIONS: dict[str, str] = {
     "generation_config.json": "the base model's generation config, as its save_pretrained writes it",
 }
 
+#: The marker fastckpt's DeepSpeed checkpoint engine writes in a tag folder once every rank committed
+#: (the tag's file names and world size, :mod:`fastckpt.integrations.deepspeed.tag`); a tag folder
+#: without it is an incomplete save that every load refuses.
+ENGINE_TAG_MARKER = "fastckpt_tag.json"
+
 #: Header prefixes are padded to this many bytes so every data region is O_DIRECT aligned.
 HEADER_ALIGN = 4096
 

@@ -160,8 +160,8 @@ def _resolve_fastckpt(path: str, values: bool = True) -> Resolved:
     if got != want:  # the values every load returns (small): always checked
         raise ChecksumMismatchError(
             f"{spath}: xxh3 {got}, manifest says {want}: the checkpoint's non-tensor values (steps, learning "
-            "rates, ...) are damaged; restore it from a copy or load an earlier checkpoint (`fastckpt verify` "
-            "checks every file)", path=spath)
+            "rates, ...) are damaged", path=spath,
+            fix="restore it from a copy or load an earlier checkpoint (`fastckpt verify` checks every file)")
     try:
         r.skeleton = json.loads(raw)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, too deep

@@ -46,13 +46,12 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CorruptCheckpointError, IncompleteTagError, KeysNotFoundError, ShardedCheckpointError
+from ..format.layout import ENGINE_TAG_MARKER
 from ..storage.store import LOCAL
 from .reader import load
 from .resolve import DS_FILE_RE, latest_tag, refuse_native
 
-#: The marker fastckpt's DeepSpeed engine writes in a tag folder once every rank committed
-#: (the same name as :data:`fastckpt.integrations.deepspeed.tag.MARKER`).
-MARKER = "fastckpt_tag.json"
+MARKER = ENGINE_TAG_MARKER
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _OSD = "ds/optimizer_state_dict/"

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from ..format.layout import ENGINE_TAG_MARKER
 from . import commit as cm
 from .locate import store_for
 from .store import Store
@@ -453,7 +454,7 @@ def _damaged_reason(folder: str) -> str:
 def _is_engine_tag(store, folder: str) -> bool:
     """Whether ``folder`` is a DeepSpeed tag of fastckpt's engine (its marker file; never raises)."""
     try:
-        return store.exists(store.join(folder, "fastckpt_tag.json"))  # fastckpt.loading.zero.MARKER
+        return store.exists(store.join(folder, ENGINE_TAG_MARKER))
     except OSError:
         return False
 

@@ -34,11 +34,12 @@ import os
 import torch
 
 from fastckpt.errors import DistributedSaveError, IncompleteTagError
+from fastckpt.format.layout import ENGINE_TAG_MARKER
 from fastckpt.storage.commit import write_small_file
 from fastckpt.storage.io import fsync_dir
 
-#: File name of the tag marker (also known to :mod:`fastckpt.loading.zero`, checked by a test).
-MARKER = "fastckpt_tag.json"
+#: File name of the tag marker (:data:`fastckpt.format.layout.ENGINE_TAG_MARKER`).
+MARKER = ENGINE_TAG_MARKER
 #: Bytes of error text each rank sends in :func:`vote` (longer texts are cut).
 ERROR_BYTES = 512
 
