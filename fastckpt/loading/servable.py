@@ -17,7 +17,8 @@ checks, in order:
    tensor data read) hold every parameter of that architecture with its shape. The expected
    names and shapes are what ``save_pretrained`` of the model would write: transformers builds
    the class named in ``architectures`` from the config on the ``meta`` device (no memory, no
-   weights), drops tied duplicates (``remove_tied_weights_from_state_dict``) and applies its own
+   weights), drops the model's ``_keys_to_ignore_on_save`` (Marian's sinusoidal position tables,
+   rebuilt at init) and tied duplicates (``remove_tied_weights_from_state_dict``) and applies its own
    save-time renaming (``revert_weight_conversion``). Persistent buffers are checked for shape
    when the folder has them.
 3. Tying: where the model ties a parameter to another (``tie_word_embeddings`` and the model's
@@ -230,7 +231,8 @@ def _expected(cfg: dict, folder: str) -> tuple[dict, dict, list[list[str]], str 
     for n, p in params.items():
         groups.setdefault(id(p), []).append(n)
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
-    kept = remove_tied_weights_from_state_dict(dict(params), model)
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())  # save_pretrained leaves them out
+    kept = remove_tied_weights_from_state_dict({n: p for n, p in params.items() if n not in ignored}, model)
     tied = [[k for k in g if k in kept] + [k for k in g if k not in kept] for g in groups.values() if len(g) > 1]
     try:
         from transformers.core_model_loading import revert_weight_conversion

@@ -137,7 +137,7 @@ def peft_base_weights(model) -> dict[str, torch.Tensor]:
         else:
             if not isinstance(modules.get(cur), wrappers):  # a tensor held by a wrapper itself is the adapter's
                 out[".".join(plain + [leaf])] = t
-    return dedup_tied(out)
+    return dedup_tied(drop_ignored_on_save(out, base))
 
 
 def adapter_config_bytes(model, adapter_name: str | None = None) -> bytes:
@@ -238,7 +238,18 @@ def _model_state(model) -> dict[str, dict[str, torch.Tensor]]:
         for name in model.peft_config:
             state[_adapter_key(name)] = dict(get_peft_model_state_dict(model, adapter_name=name))
         return state
-    return {"model": dedup_tied(model.state_dict())}
+    return {"model": dedup_tied(drop_ignored_on_save(model.state_dict(), model))}
+
+
+def drop_ignored_on_save(sd: dict, model) -> dict:
+    """``sd`` without the keys ``PreTrainedModel.save_pretrained`` leaves out: the model's
+    ``_keys_to_ignore_on_save`` (transformers gathers its modules' too; e.g. Marian's sinusoidal
+    ``model.encoder.embed_positions.weight``, rebuilt at init). ``sd`` itself when there are none."""
+    ignore = getattr(model, "_keys_to_ignore_on_save", None)
+    if not ignore:
+        return sd
+    ignore = set(ignore)
+    return {k: v for k, v in sd.items() if k not in ignore}
 
 
 def _adapter_name(model) -> str:

@@ -70,6 +70,11 @@ MODELS = {
     "bert_masked_lm": lambda tmp: _bert(T.BertForMaskedLM),  # tied decoder
     "t5": lambda tmp: T.T5ForConditionalGeneration(T.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1,
                                                               num_heads=2, decoder_start_token_id=0)),
+    # _keys_to_ignore_on_save (the sinusoidal position tables): save_pretrained leaves them out
+    "marian": lambda tmp: T.MarianMTModel(T.MarianConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                                                         encoder_attention_heads=2, decoder_attention_heads=2,
+                                                         encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
+                                                         pad_token_id=0, decoder_start_token_id=0)),
     "llama_data_parallel": lambda tmp: torch.nn.DataParallel(_llama()),  # main: "module." prefixes
     "llama_compiled": lambda tmp: torch.compile(_llama()),  # main: "_orig_mod." prefixes
 }
@@ -167,6 +172,42 @@ def _peft_model(kind):
             if any(f".{a}." in n or n.endswith(f".{a}") for a, _ in [(first, cfg), *more]):
                 p.add_(torch.randn_like(p) * 0.1)
     return model, ref_base
+
+
+def test_peft_base_model_leaves_out_keys_ignored_on_save(tmp_path):
+    """A PeftModel's base weights are the base model's save_pretrained tensors, also for a model with
+    ``_keys_to_ignore_on_save`` (Marian: its sinusoidal position tables were written as well)."""
+    torch.manual_seed(0)
+    base = MODELS["marian"](tmp_path)
+    ref_base = copy.deepcopy(base)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    state, weights, extra = model_snapshot(model)
+    fastckpt.save(state, tmp_path / "ck", weights=weights, extra_files=extra)
+    ref_base.save_pretrained(tmp_path / "base")
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "base" / "model.safetensors", "pt") as f:
+        want = {k: f.get_tensor(k) for k in f.keys()}
+    with safe_open(tmp_path / "ck" / "model-00001-of-00001.safetensors", "pt") as f:
+        got = {k: f.get_tensor(k) for k in f.keys()}
+    assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_serving_export_accepts_what_save_pretrained_leaves_out(tmp_path):
+    """``fastckpt load --to`` of Marian's own save_pretrained folder, and of fastckpt's checkpoint of it:
+    the servable check expected the ``_keys_to_ignore_on_save`` tables and refused both (exit 2)."""
+    torch.manual_seed(0)
+    model = MODELS["marian"](tmp_path)
+    state, weights, extra = model_snapshot(model)
+    fastckpt.save(state, tmp_path / "ck", weights=weights, extra_files=extra)
+    model.save_pretrained(tmp_path / "ref")
+    for src in ("ref", "ck"):
+        assert main(["load", str(tmp_path / src), "--to", str(tmp_path / f"{src}-out"), "-q"]) == 0, src
+        back = T.MarianMTModel.from_pretrained(tmp_path / f"{src}-out")
+        for k, v in model.state_dict().items():
+            assert torch.equal(back.state_dict()[k], v), (src, k)
 
 
 @pytest.mark.parametrize("kind", list(PEFT))
