@@ -86,6 +86,31 @@ def dedup_tied(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def dedup_tied_as_saved(sd: dict, model) -> dict:
+    """:func:`dedup_tied` keeping, of each tied group, the name ``save_pretrained`` keeps.
+
+    transformers drops the names its ``_tied_weights_keys`` declare the tie's targets
+    (``remove_tied_weights_from_state_dict``), whatever their place in the state dict: XLM-R's
+    ``lm_head.decoder.weight`` comes before ``roberta.embeddings.word_embeddings.weight``, the
+    name kept. Falls back to the first name (:func:`dedup_tied`) for a model transformers does not
+    know or whose shared tensors it refuses to save (``RuntimeError``).
+
+    Args:
+        sd: the model's state dict (names as ``save_pretrained`` sees them; tensors not copied).
+        model: the ``PreTrainedModel`` the names belong to.
+
+    Returns:
+        A new dict in ``sd``'s order, holding ``sd``'s own tensors.
+    """
+    try:
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+        kept = remove_tied_weights_from_state_dict(dict(sd), model)  # a copy: it deletes (and clones) in it
+    except (ImportError, RuntimeError, AttributeError, TypeError):
+        return dedup_tied(sd)
+    return dedup_tied({k: v for k, v in sd.items() if k in kept})
+
+
 def is_peft_model(model) -> bool:
     """True if ``model`` is a ``peft.PeftModel`` (False when peft is not installed)."""
     try:
@@ -137,7 +162,7 @@ def peft_base_weights(model) -> dict[str, torch.Tensor]:
         else:
             if not isinstance(modules.get(cur), wrappers):  # a tensor held by a wrapper itself is the adapter's
                 out[".".join(plain + [leaf])] = t
-    return dedup_tied(drop_ignored_on_save(out, base))
+    return dedup_tied_as_saved(drop_ignored_on_save(out, base), base)
 
 
 def adapter_config_bytes(model, adapter_name: str | None = None) -> bytes:
@@ -238,7 +263,7 @@ def _model_state(model) -> dict[str, dict[str, torch.Tensor]]:
         for name in model.peft_config:
             state[_adapter_key(name)] = dict(get_peft_model_state_dict(model, adapter_name=name))
         return state
-    return {"model": dedup_tied(drop_ignored_on_save(model.state_dict(), model))}
+    return {"model": dedup_tied_as_saved(drop_ignored_on_save(model.state_dict(), model), model)}
 
 
 def drop_ignored_on_save(sd: dict, model) -> dict:

@@ -75,6 +75,10 @@ MODELS = {
                                                          encoder_attention_heads=2, decoder_attention_heads=2,
                                                          encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
                                                          pad_token_id=0, decoder_start_token_id=0)),
+    # tied decoder registered before the embedding it ties to: save_pretrained keeps the embedding's name
+    "xlm_roberta_masked_lm": lambda tmp: T.XLMRobertaForMaskedLM(T.XLMRobertaConfig(
+        vocab_size=96, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=64)),
     "llama_data_parallel": lambda tmp: torch.nn.DataParallel(_llama()),  # main: "module." prefixes
     "llama_compiled": lambda tmp: torch.compile(_llama()),  # main: "_orig_mod." prefixes
 }
