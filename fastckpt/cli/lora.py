@@ -126,10 +126,15 @@ def load_base(cls, cfg, state: dict[str, torch.Tensor], where: str):
 
 
 def unique_tensors(model) -> tuple[dict[str, torch.Tensor], list[Entry]]:
-    """``model``'s state dict as contiguous CPU tensors and export entries, in state-dict order;
-    tensors sharing one storage view (tied weights) once, under their first name."""
+    """``model``'s state dict as contiguous CPU tensors and export entries (:func:`unique_tensors_of`)."""
+    return unique_tensors_of(model.state_dict())
+
+
+def unique_tensors_of(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[Entry]]:
+    """``state`` (CPU tensors) as contiguous tensors and export entries, in its order; tensors sharing
+    one storage view (tied weights) once, under their first name."""
     sd, seen, entries = {}, set(), []
-    for name, t in model.state_dict().items():
+    for name, t in state.items():
         ptr = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
         if t.numel() and ptr in seen:
             continue

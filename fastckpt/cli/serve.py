@@ -69,7 +69,7 @@ from ..storage.tier import tier_for
 
 #: Exports are built in a hidden folder and renamed into place (never half-visible at --to).
 _COMMIT = strategy("rename")
-from ..loading.servable import check_servable, module_prefix, saved_names
+from ..loading.servable import check_servable, converted_on_save, module_prefix, saved_names, to_saved_layout
 from ..loading.zero import find_zero_tag
 from . import lora
 from .common import check_export_target, matching_files, positive_bytes, positive_int, progress_bar
@@ -447,11 +447,19 @@ def _as_saved(entries: list[Entry], fetch, config_dir: str):
         print(f"fastckpt load: {len(ren)} weight(s) named as save_pretrained names them on disk (transformers' "
               f"conversion mapping): {', '.join(f'{a} -> {b}' for a, b in list(ren.items())[:4])}", file=sys.stderr)
     final = {n: ren.get(b, b) for n, b in bare.items()}
-    if all(a == b for a, b in final.items()):
+    if not all(a == b for a, b in final.items()):
+        back = {b: a for a, b in final.items()}
+        entries, fetch = ([(final[e[0]], *e[1:]) for e in entries],
+                          lambda want, f=fetch: (lambda got: {n: got[back[n]] for n in want})(f([back[n] for n in want])))
+    conv = converted_on_save(config_dir, final.values())
+    if not conv:
         return entries, fetch
-    back = {b: a for a, b in final.items()}
-    return ([(final[e[0]], *e[1:]) for e in entries],
-            lambda want: (lambda got: {n: got[back[n]] for n in want})(fetch([back[n] for n in want])))
+    print(f"fastckpt load: {len(conv)} weight(s) held as transformers holds them in memory "
+          f"({', '.join(conv[:3])}{', ...' if len(conv) > 3 else ''}): converted as save_pretrained converts them "
+          "(transformers' revert_weight_conversion), with every weight in memory", file=sys.stderr)
+    sd = to_saved_layout(config_dir, fetch([e[0] for e in entries]))
+    sd, entries = lora.unique_tensors_of(sd)
+    return entries, lambda want: {n: sd[n] for n in want}
 
 
 def _layout_adapter(adapter_dir: str, dst: str, base: str, checked: _Checked) -> None:

@@ -174,6 +174,45 @@ def _saved_names_of(folder: str, cfg_json: str) -> dict[str, str]:
     return {by_id[id(t)]: n for n, t in out.items() if id(t) in by_id and by_id[id(t)] != n}
 
 
+def converted_on_save(folder: str | os.PathLike, names: Iterable[str]) -> list[str]:
+    """Of ``names`` (a checkpoint's weights, already under :func:`saved_names`), those
+    ``save_pretrained`` of the architecture in ``folder/config.json`` writes as *other* tensors:
+    transformers 5 builds them on load (MoE experts fused into ``mlp.experts.gate_up_proj``, fused
+    projections) and splits them back on save (``revert_weight_conversion``). Non-empty only when
+    every such in-memory name is among ``names`` (a checkpoint of ``model.state_dict()``); ``[]``
+    for a folder already in the saved layout or an architecture that cannot be built."""
+    folder = os.fspath(folder)
+    try:
+        cfg = _read_config(folder)
+    except NotServableError:
+        return []
+    if _name_problems(cfg) or cfg.get("quantization_config") or "auto_map" in cfg:
+        return []
+    params, buffers, tied, skip = _expected(cfg, folder)
+    if skip:
+        return []
+    return _held_in_memory_layout(cfg, folder, {*params, *buffers, *(n for g in tied for n in g)}, set(names))
+
+
+def to_saved_layout(folder: str | os.PathLike, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` (the in-memory state dict, CPU tensors) converted as ``save_pretrained`` of the
+    architecture in ``folder/config.json`` converts it (``revert_weight_conversion`` of transformers,
+    run with the model built on the meta device: the tensors are ``sd``'s, split or copied by
+    transformers). Use when :func:`converted_on_save` is non-empty.
+
+    Raises:
+        NotServableError: the architecture cannot be built (names why).
+    """
+    folder = os.fspath(folder)
+    cfg = _read_config(folder)
+    model = _meta_model(cfg, folder)
+    if isinstance(model, str):
+        raise NotServableError(f"{folder}: {model}", path=folder)
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, dict(sd))
+
+
 def module_prefix(folder: str | os.PathLike, names: Iterable[str]) -> str:
     """The attribute path (``"llama."``) every one of ``names`` carries in front of the names the
     architecture in ``folder/config.json`` has, or ``""``. A LightningModule (or any wrapper module)
@@ -304,10 +343,18 @@ def check_servable(folder: str | os.PathLike) -> ServableReport:
     hint = ("The config.json does not describe these weights: pass --config HF_DIR with the config.json "
             "(and tokenizer) of the model that was trained, as its save_pretrained wrote it")
     renamed = {b: a for a, b in saved_names(folder).items() if a in have}
+    converted = []
     if missing and not bad and all(m in renamed for m in missing):
         hint = (f"The folder holds transformers' in-memory names ({', '.join(f'{renamed[m]} for {m}' for m in missing[:3])}), "
                 "as a checkpoint of model.state_dict() does; save_pretrained renames them on disk. Export it with "
                 "fastckpt load SOURCE --to DIR, which writes the saved names")
+    elif missing and not bad:
+        converted = _held_in_memory_layout(cfg, folder, {*params, *buffers, *(n for g in tied for n in g)}, have)
+    if converted:
+        hint = (f"The folder holds {arch}'s weights as transformers holds them in memory ({_names(converted)}): its "
+                "conversion mapping builds them on load (fused MoE experts, fused projections) and save_pretrained "
+                "converts them back into other tensors. Export it with fastckpt load SOURCE --to DIR, which converts "
+                "them as save_pretrained does")
     pre = module_prefix(folder, have) if missing and not bad else ""
     if pre:
         hint = (f"Every weight is named under {pre!r}, the attribute of a wrapper module (e.g. a LightningModule) "
@@ -320,6 +367,20 @@ def check_servable(folder: str | os.PathLike) -> ServableReport:
         raise NotServableError(f"{folder} is not servable:\n  - " + "\n  - ".join(problems) + f"\n{hint}",
                                path=folder, problems=problems, missing=missing, mismatched=bad)
     return ServableReport(folder, arch, dtype, len(params), notes)
+
+
+def _held_in_memory_layout(cfg: dict, folder: str, saved: set, have: dict) -> list[str]:
+    """The names of the architecture's in-memory state dict that ``save_pretrained`` writes as other
+    tensors (not in ``saved``: its parameters, buffers and tied names; nor renamed), when ``have`` holds every
+    one of them (a checkpoint of ``model.state_dict()`` of a model transformers converts on load);
+    else ``[]``."""
+    model = _meta_model(cfg, folder)
+    if isinstance(model, str):
+        return []
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    renamed = set(saved_names(folder))  # pure renamings: the export writes them under the saved name
+    extra = sorted(set(model.state_dict()) - saved - ignored - renamed)
+    return extra if extra and all(n in have for n in extra) else []
 
 
 def _tie_values(src, tied: list[list[str]], have: dict, cfg: dict) -> list[str]:
