@@ -38,7 +38,7 @@ import functools
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Container, Iterable
 
 import torch
 
@@ -369,7 +369,7 @@ def check_servable(folder: str | os.PathLike) -> ServableReport:
     return ServableReport(folder, arch, dtype, len(params), notes)
 
 
-def _held_in_memory_layout(cfg: dict, folder: str, saved: set, have: dict) -> list[str]:
+def _held_in_memory_layout(cfg: dict, folder: str, saved: set, have: Container[str]) -> list[str]:
     """The names of the architecture's in-memory state dict that ``save_pretrained`` writes as other
     tensors (not in ``saved``: its parameters, buffers and tied names; nor renamed), when ``have`` holds every
     one of them (a checkpoint of ``model.state_dict()`` of a model transformers converts on load);
