@@ -48,7 +48,7 @@ import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, Callable
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.internal_api import L2StoreResult
@@ -148,7 +148,17 @@ class _WholeChunkStore(KVFileStore):
 
     def __init__(self, options: KVStoreOptions):
         self.removed: list[str] = []
+        #: called after an eviction for the tier's budget, outside the store's lock (the adapter
+        #: reports the chunks to LMCache's listeners then, not at its next task)
+        self.after_tier_eviction: Callable[[], None] | None = None
         super().__init__(options, on_remove=self.removed.append)
+
+    def evict_for_tier(self, nbytes: int) -> int:
+        """:meth:`KVFileStore.evict_for_tier`, then :attr:`after_tier_eviction` when anything was freed."""
+        freed = super().evict_for_tier(nbytes)
+        if freed and self.after_tier_eviction is not None:
+            self.after_tier_eviction()
+        return freed
 
     def read_whole(self, name: str, buf: memoryview) -> ChunkHandle | None | bool:
         """Read chunk ``name``'s header page and data with one O_DIRECT ``preadv`` (header -> a
@@ -279,6 +289,7 @@ class FastCkptL2Adapter(L2AdapterInterface):
         # tasks mostly wait (or read their last span): one per possible reader and writer
         self._tasks = ThreadPoolExecutor(config.read_threads + config.write_threads, thread_name_prefix="fckv-l2-task")
         self._io = ThreadPoolExecutor(max(config.read_threads, config.write_threads), thread_name_prefix="fckv-l2-io")
+        self.store.after_tier_eviction = self._report_evicted  # a checkpoint took the room: tell LMCache now
         logger.info("fastckpt kv: L2 adapter at %s, max_bytes=%d, read_threads=%d, o_direct=%s",
                     self.store.root, config.store.max_bytes, config.read_threads, config.store.o_direct)
 
@@ -442,6 +453,8 @@ class FastCkptL2Adapter(L2AdapterInterface):
                     self._report_gone(name)
         except Exception:
             logger.exception("fastckpt kv: L2 lookup task %d failed; the rest are misses", tid)
+        found = sum(bm.test(i) for i in range(len(keys)))
+        self.store.stats.add(lookup_hits=found, lookup_misses=len(keys) - found)
         with self._lock:
             self._done_lookups[tid] = bm
         self._lookup_efd.notify()

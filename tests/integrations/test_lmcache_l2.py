@@ -412,6 +412,41 @@ def test_evictions_for_the_tier_budget_are_reported_to_lmcache(tmp_path, monkeyp
         a.close()
 
 
+def test_eviction_for_a_checkpoint_reaches_lmcache_at_once(tmp_path):
+    """The tier arbiter calls the store's evictor (from its heartbeat thread) when a checkpoint needs room:
+    LMCache's listeners heard of those chunks only at the adapter's next task, get_usage() meanwhile
+    counting chunks gone from disk (a fresh-user trial: 20 chunks reported, 11 on disk)."""
+    n = 64 << 10
+    a = _adapter(tmp_path / "kv")
+    listener = a._listeners[0]
+    try:
+        keys = [_key(i) for i in (1, 2, 3)]
+        for i, k in enumerate(keys):
+            assert _store(a, [k], [_Buf(_payload(i + 1, n))]).is_successful()
+        assert a.get_usage().total_bytes_used == 3 * n
+        freed = a.store.evict_for_tier(2 * n)  # what the tier's heartbeat calls; no adapter task after it
+        assert freed >= 2 * n
+        on_disk = [k for k in keys if a.store.contains(a._name(k))]
+        assert len(on_disk) == 1 and sorted(map(str, listener.deleted)) == sorted(str(k) for k in keys if k not in on_disk)
+        assert a.get_usage().total_bytes_used == n
+    finally:
+        a.close()
+
+
+def test_lookup_counters_count_the_l2_lookups(tmp_path):
+    """report_status() gave lookup_hits = lookup_misses = 0 after L2 lookups (a fresh-user trial)."""
+    a = _adapter(tmp_path / "kv")
+    try:
+        assert _store(a, [_key(1)], [_Buf(_payload(1))]).is_successful()
+        present = _lookup(a, [_key(1), _key(2), _key(3)])
+        a.submit_unlock([_key(1)])
+        assert present == [True, False, False]
+        st = a.report_status()
+        assert (st["lookup_hits"], st["lookup_misses"]) == (1, 2), st
+    finally:
+        a.close()
+
+
 # ----- what LMCache is told: its listeners and get_usage() follow the chunks on disk (an L2 probe) ------
 class _Ordered:
     """A listener keeping every notice in order: ('stored' | 'deleted', ObjectKey)."""
