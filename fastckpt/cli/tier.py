@@ -35,6 +35,11 @@ def _text(s: dict, recounted: bool = False) -> str:
         allowed = "-" if v["allowed_bytes"] is None else human_bytes(v["allowed_bytes"])
         lines.append(f"{c:<12} {human_bytes(v['stored_bytes']):>10} {human_bytes(v['claimed_bytes']):>10} "
                      f"{allowed:>10}")
+    roots = sorted((r for r in s["roots"] if r["stored_bytes"]), key=lambda r: -r["stored_bytes"])
+    if roots:
+        lines.append(f"counted folders: {len(roots)}, the largest "
+                     + ", ".join(f"{r['path']} ({r['class']} {human_bytes(r['stored_bytes'])})" for r in roots[:3])
+                     + ("; --json lists every one" if len(roots) > 3 else ""))
     over = {} if recounted else overcounted([(CLASSES.index(r["class"]), r["path"], r["stored_bytes"])
                                              for r in s["roots"] if r["class"] in CLASSES])
     if over:
@@ -69,7 +74,8 @@ def prometheus_text(s: dict) -> str:
         claimed.labels(s["tier"], c).set(v["claimed_bytes"])
         if v["allowed_bytes"] is not None:
             allowed.labels(s["tier"], c).set(v["allowed_bytes"])
-    for name, key, doc in (("read_bytes_per_second", "read_bps", "Recent read bandwidth of the tier's processes"),
+    for name, key, doc in (("fs_free_bytes", "fs_free_bytes", "Free bytes of the file system the tier lies on"),
+                           ("read_bytes_per_second", "read_bps", "Recent read bandwidth of the tier's processes"),
                            ("write_bytes_per_second", "write_bps", "Recent write bandwidth of the tier's processes"),
                            ("waiting_readers", "waiting_readers", "Latency-critical reads running now"),
                            ("kv_gets", "kv_gets", "KV gets running now (weight loads yield to them)"),
@@ -131,7 +137,10 @@ def add_tier_parser(subparsers) -> argparse.ArgumentParser:
                               epilog="Environment: FASTCKPT_TIER names one tier spanning several mounts ('off': no "
                                      "arbitration); FASTCKPT_TIER_DIR holds the shared state (default /dev/shm); "
                                      "FASTCKPT_TIER_FACTOR bounds a paced checkpoint (default 1.3x); "
-                                     "FASTCKPT_TIER_BUDGET_BYTES sets the budget. See docs/TIER.md.")
+                                     "FASTCKPT_TIER_BUDGET_BYTES sets the budget; FASTCKPT_TIER_EVICT_WAIT_S bounds a save's wait "
+                                     "for KV evictions (default 10 s); FASTCKPT_TIER_PROBE_S is a first save's unpaced "
+                                     "probe (default 0.3 s). The budget is the tier's, shared by every user of the host's "
+                                     "state. See docs/TIER.md.")
     p.add_argument("path", nargs="?", default=".", help="a path on the tier (default: the current folder)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print one JSON object")

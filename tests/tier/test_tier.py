@@ -367,6 +367,8 @@ def test_checkpoint_removed_by_hand_is_recounted_before_a_save_is_refused(tier_d
     with pytest.raises(TierFullError, match="counted from disk") as err:
         fastckpt.save(big, root / "step-3")  # 16 MiB on disk for real: refused
     assert f"writing under {root}" in str(err.value)  # names where the refused save was going
+    with pytest.raises(TierFullError, match="the write alone is larger than the whole budget"):
+        fastckpt.save({"w": torch.zeros(8 * MiB, dtype=torch.int32)}, root / "step-4")  # 32 MiB > 24 MiB
     assert not (root / "step-3").exists()
     assert torch.equal(fastckpt.load(root / "step-2")["w"], big["w"])
     shutil.rmtree(root / "step-2")  # and `fastckpt tier --recount` does it on demand
@@ -471,6 +473,7 @@ def test_cli_text_json_prometheus(tier_dir, tmp_path, capsys):
     assert stored["kv"] == 7 * MiB
     assert [s.value for s in fams["fastckpt_tier_waiting_readers"].samples] == [2.0]
     assert [s.value for s in fams["fastckpt_tier_kv_gets"].samples] == [1.0]
+    assert fams["fastckpt_tier_fs_free_bytes"].samples[0].value == js["fs_free_bytes"] > 0
     assert snapshot(str(tmp_path))["classes"]["models"]["stored_bytes"] == 5 * MiB
 
 

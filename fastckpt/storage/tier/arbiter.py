@@ -672,9 +672,10 @@ class Tier:
             if fits:
                 break
             if attempt or not self.recount():  # what the counts say is on disk: a folder removed by hand
-                raise self._full(c, nbytes, budget, used, claims,
-                                 "checkpoints and models alone exceed it, counted from disk, so evicting KV "
-                                 "chunks cannot make room", root=root)
+                why = ("the write alone is larger than the whole budget" if nbytes > budget else
+                       "checkpoints and models alone exceed it, counted from disk, so evicting KV chunks cannot "
+                       "make room")
+                raise self._full(c, nbytes, budget, used, claims, why, root=root)
         if self.over() > 0:
             self._make_room()
         return Claim(self, c, nbytes, root)
