@@ -447,19 +447,19 @@ def _as_saved(entries: list[Entry], fetch, config_dir: str):
         print(f"fastckpt load: {len(ren)} weight(s) named as save_pretrained names them on disk (transformers' "
               f"conversion mapping): {', '.join(f'{a} -> {b}' for a, b in list(ren.items())[:4])}", file=sys.stderr)
     final = {n: ren.get(b, b) for n, b in bare.items()}
-    if not all(a == b for a, b in final.items()):
-        back = {b: a for a, b in final.items()}
-        entries, fetch = ([(final[e[0]], *e[1:]) for e in entries],
-                          lambda want, f=fetch: (lambda got: {n: got[back[n]] for n in want})(f([back[n] for n in want])))
     conv = converted_on_save(config_dir, final.values())
-    if not conv:
+    if conv:  # save_pretrained's conversion, renamings included, of the in-memory names
+        print(f"fastckpt load: {len(conv)} weight(s) held as transformers holds them in memory "
+              f"({', '.join(conv[:3])}{', ...' if len(conv) > 3 else ''}): converted as save_pretrained converts "
+              "them (transformers' revert_weight_conversion), with every weight in memory", file=sys.stderr)
+        got = fetch([e[0] for e in entries])
+        sd, entries = lora.unique_tensors_of(to_saved_layout(config_dir, {bare[n]: t for n, t in got.items()}))
+        return entries, lambda want: {n: sd[n] for n in want}
+    if all(a == b for a, b in final.items()):
         return entries, fetch
-    print(f"fastckpt load: {len(conv)} weight(s) held as transformers holds them in memory "
-          f"({', '.join(conv[:3])}{', ...' if len(conv) > 3 else ''}): converted as save_pretrained converts them "
-          "(transformers' revert_weight_conversion), with every weight in memory", file=sys.stderr)
-    sd = to_saved_layout(config_dir, fetch([e[0] for e in entries]))
-    sd, entries = lora.unique_tensors_of(sd)
-    return entries, lambda want: {n: sd[n] for n in want}
+    back = {b: a for a, b in final.items()}
+    return ([(final[e[0]], *e[1:]) for e in entries],
+            lambda want: (lambda got: {n: got[back[n]] for n in want})(fetch([back[n] for n in want])))
 
 
 def _layout_adapter(adapter_dir: str, dst: str, base: str, checked: _Checked) -> None:

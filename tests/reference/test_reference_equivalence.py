@@ -130,6 +130,9 @@ CONVERTED = {  # transformers builds other tensors on load (fused experts) and s
         vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=16,
         shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
         num_experts=2, num_experts_per_tok=1)),
+    # renamed and fused on load (layers -> encoder.layers, q/k/v -> Wqkv): converted once, from the in-memory names
+    "nomic_bert": lambda tmp: T.NomicBertForMaskedLM(T.NomicBertConfig(
+        vocab_size=96, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)),
 }
 
 
