@@ -69,7 +69,8 @@ from ..storage.tier import tier_for
 
 #: Exports are built in a hidden folder and renamed into place (never half-visible at --to).
 _COMMIT = strategy("rename")
-from ..loading.servable import check_servable, converted_on_save, module_prefix, saved_names, to_saved_layout
+from ..loading.servable import (check_servable, converted_on_save, ignored_on_save, module_prefix, saved_names,
+                                to_saved_layout)
 from ..loading.zero import find_zero_tag
 from . import lora
 from .common import check_export_target, matching_files, positive_bytes, positive_int, progress_bar
@@ -442,6 +443,13 @@ def _as_saved(entries: list[Entry], fetch, config_dir: str):
               f"LightningModule, that holds the model): written without it, as the model's save_pretrained "
               f"names them", file=sys.stderr)
     bare = {n: n[len(pre):] for n in names}
+    ignored = ignored_on_save(config_dir) & set(bare.values())
+    if ignored:  # an older fastckpt kept them: written as save_pretrained writes the model, without them
+        print(f"fastckpt load: {len(ignored)} weight(s) left out, as save_pretrained leaves them out "
+              f"(_keys_to_ignore_on_save): {', '.join(sorted(ignored)[:4])}", file=sys.stderr)
+        entries = [e for e in entries if bare[e[0]] not in ignored]
+        names = {e[0] for e in entries}
+        bare = {n: bare[n] for n in names}
     ren = {a: b for a, b in saved_names(config_dir).items() if a in bare.values() and b not in bare.values()}
     if ren:
         print(f"fastckpt load: {len(ren)} weight(s) named as save_pretrained names them on disk (transformers' "

@@ -194,6 +194,21 @@ def converted_on_save(folder: str | os.PathLike, names: Iterable[str]) -> list[s
     return _held_in_memory_layout(cfg, folder, {*params, *buffers, *(n for g in tied for n in g)}, set(names))
 
 
+def ignored_on_save(folder: str | os.PathLike) -> set[str]:
+    """The names ``save_pretrained`` of the architecture in ``folder/config.json`` leaves out of its
+    files (the model's ``_keys_to_ignore_on_save``: Marian's sinusoidal position tables); empty when
+    there are none or the architecture cannot be built."""
+    folder = os.fspath(folder)
+    try:
+        cfg = _read_config(folder)
+    except NotServableError:
+        return set()
+    if _name_problems(cfg) or cfg.get("quantization_config") or "auto_map" in cfg:
+        return set()
+    model = _meta_model(cfg, folder)
+    return set() if isinstance(model, str) else set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+
+
 def to_saved_layout(folder: str | os.PathLike, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``sd`` (the in-memory state dict, CPU tensors) converted as ``save_pretrained`` of the
     architecture in ``folder/config.json`` converts it (``revert_weight_conversion`` of transformers,
