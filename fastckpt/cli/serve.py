@@ -56,7 +56,7 @@ import sys
 from pathlib import Path
 import warnings
 
-from ..errors import CorruptCheckpointError, FastCkptError, NotServableError
+from ..errors import CorruptCheckpointError, FastCkptError, LoraMergeError, NotServableError
 from ..loading.source import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, Source, adapter_base_dir, file_checks,
                               resolve_source)
 from ..saving.committer import folder_error
@@ -287,7 +287,16 @@ def merged_state(src: Source, config_dir: str, scratch: str, checked: _Checked, 
     LOCAL.write_file(os.path.join(scratch, ADAPTER_WEIGHTS), safetensors_bytes(adapter), fsync=False)
     del adapter
     lora.refuse_unmergeable(peft.PeftConfig.from_pretrained(scratch), src.adapter_dir)
-    merged = peft.PeftModel.from_pretrained(model, scratch).merge_and_unload()
+    adapted = peft.PeftModel.from_pretrained(model, scratch)
+    try:
+        merged = adapted.merge_and_unload()
+    except (NotImplementedError, RuntimeError, AttributeError, TypeError) as e:  # peft's own refusal
+        kind = getattr(adapted.peft_config[adapted.active_adapter].peft_type, "value", "?")
+        raise LoraMergeError(
+            f"--merge-lora: peft cannot merge the {kind} adapter of {src.adapter_dir} into the weights "
+            f"({type(e).__name__}: {e}); load it with peft (PeftModel.from_pretrained) instead, or export "
+            "it unmerged (fastckpt load SOURCE --to DIR, without --merge-lora)", path=src.adapter_dir,
+            missing=[]) from e
     untied = getattr(merged.config, "tie_word_embeddings", None)
     if tied is not None and untied is not None and untied != tied:  # modules_to_save on a tied embedding / head
         path = os.path.join(config_dir, "config.json")
@@ -515,7 +524,8 @@ def vllm_command(model_dir: str, adapters: list[tuple[str, str]] = ()) -> str:
         why = lora.vllm_lora_problem(folder)
         if why is not None:
             print(f"fastckpt load: WARNING: adapter {name!r} ({folder}) is {why}: left out of the vllm serve command; "
-                  f"serve it merged (--merge-lora{'' if name == 'default' else ' of that adapter folder'})",
+                  f"serve it merged (--merge-lora{'' if name == 'default' else ' of that adapter folder'}) where peft "
+                  "can merge it (LoRA and most weight adapters; not prompt or prefix tuning: load those with peft)",
                   file=sys.stderr)
             continue
         served.append(f"{'adapter' if name == 'default' else name}={folder}")

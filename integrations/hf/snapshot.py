@@ -126,7 +126,8 @@ def peft_base_weights(model) -> dict[str, torch.Tensor]:
     peft wraps the modules it adapts; the wrapper names leave the key: ``x.base_layer.w`` -> ``x.w``
     (LoRA, DoRA and every other ``BaseTunerLayer``), ``x.original_module.w`` -> ``x.w``
     (``modules_to_save`` copies, ``ModulesToSaveWrapper``) and ``x.token_adapter.base_layer.w`` ->
-    ``x.w`` (``trainable_token_indices``). Everything the adapter owns (``lora_A``/``lora_B``,
+    ``x.w`` (``trainable_token_indices``), ``self_attn.model.w`` -> ``self_attn.w`` (adaption prompt's
+    ``AdaptedAttention``). Everything the adapter owns (``lora_A``/``lora_B``,
     ``lora_magnitude_vector``, the ``modules_to_save`` copies, token deltas) is left out: it is
     in the adapter (:func:`model_snapshot`). So ``model.embed_tokens.weight`` is the frozen
     (possibly resized) base embedding, not peft's trained copy, exactly as ``PeftModel.from_pretrained``
@@ -139,12 +140,13 @@ def peft_base_weights(model) -> dict[str, torch.Tensor]:
         Name -> tensor (views of the live weights, no copy), in state-dict order, tied weights once
         (:func:`dedup_tied`).
     """
+    from peft.tuners.adaption_prompt.layer import _BaseAdaptedAttention
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import AuxiliaryTrainingWrapper
 
     base = model.get_base_model()
     modules = dict(base.named_modules(remove_duplicate=False))
-    wrappers = (BaseTunerLayer, AuxiliaryTrainingWrapper)
+    wrappers = (BaseTunerLayer, AuxiliaryTrainingWrapper, _BaseAdaptedAttention)
     out = {}
     for key, t in base.state_dict().items():
         *path, leaf = key.split(".")
@@ -154,7 +156,8 @@ def peft_base_weights(model) -> dict[str, torch.Tensor]:
             if isinstance(parent, wrappers):
                 wrapped_tuner = isinstance(parent, AuxiliaryTrainingWrapper) and \
                     isinstance(modules.get(child), BaseTunerLayer)  # TrainableTokensWrapper.token_adapter
-                if seg not in ("base_layer", "original_module") and not wrapped_tuner:
+                held = isinstance(parent, _BaseAdaptedAttention) and seg == "model"  # adaption prompt's attention
+                if seg not in ("base_layer", "original_module") and not wrapped_tuner and not held:
                     break  # owned by the adapter (lora_A, modules_to_save, ...)
             else:
                 plain.append(seg)
@@ -165,11 +168,20 @@ def peft_base_weights(model) -> dict[str, torch.Tensor]:
     return dedup_tied_as_saved(drop_ignored_on_save(out, base), base)
 
 
+def _init_rewrites_base(init) -> bool:
+    """Whether LoRA's ``init_lora_weights`` rewrites the base weights it adapts (peft 0.21: PiSSA,
+    CorDA, OLoRA, LoftQ, LoRA-GA leave a residual there)."""
+    return isinstance(init, str) and (init.startswith(("pissa", "corda")) or init.lower() in ("olora", "loftq",
+                                                                                                "lora_ga"))
+
+
 def adapter_config_bytes(model, adapter_name: str | None = None) -> bytes:
     """``adapter_config.json`` of one adapter of ``model``, as ``PeftModel.save_pretrained`` writes it.
 
     peft's own ``PeftConfig.save_pretrained`` writes the file (into a temporary folder) from a copy
     of the config with what ``PeftModel.save_pretrained`` sets first: ``inference_mode=True``,
+    ``init_lora_weights=True`` for an init that rewrote the base weights (PiSSA, OLoRA, CorDA, LoftQ,
+    LoRA-GA: the folder holds that residual base, which peft must not rewrite again when it loads),
     ``base_model_name_or_path`` from the base model when unset, and ``auto_mapping`` (base model
     class and module) when ``task_type`` is unset. ``model`` itself is not changed.
 
@@ -186,6 +198,10 @@ def adapter_config_bytes(model, adapter_name: str | None = None) -> bytes:
     if cfg.base_model_name_or_path is None:
         cfg.base_model_name_or_path = getattr(holder, "name_or_path", None) or None
     cfg.inference_mode = True
+    if _init_rewrites_base(getattr(cfg, "init_lora_weights", None)):
+        # the folder's base is the residual this init left in the model; peft would run the init again
+        # on it when loading the adapter (as peft's own PiSSA / OLoRA examples say before saving)
+        cfg.init_lora_weights = True
     auto = None
     if cfg.task_type is None:
         auto = {"base_model_class": type(holder).__name__, "parent_library": type(holder).__module__}
@@ -255,7 +271,20 @@ def model_snapshot(model) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str,
 
 
 def _model_state(model) -> dict[str, dict[str, torch.Tensor]]:
-    """The ``state`` of :func:`model_snapshot` (``model`` unwrapped)."""
+    """The ``state`` of :func:`model_snapshot` (``model`` unwrapped).
+
+    Raises:
+        UnsupportedValueError: ``model`` is a ``peft.PeftMixedModel`` (peft cannot save it either).
+    """
+    if type(model).__name__ == "PeftMixedModel" and type(model).__module__.startswith("peft"):
+        from fastckpt.errors import UnsupportedValueError
+
+        raise UnsupportedValueError(
+            "model is a peft PeftMixedModel (adapters of several types at once), which peft's own save_pretrained "
+            "refuses (NotImplementedError), so there is no folder layout to write it in: its weights would be "
+            "saved under peft's internal names, which from_pretrained loads as missing. Save each adapter from a "
+            "PeftModel holding that one type, or fastckpt.save({'model': model.state_dict()}, PATH) for a "
+            "checkpoint only fastckpt.load_into reads back")
     if is_peft_model(model):
         from peft import get_peft_model_state_dict
 

@@ -190,6 +190,9 @@ PEFT = {
                                                                  modules_to_save=["lm_head"]))],
     "ia3": lambda: [("default", peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]))],
     "loha": lambda: [("default", peft.LoHaConfig(r=2, target_modules=["q_proj", "v_proj"]))],
+    # wraps whole attention modules (self_attn.model.q_proj...): the base was saved under those names
+    "adaption_prompt": lambda: [("default", peft.AdaptionPromptConfig(adapter_len=2, adapter_layers=1,
+                                                                      task_type="CAUSAL_LM"))],
 }
 
 
@@ -250,6 +253,60 @@ def test_serving_export_accepts_what_save_pretrained_leaves_out(tmp_path):
         back = T.MarianMTModel.from_pretrained(tmp_path / f"{src}-out")
         for k, v in model.state_dict().items():
             assert torch.equal(back.state_dict()[k], v), (src, k)
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_peft_init_that_rewrites_the_base_loads_and_merges_as_trained(init, tmp_path):
+    """PiSSA / OLoRA leave a residual in the base weights; the folder holds that base, so its adapter
+    config says init_lora_weights=true (as peft's own PiSSA example sets before saving): with peft's
+    "pissa" peft ran the init again on the residual, and `fastckpt load --merge-lora` wrote another model
+    than merge_and_unload(), exit 0 (a peft-method probe)."""
+    torch.manual_seed(0)
+    model = peft.get_peft_model(_llama(), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"],
+                                                          init_lora_weights=init))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    state, weights, extra = model_snapshot(model)
+    fastckpt.save(state, tmp_path / "ck", weights=weights, extra_files=extra)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        want = model(ids).logits
+        back = peft.PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(tmp_path / "ck"), tmp_path / "ck")
+        assert torch.allclose(back(ids).logits, want, atol=1e-5), "the folder alone is another model"
+    assert main(["load", str(tmp_path / "ck"), "--to", str(tmp_path / "merged"), "--merge-lora", "-q"]) == 0
+    copy.deepcopy(model).merge_and_unload().save_pretrained(tmp_path / "mref")
+    diffs = diff_folders(tmp_path / "mref", tmp_path / "merged")
+    assert not diffs, "\n  ".join(diffs)
+
+
+def test_merge_of_an_adapter_peft_cannot_merge_is_refused(tmp_path, capsys):
+    """--merge-lora of a LoRA with lora_bias on bias-less layers (peft: RuntimeError) or a Lily adapter
+    (NotImplementedError) raised out of main() as a traceback; now exit 2 naming the adapter type."""
+    for name, cfg in (("lora_bias", peft.LoraConfig(r=2, target_modules=["q_proj"], lora_bias=True)),
+                      ("lily", peft.LilyConfig(r=2, target_modules=["q_proj", "v_proj"]))):
+        torch.manual_seed(0)
+        state, weights, extra = model_snapshot(peft.get_peft_model(_llama(), cfg))
+        fastckpt.save(state, tmp_path / name, weights=weights, extra_files=extra)
+        capsys.readouterr()
+        assert main(["load", str(tmp_path / name), "--to", str(tmp_path / f"{name}-m"), "--merge-lora", "-q"]) == 2
+        err = capsys.readouterr().err
+        assert "peft cannot merge" in err and "without --merge-lora" in err, err
+        assert not (tmp_path / f"{name}-m").exists()
+
+
+def test_peft_mixed_model_is_refused_as_peft_refuses_it(tmp_path):
+    """A PeftMixedModel (peft's save_pretrained raises) was written as a plain model.safetensors of peft's
+    internal names, which from_pretrained loads as all-missing (random) weights."""
+    from fastckpt.errors import UnsupportedValueError
+
+    model = peft.get_peft_model(_llama(), peft.LoraConfig(r=2, target_modules=["q_proj"]), mixed=True)
+    model.add_adapter("second", peft.LoHaConfig(r=2, target_modules=["k_proj"]))
+    with pytest.raises(UnsupportedValueError, match="PeftMixedModel"):
+        model_snapshot(model)
+    with pytest.raises(NotImplementedError):
+        model.save_pretrained(tmp_path / "ref")  # the reference refuses it too
 
 
 @pytest.mark.parametrize("kind", list(PEFT))
