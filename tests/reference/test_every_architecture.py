@@ -127,7 +127,7 @@ def _names(folder) -> set[str]:
 
 def _check(cls, model, d) -> list[str] | None:
     """The problems of one class (empty: fastckpt agrees with save_pretrained; None: transformers
-    cannot save it either)."""
+    cannot save it, or read back what it saved, either)."""
     orig = {k: v.detach().clone() for k, v in model.state_dict().items()}
     try:
         state, weights, extra = model_snapshot(model)
@@ -138,6 +138,10 @@ def _check(cls, model, d) -> list[str] | None:
     try:
         model.save_pretrained(d / "ref")
     except Exception:  # noqa: BLE001 - transformers cannot save it either (its config's own checks): skipped
+        return None
+    try:
+        cls.from_pretrained(d / "ref")
+    except Exception:  # noqa: BLE001 - transformers cannot read its own folder (a config the shrinking broke)
         return None
     if ours is not None:
         return [f"fastckpt cannot save what save_pretrained saves: {type(ours).__name__}: {ours}"]
