@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -111,13 +112,13 @@ def dedup_tied_as_saved(sd: dict, model) -> dict:
     return dedup_tied({k: v for k, v in sd.items() if k in kept})
 
 
-def is_peft_model(model) -> bool:
-    """True if ``model`` is a ``peft.PeftModel`` (False when peft is not installed)."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
+def is_peft_model(model, mixed: bool = False) -> bool:
+    """True if ``model`` is a ``peft.PeftModel`` (with ``mixed``: a ``peft.PeftMixedModel``, adapters
+    of several types, which is not a ``PeftModel``). Imports nothing: a peft model exists only once
+    peft is imported, so a save of any other model does not pay peft's import."""
+    peft = sys.modules.get("peft")
+    cls = getattr(peft, "PeftMixedModel" if mixed else "PeftModel", None) if peft is not None else None
+    return cls is not None and isinstance(model, cls)
 
 
 def peft_base_weights(model) -> dict[str, torch.Tensor]:
@@ -140,13 +141,14 @@ def peft_base_weights(model) -> dict[str, torch.Tensor]:
         Name -> tensor (views of the live weights, no copy), in state-dict order, tied weights once
         (:func:`dedup_tied`).
     """
-    from peft.tuners.adaption_prompt.layer import _BaseAdaptedAttention
+    from peft.tuners.adaption_prompt.layer import AdaptedAttention, AdaptedAttentionGPT
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import AuxiliaryTrainingWrapper
 
     base = model.get_base_model()
     modules = dict(base.named_modules(remove_duplicate=False))
-    wrappers = (BaseTunerLayer, AuxiliaryTrainingWrapper, _BaseAdaptedAttention)
+    attention = (AdaptedAttention, AdaptedAttentionGPT)  # adaption prompt's wrappers of whole attention modules
+    wrappers = (BaseTunerLayer, AuxiliaryTrainingWrapper, *attention)
     out = {}
     for key, t in base.state_dict().items():
         *path, leaf = key.split(".")
@@ -156,7 +158,7 @@ def peft_base_weights(model) -> dict[str, torch.Tensor]:
             if isinstance(parent, wrappers):
                 wrapped_tuner = isinstance(parent, AuxiliaryTrainingWrapper) and \
                     isinstance(modules.get(child), BaseTunerLayer)  # TrainableTokensWrapper.token_adapter
-                held = isinstance(parent, _BaseAdaptedAttention) and seg == "model"  # adaption prompt's attention
+                held = isinstance(parent, attention) and seg == "model"  # the attention module it wraps
                 if seg not in ("base_layer", "original_module") and not wrapped_tuner and not held:
                     break  # owned by the adapter (lora_A, modules_to_save, ...)
             else:
@@ -276,7 +278,7 @@ def _model_state(model) -> dict[str, dict[str, torch.Tensor]]:
     Raises:
         UnsupportedValueError: ``model`` is a ``peft.PeftMixedModel`` (peft cannot save it either).
     """
-    if type(model).__name__ == "PeftMixedModel" and type(model).__module__.startswith("peft"):
+    if is_peft_model(model, mixed=True):
         from fastckpt.errors import UnsupportedValueError
 
         raise UnsupportedValueError(
