@@ -133,6 +133,19 @@ def _meta_model_of(folder: str, cfg_json: str) -> Any:
                 f"meta device ({type(e).__name__}: {e}): the parameters were NOT checked")
 
 
+def _buildable_config(folder: str) -> dict | None:
+    """``folder/config.json`` when transformers can build its architecture without code or
+    quantization (what :func:`saved_names`, :func:`converted_on_save` and :func:`ignored_on_save`
+    ask the built model); None for a missing or unusable config, a quantized or ``auto_map`` one."""
+    try:
+        cfg = _read_config(folder)
+    except NotServableError:
+        return None
+    if _name_problems(cfg) or cfg.get("quantization_config") or "auto_map" in cfg:
+        return None
+    return cfg
+
+
 def saved_names(folder: str | os.PathLike) -> dict[str, str]:
     """``{in-memory name: saved name}`` of the parameters and buffers ``save_pretrained`` of the
     architecture in ``folder/config.json`` writes under another name (transformers 5 reverts its
@@ -141,11 +154,8 @@ def saved_names(folder: str | os.PathLike) -> dict[str, str]:
     as MoE experts fused on load, is left out); empty when nothing is renamed, or when the
     architecture cannot be built (quantized, ``auto_map``, unknown to transformers)."""
     folder = os.fspath(folder)
-    try:
-        cfg = _read_config(folder)
-    except NotServableError:
-        return {}
-    if _name_problems(cfg) or cfg.get("quantization_config") or "auto_map" in cfg:
+    cfg = _buildable_config(folder)
+    if cfg is None:
         return {}
     return dict(_saved_names_of(os.path.abspath(folder), json.dumps(cfg, sort_keys=True, default=str)))
 
@@ -182,11 +192,8 @@ def converted_on_save(folder: str | os.PathLike, names: Iterable[str]) -> list[s
     every such in-memory name is among ``names`` (a checkpoint of ``model.state_dict()``); ``[]``
     for a folder already in the saved layout or an architecture that cannot be built."""
     folder = os.fspath(folder)
-    try:
-        cfg = _read_config(folder)
-    except NotServableError:
-        return []
-    if _name_problems(cfg) or cfg.get("quantization_config") or "auto_map" in cfg:
+    cfg = _buildable_config(folder)
+    if cfg is None:
         return []
     params, buffers, tied, skip = _expected(cfg, folder)
     if skip:
@@ -199,11 +206,8 @@ def ignored_on_save(folder: str | os.PathLike) -> set[str]:
     files (the model's ``_keys_to_ignore_on_save``: Marian's sinusoidal position tables); empty when
     there are none or the architecture cannot be built."""
     folder = os.fspath(folder)
-    try:
-        cfg = _read_config(folder)
-    except NotServableError:
-        return set()
-    if _name_problems(cfg) or cfg.get("quantization_config") or "auto_map" in cfg:
+    cfg = _buildable_config(folder)
+    if cfg is None:
         return set()
     model = _meta_model(cfg, folder)
     return set() if isinstance(model, str) else set(getattr(model, "_keys_to_ignore_on_save", None) or ())
